@@ -1,0 +1,87 @@
+# DARE environment and entry points. Everything runs through .venv/bin/... (no activation).
+# See docs/environment.md for why the install happens in this order.
+
+SHELL  := /bin/bash
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+
+# One GPU check decides the torch build and the DeepSpeed accelerator.
+HAVE_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 1)
+
+# torch goes in FIRST and pinned: a bare "torch" lets pip pull GBs of CUDA wheels.
+ifeq ($(HAVE_GPU),1)
+TORCH_SPEC ?= torch==2.13.0
+else
+TORCH_SPEC ?= torch==2.13.0+cpu
+endif
+
+# Constraints: hand-written pins (fast resolve) + the committed lock, if any (repeatable installs).
+LOCK        := requirements/lock.txt
+CONSTRAINTS := -c requirements/constraints.txt $(if $(wildcard $(LOCK)),-c $(LOCK))
+# Re-stating the torch pin in later installs stops the resolver from swapping the build.
+PIN_TORCH   := "$(TORCH_SPEC)"
+
+PYTEST_ARGS ?=
+RUN_ARGS    ?=
+
+# ---- Runtime environment shared by every target (offline-friendly, caches inside the repo) ----
+export DVC_NO_ANALYTICS := 1
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export DO_NOT_TRACK := 1
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+# Prefect's ephemeral API server needs ~20 s on a cold PREFECT_HOME; the default timeout is 20 s.
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
+export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
+export PREFECT_HOME := $(CURDIR)/.cache/prefect
+ifneq ($(HAVE_GPU),1)
+export DS_ACCELERATOR := cpu
+endif
+
+.PHONY: venv venv-test run test repro lock clean distclean
+
+venv: $(VENV)/.stamp
+venv-test: $(VENV)/.stamp-test
+
+$(VENV)/.stamp: pyproject.toml $(wildcard requirements/*.txt)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install $(CONSTRAINTS) $(PIN_TORCH)
+	$(PIP) install $(CONSTRAINTS) $(PIN_TORCH) -r requirements/base.txt
+# DeepSpeed's setup.py imports torch, so no build isolation; ops are JIT-built when first used.
+	DS_BUILD_OPS=0 $(PIP) install --no-build-isolation $(CONSTRAINTS) $(PIN_TORCH) deepspeed
+# Dependencies are already in place: install only our package (editable).
+	$(PIP) install --no-deps -e .
+	touch $@
+
+$(VENV)/.stamp-test: $(VENV)/.stamp requirements/test.txt
+	$(PIP) install $(CONSTRAINTS) $(PIN_TORCH) -r requirements/test.txt
+	touch $@
+
+run: venv
+	$(PY) -m flows.pipeline $(RUN_ARGS)
+
+# Tests marked "gpu" are skipped automatically when no CUDA device is present (tests/conftest.py).
+test: venv-test
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# stage commands call `dare`, so the venv's bin goes first on PATH
+repro: venv
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/dvc repro
+
+# torch/nvidia-*/triton/cuda-* are chosen per machine (CPU or CUDA build), so they stay out.
+lock: venv
+	$(PIP) freeze --exclude-editable \
+	  | grep -viE '^(torch|triton)( |==|@)|^(nvidia|cuda)-' > $(LOCK).tmp
+	mv $(LOCK).tmp $(LOCK)
+# The venv already matches the new lock: don't make the next target reinstall.
+	touch $(VENV)/.stamp; test ! -e $(VENV)/.stamp-test || touch $(VENV)/.stamp-test
+
+# Pipeline outputs and caches; DVC can rebuild them.
+clean:
+	rm -rf runs models metrics data/prepared .cache
+
+distclean: clean
+	rm -rf $(VENV)

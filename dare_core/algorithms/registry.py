@@ -1,0 +1,34 @@
+"""Algorithms by name: `@register("d1")`; the config selects one with `rl.algorithm: d1`."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from dare_core.config import from_dict
+
+ALGORITHMS: dict[str, type] = {}
+
+
+def register(name: str) -> Callable[[type], type]:
+    def wrap(cls: type) -> type:
+        if name in ALGORITHMS:
+            raise ValueError(f"algorithm '{name}' registered twice")
+        cls.name = name
+        ALGORITHMS[name] = cls
+        return cls
+
+    return wrap
+
+
+def get_algorithm(name: str) -> type:
+    from dare_core.algorithms import d1, sft  # noqa: F401  (register themselves)
+
+    if name not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm '{name}'; registered: {sorted(ALGORITHMS)}")
+    return ALGORITHMS[name]
+
+
+def build_options(cls: type, args: dict, where: str):
+    """Validate algorithm-specific keys against the algorithm's Options dataclass (unknown key = error)."""
+    assert dataclasses.is_dataclass(cls.Options)
+    return from_dict(cls.Options, args or {}, where)

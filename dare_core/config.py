@@ -1,0 +1,269 @@
+"""Typed configuration tree read from params.yaml.
+
+Every stage reads the same file; each section is a dataclass, and an unknown key anywhere is an
+error that names the full key path (a typo must never silently fall back to a default).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem, always naming the file and the key."""
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass
+class RunConfig:
+    name: str = "embedded"
+    seed: int = 0
+    runs_dir: str = "runs"
+    models_dir: str = "models"
+    metrics_dir: str = "metrics"
+
+
+@dataclass
+class DataConfig:
+    task: str = "arithmetic"
+    task_args: dict = field(default_factory=dict)
+    # raw input instead of a synthetic task: a JSONL or parquet file with prompt/answer columns
+    source: Optional[str] = None
+    num_sft: int = 20000
+    num_rl: int = 2000
+    num_eval: int = 500
+    seed: int = 1234
+    prepared_dir: str = "data/prepared"
+    tokenizer_dir: str = "data/tokenizer"
+
+
+@dataclass
+class ModelConfig:
+    family: str = "llada"
+    # a Hugging Face folder to start from; null means initialise from `init` with run.seed
+    path: Optional[str] = None
+    init: dict = field(default_factory=dict)
+    dtype: str = "auto"  # auto | float32 | bfloat16
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: tuple = (0.9, 0.999)
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    schedule: str = "constant"  # constant | cosine
+    min_lr_ratio: float = 0.1
+    max_grad_norm: float = 1.0
+
+
+@dataclass
+class LaunchConfig:
+    launcher: str = "local"  # local (one process) | torchrun | deepspeed
+    nproc: int = 1
+    zero_stage: int = 0
+
+
+@dataclass
+class SamplerConfig:
+    gen_length: int = 8
+    steps: int = 8
+    block_length: int = 8
+    temperature: float = 0.0
+    remasking: str = "low_confidence"  # low_confidence | random
+    cfg_scale: float = 0.0
+    logits_eos_inf: bool = False
+    confidence_eos_eot_inf: bool = False
+    batch_size: int = 64
+
+
+@dataclass
+class SFTConfig:
+    max_steps: int = 1000
+    micro_batch_size: int = 64
+    grad_accum: int = 1
+    # response canvas: responses are right-padded with EOS to this length (the sampler's gen_length)
+    pad_to: int = 8
+    loss_norm: str = "answer_length"  # answer_length | token | batch
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    log_every: int = 10
+    save_every: int = 200
+    keep_last: int = 2
+
+
+@dataclass
+class RLConfig:
+    algorithm: str = "d1"
+    algorithm_args: dict = field(default_factory=dict)
+    # reward function name; "auto" takes the reward of each row's task
+    reward: str = "auto"
+    num_steps: int = 100
+    prompts_per_step: int = 16
+    group_size: int = 8
+    num_iterations: int = 2
+    mini_batches: int = 1
+    micro_batch_size: int = 128
+    adv_estimator: str = "grpo_no_std"
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    dual_clip: float = 3.0
+    kl_beta: float = 0.0
+    kl_estimator: str = "k3"
+    loss_agg: str = "token-mean"
+    sampler: SamplerConfig = field(default_factory=lambda: SamplerConfig(temperature=1.0))
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    log_every: int = 1
+    save_every: int = 20
+    keep_last: int = 2
+
+
+@dataclass
+class EvalConfig:
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    max_samples: Optional[int] = None
+
+
+@dataclass
+class DareConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    # ---- derived artifact locations (one place, so stages and dvc.yaml agree)
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.runs_dir) / self.run.name
+
+    def stage_dir(self, stage: str) -> Path:
+        return self.run_dir / stage
+
+    @property
+    def base_model_dir(self) -> Path:
+        return self.run_dir / "base"
+
+    @property
+    def final_model_dir(self) -> Path:
+        return Path(self.run.models_dir) / self.run.name
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _type_matches(value: Any, tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return True
+    if origin in (Union, types.UnionType):
+        return any(_type_matches(value, a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp in (tuple, list) or origin in (tuple, list):
+        return isinstance(value, (list, tuple))
+    if tp is dict or origin is dict:
+        return isinstance(value, dict)
+    if isinstance(tp, type):
+        return isinstance(value, tp)
+    return True
+
+
+def _accepts_float(tp: Any) -> bool:
+    return tp is float or (typing.get_origin(tp) in (Union, types.UnionType) and float in typing.get_args(tp))
+
+
+def from_dict(cls: type, data: Any, where: str = "", source: str = "params.yaml") -> Any:
+    """Build dataclass `cls` from a mapping, rejecting unknown keys and wrong types by full path."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: '{where or '<root>'}' must be a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{where}.{key}" if where else str(key)
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"{source}: unknown config key '{path}'{hint}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            default = fields[key].default_factory() if fields[key].default_factory is not dataclasses.MISSING else tp()
+            kwargs[key] = merge_into(default, value, path, source)
+        else:
+            if isinstance(value, str) and _accepts_float(tp):
+                # YAML 1.1 reads "2e-3" (no dot) as a string; accept it as the number it means
+                try:
+                    value = float(value)
+                except ValueError:
+                    pass
+            if not _type_matches(value, tp):
+                raise ConfigError(f"{source}: key '{path}' expects {getattr(tp, '__name__', tp)}, got {value!r}")
+            if tp is float and isinstance(value, int):
+                value = float(value)
+            if tp is tuple or typing.get_origin(tp) is tuple:
+                value = tuple(value)
+            kwargs[key] = value
+    return cls(**kwargs)
+
+
+def merge_into(base: Any, data: Any, where: str = "", source: str = "params.yaml") -> Any:
+    """Overlay a mapping onto an existing dataclass instance (keeps non-default defaults of nested sections)."""
+    if data is None:
+        return base
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: '{where}' must be a mapping, got {type(data).__name__}")
+    updated = from_dict(type(base), data, where, source)
+    result = dataclasses.replace(base)
+    for key in data:
+        setattr(result, key, getattr(updated, key))
+    return result
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override '{dotted}': '{p}' is not a section")
+    node[parts[-1]] = value
+
+
+def load_config(path: Union[str, Path] = "params.yaml", overrides: Optional[list[str]] = None) -> DareConfig:
+    """Read params.yaml (plus `key.sub=value` overrides) into a validated DareConfig."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' must look like key.sub=value")
+        key, value = item.split("=", 1)
+        _set_dotted(raw, key, yaml.safe_load(value))
+    return from_dict(DareConfig, raw, "", str(path))
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,44 @@
+"""Padding and batching of tokenised rows into the prompt+canvas layout of `algorithms.base.Batch`."""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Sequence
+
+import torch
+
+from dare_core.algorithms.base import Batch
+from dare_core.sampling.decode import left_pad
+
+
+def sft_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], uids: list, pad_to: int, eos_id: int, pad_id: int) -> Batch:
+    """Left-pad prompts; responses get one EOS and are right-padded with EOS to `pad_to`.
+
+    The EOS padding is attended and trained: it is how a masked diffusion LM learns to end an
+    answer inside a fixed canvas. Responses are truncated, never prompts."""
+    prompt_ids, prompt_mask = left_pad(prompts, pad_id)
+    resp = torch.full((len(responses), pad_to), eos_id, dtype=torch.long)
+    for i, r in enumerate(responses):
+        r = list(r)[:pad_to]
+        if r:
+            resp[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+    input_ids = torch.cat([prompt_ids, resp], dim=1)
+    attention_mask = torch.cat([prompt_mask, torch.ones_like(resp)], dim=1)
+    return Batch(input_ids, attention_mask, prompt_ids.shape[1], torch.ones_like(resp, dtype=torch.bool), list(uids))
+
+
+@lru_cache(maxsize=4)
+def epoch_permutation(n: int, seed: int, epoch: int) -> tuple[int, ...]:
+    from dare_core.diffusion.seeding import generator
+
+    return tuple(torch.randperm(n, generator=generator(seed, "data_order", epoch)).tolist())
+
+
+def global_batch_indices(step: int, batch_size: int, n: int, seed: int) -> list[int]:
+    """Row indices of the global batch at `step`: a function of (seed, step) alone, so a resumed run
+    sees exactly the data an uninterrupted one would."""
+    out = []
+    start = step * batch_size
+    for pos in range(start, start + batch_size):
+        epoch, offset = divmod(pos, n)
+        out.append(int(epoch_permutation(n, seed, epoch)[offset]))
+    return out

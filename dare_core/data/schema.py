@@ -1,0 +1,126 @@
+"""Row schemas of raw and prepared data, with errors that name the file, the row and the column.
+
+Kinds:
+- `source`: raw input of data preparation (prompt, response, ground_truth; task and uid optional);
+- `sft`, `rl`, `eval`: the prepared parquet files, which all carry `prompt_text`, the prompt rendered
+  with the chat template (so every stage feeds the model exactly the same prompt string).
+Every column is a non-empty string. Columns outside a schema are ignored on read and not written.
+"""
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Union
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dare_core.storage import atomic_write_bytes
+
+PathLike = Union[str, Path]
+
+
+class DataError(ValueError):
+    """A data problem, naming the file (or task), the row and the column."""
+
+
+@dataclass(frozen=True)
+class Schema:
+    required: tuple[str, ...]
+    optional: tuple[str, ...] = ()
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        return self.required + self.optional
+
+
+SCHEMAS: dict[str, Schema] = {
+    "source": Schema(("prompt", "response", "ground_truth"), ("task", "uid")),
+    # ground_truth rides along in sft so SFT-time accuracy can be graded with the same reward.
+    "sft": Schema(("prompt", "response", "task", "uid", "prompt_text"), ("ground_truth",)),
+    "rl": Schema(("prompt", "ground_truth", "task", "uid", "prompt_text")),
+    "eval": Schema(("prompt", "ground_truth", "task", "uid", "prompt_text")),
+}
+
+
+def get_schema(kind: str) -> Schema:
+    if kind not in SCHEMAS:
+        raise ValueError(f"unknown data kind '{kind}'; known kinds: {sorted(SCHEMAS)}")
+    return SCHEMAS[kind]
+
+
+def _check_value(row: dict, column: str, required: bool) -> str | None:
+    value = row.get(column)
+    if value is None:
+        return "is missing" if required else None
+    if not isinstance(value, str):
+        return f"must be a string, got {type(value).__name__} {value!r}"
+    if not value:
+        return "is an empty string"
+    return None
+
+
+def validate_rows(rows: list[dict], kind: str, source: str) -> None:
+    """Raise DataError at the first row that lacks a required column or has a non-string/empty value."""
+    schema = get_schema(kind)
+    for index, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise DataError(f"{source}: row {index} is not a mapping (got {type(row).__name__})")
+        for column in schema.columns:
+            problem = _check_value(row, column, column in schema.required)
+            if problem:
+                raise DataError(f"{source}: row {index}: column '{column}' {problem}")
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}: line {lineno}: not valid JSON ({exc.msg})") from exc
+            if not isinstance(obj, dict):
+                raise DataError(f"{path}: line {lineno}: expected a JSON object, got {type(obj).__name__}")
+            rows.append(obj)
+    return rows
+
+
+def _read_parquet(path: Path) -> list[dict]:
+    try:
+        return pq.read_table(path).to_pylist()
+    except (pa.ArrowException, OSError) as exc:
+        raise DataError(f"{path}: cannot read parquet: {exc}") from exc
+
+
+_READERS = {".jsonl": _read_jsonl, ".parquet": _read_parquet}
+
+
+def read_rows(path: PathLike, kind: str) -> list[dict]:
+    """Read a `.parquet` or `.jsonl` file and validate its rows against `kind`."""
+    path = Path(path)
+    reader = _READERS.get(path.suffix)
+    if reader is None:
+        raise DataError(f"{path}: unsupported format '{path.suffix}', expected one of {sorted(_READERS)}")
+    if not path.is_file():
+        raise DataError(f"data file not found: {path}")
+    rows = reader(path)
+    validate_rows(rows, kind, str(path))
+    return rows
+
+
+def write_rows(path: PathLike, rows: Iterable[dict], kind: str) -> None:
+    """Validate, then write the schema's columns as parquet in one atomic replace."""
+    rows = list(rows)
+    schema = get_schema(kind)
+    validate_rows(rows, kind, str(path))
+    columns = [c for c in schema.columns if c in schema.required or any(c in r for r in rows)]
+    arrow_schema = pa.schema([(c, pa.string()) for c in columns])
+    table = pa.Table.from_pylist([{c: r.get(c) for c in columns} for r in rows], schema=arrow_schema)
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    atomic_write_bytes(path, buf.getvalue())

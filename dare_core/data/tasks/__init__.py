@@ -1,0 +1,36 @@
+"""Seeded synthetic tasks: a registry of generators for the embedded default and for tests.
+
+A task is a class with `name`, `reward` (the reward it is graded with), and
+`generate(n, seed, **task_args) -> list[dict]` returning rows with `prompt` (the user message, which
+tells the model the answer format), `response` (the SFT target), `ground_truth` (what the reward
+compares against) and `task`. It may also define `num_distinct(**task_args) -> int | None`, the number
+of different problems it can produce, so data preparation can say why a split cannot be filled.
+Generation draws only from `random.Random(seed)`, never from the global RNG.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+TASKS: dict[str, type] = {}
+
+
+def register_task(name: str) -> Callable[[type], type]:
+    def decorator(cls: type) -> type:
+        if name in TASKS:
+            raise ValueError(f"task '{name}' is registered twice")
+        cls.name = name
+        TASKS[name] = cls
+        return cls
+
+    return decorator
+
+
+def get_task(name: str) -> Any:
+    """An instance of the task registered as `name`."""
+    if name not in TASKS:
+        raise ValueError(f"unknown task '{name}'; known tasks: {sorted(TASKS)}")
+    return TASKS[name]()
+
+
+# Imported for registration; after register_task exists so the module can use it.
+from dare_core.data.tasks import arithmetic  # noqa: E402,F401

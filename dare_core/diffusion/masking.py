@@ -1,0 +1,95 @@
+"""The forward (masking) process, always drawn from explicit per-sample generators.
+
+Layout everywhere: `input_ids` [B, P+L] = left-padded prompt (P) then the response canvas (L).
+Only response positions inside `maskable` are ever masked and scored; the prompt is masked only by
+the explicit prompt-noise regulariser of d1/SPG, and those positions are never scored.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+EPS = 1e-3
+
+
+@dataclass
+class Corruption:
+    """A corrupted copy of a batch that old, reference and current policy all score.
+
+    noisy_ids: [B, S] input with MASK at corrupted positions.
+    scored:    [B, S] bool, positions whose clean token is scored.
+    p:         [B] masking probability of the response (1.0 for full-response masks).
+    """
+
+    noisy_ids: torch.Tensor
+    scored: torch.Tensor
+    p: torch.Tensor
+
+    def select(self, idx: torch.Tensor) -> "Corruption":
+        return Corruption(self.noisy_ids[idx], self.scored[idx], self.p[idx])
+
+
+def valid_region(response: torch.Tensor, eos_id: int, canvas: torch.Tensor | None = None) -> torch.Tensor:
+    """V: response positions up to and including the first EOS (all of the canvas if none)."""
+    is_eos = response == eos_id
+    before_first = torch.cumsum(is_eos.long(), dim=1) - is_eos.long() == 0
+    valid = before_first
+    if canvas is not None:
+        valid = valid & canvas.bool()
+    return valid
+
+
+def sample_mask_prob(generators: Sequence[torch.Generator], eps: float = EPS) -> torch.Tensor:
+    """p = (1 - eps) t + eps with t ~ U(0, 1), one per sample (the LLaDA form of t ~ U(eps, 1))."""
+    t = torch.stack([torch.rand((), generator=g) for g in generators])
+    return (1 - eps) * t + eps
+
+
+def bernoulli_mask(maskable: torch.Tensor, p: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """Mask each maskable position independently with its row's probability p."""
+    u = torch.stack([torch.rand(maskable.shape[1], generator=g) for g in generators]).to(maskable.device)
+    return (u < p.to(u.device)[:, None]) & maskable.bool()
+
+
+def response_corruption(
+    input_ids: torch.Tensor,
+    prompt_len: int,
+    response_mask: torch.Tensor,
+    mask_id: int,
+    p: torch.Tensor,
+    generators: Sequence[torch.Generator],
+) -> Corruption:
+    """Random completion-only corruption (law (a) of ALGORITHMS.md 1.3): response positions in
+    `response_mask` [B, L] are masked with probability p[b] and scored where masked."""
+    masked_resp = bernoulli_mask(response_mask, p, generators)
+    scored = torch.zeros_like(input_ids, dtype=torch.bool)
+    scored[:, prompt_len:] = masked_resp
+    noisy = torch.where(scored, torch.full_like(input_ids, mask_id), input_ids)
+    return Corruption(noisy, scored, p)
+
+
+def full_response_corruption(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_len: int,
+    response_valid: torch.Tensor,
+    mask_id: int,
+    p_mask_prompt: float,
+    generators: Sequence[torch.Generator],
+) -> Corruption:
+    """d1's corruption: every response position MASK, each real prompt token MASK with p_mask_prompt.
+
+    Only valid response positions are scored; noised prompt tokens never are."""
+    prompt_real = attention_mask[:, :prompt_len].bool()
+    if p_mask_prompt > 0:
+        prompt_noise = bernoulli_mask(prompt_real, torch.full((len(generators),), p_mask_prompt), generators)
+    else:
+        prompt_noise = torch.zeros_like(prompt_real)
+    noisy = input_ids.clone()
+    noisy[:, :prompt_len] = torch.where(prompt_noise, torch.full_like(noisy[:, :prompt_len], mask_id), noisy[:, :prompt_len])
+    noisy[:, prompt_len:] = mask_id
+    scored = torch.zeros_like(input_ids, dtype=torch.bool)
+    scored[:, prompt_len:] = response_valid.bool()
+    return Corruption(noisy, scored, torch.ones(input_ids.shape[0]))

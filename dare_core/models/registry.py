@@ -1,0 +1,221 @@
+"""Model families by `model_type`, and loading/saving in the Hugging Face on-disk layout.
+
+A family maps a real config.json onto the shared `TransformerConfig` and the real parameter names
+onto the shared module tree. `load_model(folder)` works on a downloaded checkpoint folder as it is:
+no remote code, no copied model files.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.nn as nn
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from dare_core.models.transformer import Transformer, TransformerConfig
+from dare_core.storage import atomic_dir
+
+FAMILIES: dict[str, "Family"] = {}
+
+
+class ModelLoadError(ValueError):
+    """A checkpoint folder that cannot be loaded; the message names the file and the parameter."""
+
+
+@dataclass
+class Family:
+    """What differs between model families; everything else is the shared transformer."""
+
+    model_type: str
+    config_from_hf: Callable[[dict], TransformerConfig]
+    # (generic name template, checkpoint name template) pairs; `{i}` stands for the layer index
+    name_map: list[tuple[str, str]]
+    shift_logits: bool = False
+    # (vocab_size, mask_id, eos_id, pad_id, **sizes) -> config.json dict of a from-scratch model
+    tiny_config: Optional[Callable[..., dict]] = None
+    # config.json keys holding special token ids
+    token_id_keys: dict = field(default_factory=lambda: {"mask": "mask_token_id", "eos": "eos_token_id", "pad": "pad_token_id"})
+
+    def to_hf_name(self, name: str) -> str:
+        return _translate(name, self.name_map, 0, 1, self.model_type)
+
+    def from_hf_name(self, name: str) -> str:
+        return _translate(name, self.name_map, 1, 0, self.model_type)
+
+
+def _template_regex(template: str) -> re.Pattern:
+    return re.compile(re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)"))
+
+
+def _translate(name: str, name_map: list[tuple[str, str]], src: int, dst: int, model_type: str) -> str:
+    for pair in name_map:
+        m = _template_regex(pair[src]).fullmatch(name)
+        if m:
+            return pair[dst].format(**m.groupdict())
+    raise KeyError(f"{model_type}: no mapping for parameter '{name}'")
+
+
+def register_family(family: Family) -> Family:
+    FAMILIES[family.model_type] = family
+    return family
+
+
+def get_family(model_type: str) -> Family:
+    _import_families()
+    if model_type not in FAMILIES:
+        raise ModelLoadError(f"unknown model_type '{model_type}'; known families: {sorted(FAMILIES)}")
+    return FAMILIES[model_type]
+
+
+def _import_families() -> None:
+    from dare_core.models import llada  # noqa: F401  (registers itself)
+
+
+class DiffusionLM(nn.Module):
+    """A family-configured transformer plus the checkpoint's config and special token ids."""
+
+    def __init__(self, family: Family, hf_config: dict):
+        super().__init__()
+        self.family = family
+        self.hf_config = dict(hf_config)
+        self.config = family.config_from_hf(hf_config)
+        self.net = Transformer(self.config)
+        ids = {k: hf_config.get(v) for k, v in family.token_id_keys.items()}
+        self.mask_token_id: int = ids["mask"]
+        self.eos_token_id: int = ids["eos"]
+        self.pad_token_id: int = ids["pad"] if ids["pad"] is not None else ids["eos"]
+        if self.mask_token_id is None:
+            raise ModelLoadError(f"{family.model_type}: config has no mask token id ('{family.token_id_keys['mask']}')")
+        if self.pad_token_id == self.mask_token_id:
+            raise ModelLoadError("pad token id equals the mask token id; padding would be read as noise")
+
+    @property
+    def max_sequence_length(self) -> int:
+        return self.config.max_sequence_length
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        attn_mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Logits aligned so that position i predicts token i (shifted families are re-aligned here)."""
+        logits = self.net(input_ids, attention_mask, position_ids, attn_mask)
+        if self.family.shift_logits:
+            logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+        return logits
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        return {self.family.to_hf_name(k): v for k, v in self.net.state_dict().items()}
+
+    def hf_parameter_shapes(self) -> dict[str, tuple]:
+        return {self.family.to_hf_name(k): tuple(p.shape) for k, p in self.net.named_parameters()}
+
+    def set_gradient_checkpointing(self, enabled: bool = True) -> None:
+        self.net.gradient_checkpointing = enabled
+
+
+def build_model(hf_config: dict, device: Union[str, torch.device] = "cpu", dtype: Optional[torch.dtype] = None) -> DiffusionLM:
+    family = get_family(hf_config.get("model_type", "<missing>"))
+    with torch.device(device):
+        model = DiffusionLM(family, hf_config)
+    if dtype is not None:
+        model = model.to(dtype)
+    return model
+
+
+def _read_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not path.exists():
+        raise ModelLoadError(f"{path}: missing (not a model folder?)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{path}: invalid JSON: {exc}") from exc
+
+
+def _weight_files(folder: Path) -> dict[str, str]:
+    """hf parameter name -> shard file name."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        for shard in sorted(set(weight_map.values())):
+            if not (folder / shard).exists():
+                missing = sorted(k for k, v in weight_map.items() if v == shard)
+                raise ModelLoadError(f"{folder / shard}: shard listed in {index.name} is missing (holds e.g. '{missing[0]}')")
+        return weight_map
+    single = folder / "model.safetensors"
+    if not single.exists():
+        raise ModelLoadError(f"{folder}: neither model.safetensors.index.json nor model.safetensors found")
+    with safe_open(single, "pt") as f:
+        return {k: single.name for k in f.keys()}
+
+
+def load_model(folder: Union[str, Path], dtype: Optional[torch.dtype] = None, device: Union[str, torch.device] = "cpu") -> DiffusionLM:
+    """Load a Hugging Face checkpoint folder (config.json + safetensors) into our stack."""
+    folder = Path(folder)
+    hf_config = _read_config(folder)
+    model = build_model(hf_config, device="meta")
+    expected = model.hf_parameter_shapes()
+    weight_map = _weight_files(folder)
+    missing = sorted(set(expected) - set(weight_map))
+    if missing:
+        raise ModelLoadError(f"{folder}: checkpoint lacks parameter '{missing[0]}' ({len(missing)} missing)")
+    unexpected = sorted(set(weight_map) - set(expected))
+    if unexpected:
+        raise ModelLoadError(f"{folder / weight_map[unexpected[0]]}: unexpected parameter '{unexpected[0]}' for {hf_config.get('model_type')}")
+    state: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(weight_map.values())):
+        with safe_open(folder / shard, "pt", device="cpu") as f:
+            for hf_name in f.keys():
+                t = f.get_tensor(hf_name)
+                if tuple(t.shape) != expected[hf_name]:
+                    raise ModelLoadError(f"{folder / shard}: parameter '{hf_name}' has shape {tuple(t.shape)}, config implies {expected[hf_name]}")
+                state[model.family.from_hf_name(hf_name)] = t
+    model.net.load_state_dict(state, assign=True, strict=True)
+    if dtype is not None:
+        model = model.to(dtype)
+    return model.to(device)
+
+
+def save_model(model: DiffusionLM, folder: Union[str, Path], max_shard_bytes: int = 2 * 1024**3, extra_files: Optional[dict[str, Any]] = None) -> Path:
+    """Write config.json + sharded safetensors + index atomically (the folder appears complete or not at all)."""
+    folder = Path(folder)
+    state = {k: v.detach().contiguous().cpu() for k, v in model.hf_state_dict().items()}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in sorted(state):
+        nbytes = state[name].numel() * state[name].element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = state[name]
+        size += nbytes
+    config = dict(model.hf_config)
+    config["torch_dtype"] = str(next(model.parameters()).dtype).replace("torch.", "")
+    with atomic_dir(folder) as tmp:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(tmp / fname), metadata={"format": "pt"})
+            weight_map.update({k: fname for k in shard})
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        gen_cfg = {k: config[k] for k in ("eos_token_id", "pad_token_id") if k in config}
+        (tmp / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2))
+        for name, content in (extra_files or {}).items():
+            src = Path(content) if isinstance(content, (str, Path)) else None
+            if src is not None and src.is_dir():
+                for f in src.iterdir():
+                    if f.is_file():
+                        (tmp / f.name).write_bytes(f.read_bytes())
+            elif src is not None:
+                (tmp / name).write_bytes(src.read_bytes())
+    return folder

@@ -1,0 +1,21 @@
+"""Reward of the `arithmetic` task: the whole response must be the integer answer."""
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+from dare_core.rewards.registry import RewardResult, register_reward
+
+# ASCII digits only: str.isdigit/int() would also accept other scripts' digits.
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+
+
+@register_reward("arithmetic")
+def arithmetic_reward(response_text: str, ground_truth: str, extra: Optional[dict] = None) -> RewardResult:
+    if not _INTEGER.fullmatch(ground_truth.strip()):
+        raise ValueError(f"arithmetic reward: ground truth {ground_truth!r} is not an integer")
+    pred = response_text.strip()
+    if not _INTEGER.fullmatch(pred):
+        return RewardResult(0.0, 0.0, None, {"extraction_failed": True})
+    correct = float(int(pred) == int(ground_truth))
+    return RewardResult(correct, correct, pred, {})

@@ -1,0 +1,96 @@
+"""The DeepSpeed engine from config: one process or many (torchrun / deepspeed launcher), CPU
+(gloo) or GPU (nccl), ZeRO stage, bf16 where the hardware has it, AdamW, grad clipping, LR schedule."""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import torch
+
+from dare_core.config import OptimConfig
+
+
+def ensure_dist_env() -> None:
+    """A single process started without a launcher still needs the rendezvous variables
+    (otherwise DeepSpeed tries MPI discovery)."""
+    defaults = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + os.getpid() % 1000), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float32
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "fp32": torch.float32}[name]
+    except KeyError:
+        raise ValueError(f"model.dtype must be auto, float32 or bfloat16, got '{name}'") from None
+
+
+def lr_lambda(cfg: OptimConfig, total_steps: int):
+    def fn(step: int) -> float:
+        if cfg.warmup_steps and step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.schedule == "cosine":
+            progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+            return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        if cfg.schedule != "constant":
+            raise ValueError(f"unknown lr schedule '{cfg.schedule}'")
+        return 1.0
+
+    return fn
+
+
+def build_engine(model: torch.nn.Module, optim: OptimConfig, total_steps: int, micro_batch_size: int, grad_accum: int = 1, zero_stage: int = 0):
+    """Wrap `model` in a DeepSpeed engine with a torch AdamW client optimizer (no fused-op JIT build)."""
+    ensure_dist_env()
+    import deepspeed
+
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim, total_steps))
+    dtype = next(model.parameters()).dtype
+    ds_config = {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": grad_accum,
+        "gradient_clipping": optim.max_grad_norm,
+        "zero_optimization": {"stage": zero_stage},
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+    return engine
+
+
+def rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def world_size() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def all_reduce_sum(value: float) -> float:
+    """Global sums (e.g. loss denominators) must be known on every rank before the backward pass."""
+    if world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu")
+    torch.distributed.all_reduce(t)
+    return t.item()
+
+
+def device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def maybe_barrier(enabled: Optional[bool] = None) -> None:
+    if torch.distributed.is_initialized() and world_size() > 1:
+        torch.distributed.barrier()

@@ -1,0 +1,173 @@
+"""The RL loop: rollout -> reward -> group advantages -> corruptions -> old/ref scores ->
+num_iterations x mini-batch PPO updates -> log -> checkpoint (ALGORITHMS.md 5)."""
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+from tqdm.auto import tqdm
+
+from dare_core.algorithms.base import Batch
+from dare_core.algorithms.common import group_advantages
+from dare_core.algorithms.registry import build_options, get_algorithm
+from dare_core.config import DareConfig, to_dict
+from dare_core.data.batching import global_batch_indices
+from dare_core.data.schema import read_rows
+from dare_core.diffusion.masking import valid_region
+from dare_core.diffusion.seeding import sample_generators
+from dare_core.eval.quick import sampling_params, score_texts
+from dare_core.models.registry import load_model
+from dare_core.sampling.decode import decode_responses, generate
+from dare_core.storage import atomic_write_json
+from dare_core.training import engine as eng
+from dare_core.training.checkpoint import CheckpointManager, config_fingerprint
+from dare_core.training.engine import resolve_dtype
+from dare_core.training.metrics import MetricsLogger
+from dare_core.training.setup import stage_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def rl_start_folder(cfg: DareConfig) -> Path:
+    """RL starts from the SFT stage's exported model."""
+    return cfg.stage_dir("sft") / "model"
+
+
+def check_rl_config(cfg: DareConfig) -> None:
+    rl = cfg.rl
+    rollouts = rl.prompts_per_step * rl.group_size
+    if rl.group_size < 2:
+        raise ValueError("rl.group_size must be >= 2 (group advantages need a group)")
+    if rollouts % rl.mini_batches:
+        raise ValueError(f"rl.prompts_per_step * rl.group_size = {rollouts} must be divisible by rl.mini_batches = {rl.mini_batches}")
+    if (rollouts // rl.mini_batches) % rl.micro_batch_size and rl.micro_batch_size < rollouts // rl.mini_batches:
+        raise ValueError("rl.micro_batch_size must divide the mini-batch size")
+
+
+def rollout(model, tokenizer, rows: list[dict], cfg: DareConfig, step: int) -> tuple[Batch, dict]:
+    """G samples per prompt, rewarded and turned into a training batch with group advantages."""
+    rl = cfg.rl
+    params = sampling_params(rl.sampler)
+    expanded = [r for r in rows for _ in range(rl.group_size)]
+    uids = [f"{r['uid']}/{g}" for r in rows for g in range(rl.group_size)]
+    prompts = [tokenizer.encode(r["prompt_text"]) for r in expanded]
+    model.eval()
+    outs = []
+    for o in range(0, len(prompts), rl.sampler.batch_size):
+        gens = sample_generators((cfg.run.seed, "rollout", step), uids[o:o + rl.sampler.batch_size])
+        outs.append(generate(model, prompts[o:o + rl.sampler.batch_size], params, generators=gens))
+    model.train()
+    # one common prompt width so that all rollouts form one batch
+    width = max(o.prompt_len for o in outs)
+    seqs, attn, texts, nfe = [], [], [], 0
+    for o in outs:
+        pad = width - o.prompt_len
+        seqs.append(torch.nn.functional.pad(o.sequences, (pad, 0), value=model.pad_token_id))
+        attn.append(torch.nn.functional.pad(o.attention_mask, (pad, 0), value=0))
+        texts += decode_responses(tokenizer, o)
+        nfe += o.nfe
+    input_ids, attention_mask = torch.cat(seqs), torch.cat(attn)
+    results = score_texts(expanded, texts, rl.reward)
+    rewards = torch.tensor([r.score for r in results])
+    adv, adv_metrics = group_advantages(rewards, rl.group_size, rl.adv_estimator)
+    response = input_ids[:, width:]
+    valid = valid_region(response, model.eos_token_id, attention_mask[:, width:])
+    batch = Batch(input_ids, attention_mask, width, valid, uids, adv)
+    metrics = {
+        "reward": rewards.mean().item(),
+        "accuracy": sum(r.acc for r in results) / len(results),
+        "response_tokens": valid.sum(-1).float().mean().item(),
+        "extraction_failed": sum(1 for r in results if r.extra.get("extraction_failed")) / len(results),
+        "rollout_nfe": nfe,
+        **adv_metrics,
+    }
+    return batch, metrics
+
+
+def run_rl(cfg: DareConfig, progress: bool = True) -> dict:
+    rl = cfg.rl
+    check_rl_config(cfg)
+    out_dir = cfg.stage_dir("rl")
+    data_path = Path(cfg.data.prepared_dir) / "rl.parquet"
+    rows = read_rows(data_path, "rl")
+    tokenizer = stage_tokenizer(cfg)
+    device = eng.device()
+    policy = load_model(rl_start_folder(cfg), dtype=resolve_dtype(cfg.model.dtype), device=device)
+    if cfg.model.gradient_checkpointing:
+        policy.set_gradient_checkpointing(True)
+    ref: Optional[torch.nn.Module] = None
+    if rl.kl_beta > 0:
+        ref = copy.deepcopy(policy).eval().requires_grad_(False)
+
+    algo_cls = get_algorithm(rl.algorithm)
+    algo = algo_cls(build_options(algo_cls, rl.algorithm_args, "rl.algorithm_args"), rl, policy.mask_token_id, policy.eos_token_id)
+    rollouts = rl.prompts_per_step * rl.group_size
+    mini = rollouts // rl.mini_batches
+    micro = min(rl.micro_batch_size, mini)
+    updates = rl.num_steps * rl.num_iterations * rl.mini_batches
+    engine = eng.build_engine(policy, rl.optim, updates, micro, mini // micro, cfg.launch.zero_stage)
+    world, rank = eng.world_size(), eng.rank()
+
+    fingerprint = config_fingerprint(to_dict(cfg.model), to_dict(rl), cfg.run.seed, world, len(rows), str(rl_start_folder(cfg)))
+    ckpt = CheckpointManager(out_dir / "checkpoints", rl.keep_last, fingerprint)
+    start = 0
+    tag = ckpt.latest_tag()
+    if tag:
+        start = ckpt.load(engine, tag)["step"]
+        log.info("resuming RL from %s (step %d)", tag, start)
+    logger = MetricsLogger(out_dir, resume_step=start, plot_keys=("reward", "accuracy"), enabled=rank == 0)
+    trivial_ratio = rl.num_iterations == 1 and rl.mini_batches == 1
+    if trivial_ratio:
+        log.warning("num_iterations = 1 with one mini-batch: the ratio is exactly 1 and clipping is inactive")
+
+    bar = tqdm(range(start, rl.num_steps), initial=start, total=rl.num_steps, desc=f"rl[{rl.algorithm}]", disable=not progress or rank != 0, dynamic_ncols=True)
+    t_start = time.time()
+    for step in bar:
+        t0 = time.time()
+        # every rank draws the same prompts and keeps its own share of the rollouts
+        idx = global_batch_indices(step, rl.prompts_per_step, len(rows), cfg.run.seed)
+        prompt_rows = [rows[i] for i in idx]
+        mine = prompt_rows[rank::world]
+        batch, metrics = rollout(engine.module, tokenizer, mine, cfg, step)
+        t_rollout = time.time() - t0
+
+        corruptions = [algo.corrupt(batch, (cfg.run.seed, step, it)) for it in range(rl.num_iterations)]
+        with torch.no_grad():
+            old = None if trivial_ratio else [algo.score(engine.module, batch, c) for c in corruptions]
+            ref_scores = [algo.score(ref, batch, c) for c in corruptions] if ref is not None else None
+        order = torch.arange(len(batch))
+        update_metrics: dict[str, float] = {}
+        n_updates = 0
+        local_mini = len(batch) // rl.mini_batches
+        for it in range(rl.num_iterations):
+            for mb in order.split(local_mini):
+                # token-mean over the whole mini-batch (all micro-batches, all ranks)
+                denom = eng.all_reduce_sum(corruptions[it].scored[mb].sum().item())
+                for mc in mb.split(micro):
+                    part = batch.select(mc)
+                    c = corruptions[it].select(mc)
+                    o = old[it][mc] if old is not None else None
+                    r = ref_scores[it][mc] if ref_scores is not None else None
+                    out = algo.loss(engine.module, part, c, o, r, denom)
+                    engine.backward(out.loss, scale_wrt_gas=False)
+                    engine.step()
+                    for k, v in out.metrics.items():
+                        update_metrics[k] = update_metrics.get(k, 0.0) + v
+                    n_updates += 1
+        metrics.update({k: v / max(n_updates, 1) for k, v in update_metrics.items()})
+        metrics.update(step_time_s=time.time() - t0, rollout_time_s=t_rollout, lr=engine.get_lr()[0])
+        if (step + 1) % rl.log_every == 0 or step + 1 == rl.num_steps:
+            logger.log(step + 1, metrics)
+        bar.set_postfix(reward=f"{metrics['reward']:.3f}", acc=f"{metrics['accuracy']:.2f}")
+        if (step + 1) % rl.save_every == 0 or step + 1 == rl.num_steps:
+            ckpt.save(engine, step + 1, {"step": step + 1}, engine.module.hf_config)
+    bar.close()
+    logger.close()
+    summary = {"steps": rl.num_steps, "algorithm": rl.algorithm, "wall_s": round(time.time() - t_start, 1)}
+    if rank == 0:
+        atomic_write_json(Path(cfg.run.metrics_dir) / "rl.json", summary)
+    return summary

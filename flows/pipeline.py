@@ -1,0 +1,242 @@
+"""The DARE pipeline as one Prefect flow: each DVC stage in order, then the eval table.
+
+    python -m flows.pipeline                          # prepare, sft, rl, convert, eval
+    python -m flows.pipeline --stages sft,rl --repo /path/to/project --force
+
+Each stage is a Prefect task (`tasks.dvc_stage`) that runs `dvc repro --single-item <stage>` when
+DVC says the stage changed; an unchanged stage is reported as skipped. Everything a stage does is
+in `dvc.yaml`, so `dvc repro` alone reproduces the same run; this flow adds ordering, retries (a
+rerun of a killed stage resumes from its checkpoints), a per-stage summary and the eval table as a
+Prefect artifact.
+
+Parameter overrides are not a flow argument: they belong to DVC, which tracks params. Use
+`dvc exp run -S sft.lr=1e-5` (or edit params.yaml) and then run the flow.
+
+Prefect server: with `PREFECT_API_URL` unset, Prefect runs in ephemeral mode (a temporary local
+API server inside this process; nothing to start). `main()` then keeps Prefect's state in
+`<repo>/.cache/prefect` unless `PREFECT_HOME` is set (or a `~/.prefect/profiles.toml` exists,
+which may point at a server). To see runs in the UI, start a server
+(`prefect server start --host 127.0.0.1 --port 4200`) and export
+`PREFECT_API_URL=http://127.0.0.1:4200/api`. `prefect.yaml` at the repo root deploys this flow
+to a `process` work pool named `dare`.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Defaults that must be in the environment before Prefect reads its settings (at import). They
+# never override a value the user set. main() re-applies them and refreshes Prefect's settings.
+ENV_DEFAULTS = {
+    # Ephemeral mode migrates a fresh SQLite database on a cold PREFECT_HOME: 16-19 s on a small
+    # machine, close to the default 20 s limit.
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "DO_NOT_TRACK": "1",
+    "DVC_NO_ANALYTICS": "1",
+}
+for _key, _value in ENV_DEFAULTS.items():
+    os.environ.setdefault(_key, _value)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass, field, replace  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from prefect import flow, get_run_logger  # noqa: E402
+from prefect.artifacts import create_markdown_artifact, create_table_artifact  # noqa: E402
+
+from tasks.dvc_stage import StageResult, dvc_stage  # noqa: E402
+
+DEFAULT_STAGES = ["prepare", "sft", "rl", "convert", "eval"]
+EVAL_METRICS = "metrics/eval.json"
+
+
+@dataclass
+class PipelineResult:
+    repo: str
+    stages: list[StageResult] = field(default_factory=list)
+    failed: str | None = None  # the stage that failed, if any
+    metrics: dict | None = None  # metrics/eval.json as read after the stages
+    table: str | None = None  # markdown eval table (None when there is no metrics file)
+
+    def status(self, stage: str) -> str:
+        for r in self.stages:
+            if r.stage == stage:
+                return r.status
+        return "failed" if stage == self.failed else "not run"
+
+    @property
+    def ran(self) -> list[str]:
+        return [r.stage for r in self.stages if r.ran]
+
+    @property
+    def skipped(self) -> list[str]:
+        return [r.stage for r in self.stages if not r.ran]
+
+    def stage_table(self) -> str:
+        rows = ["| stage | status | attempts | wall time | why |", "|---|---|---|---|---|"]
+        for r in self.stages:
+            rows.append(f"| {r.stage} | {r.status} | {r.attempts} | {r.seconds:.1f} s | {r.reason} |")
+        if self.failed:
+            rows.append(f"| {self.failed} | FAILED | | | |")
+        return "\n".join(rows)
+
+
+def read_eval_metrics(repo: str | Path, path: str = EVAL_METRICS) -> dict | None:
+    p = Path(repo) / path
+    if not p.is_file():
+        return None
+    return json.loads(p.read_text())
+
+
+def eval_rows(metrics: dict) -> list[dict]:
+    """One row per checkpoint (every key but "artifacts", in file order)."""
+    artifacts = metrics.get("artifacts") or {}
+    rows = []
+    for name, value in metrics.items():
+        if name == "artifacts" or not isinstance(value, dict):
+            continue
+        rows.append({
+            "checkpoint": name,
+            "accuracy": value.get("accuracy"),
+            "num_samples": value.get("num_samples"),
+            "artifact": artifacts.get(name, ""),
+        })
+    return rows
+
+
+def eval_table(metrics: dict) -> str:
+    """Markdown: checkpoint | held-out accuracy | samples | artifact path."""
+    lines = ["| checkpoint | held-out accuracy | samples | artifact path |", "|---|---|---|---|"]
+    for row in eval_rows(metrics):
+        acc = row["accuracy"]
+        acc_s = f"{acc:.1%}" if isinstance(acc, (int, float)) else "n/a"
+        n = row["num_samples"]
+        path = f"`{row['artifact']}`" if row["artifact"] else ""
+        lines.append(f"| {row['checkpoint']} | {acc_s} | {n if n is not None else 'n/a'} | {path} |")
+    return "\n".join(lines)
+
+
+def _check_stages(stages: list[str], repo: Path) -> None:
+    """Fail before running anything if a stage is not in dvc.yaml (stage@item and file:stage pass)."""
+    import yaml  # local: only needed here
+
+    dvc_yaml = repo / "dvc.yaml"
+    if not dvc_yaml.is_file():
+        raise FileNotFoundError(f"no dvc.yaml in {repo}")
+    defined = set((yaml.safe_load(dvc_yaml.read_text()) or {}).get("stages") or {})
+    unknown = [s for s in stages if ":" not in s and s.split("@")[0] not in defined]
+    if unknown:
+        raise ValueError(f"stages not in {dvc_yaml}: {unknown} (defined: {sorted(defined)})")
+
+
+@flow(name="dare-pipeline")
+def dare_pipeline(
+    stages: list[str] | None = None,
+    repo: str = ".",
+    force: bool = False,
+    retries: int = 1,
+    retry_delay_seconds: float = 2.0,
+) -> PipelineResult:
+    """Run the DVC stages in order (default: prepare, sft, rl, convert, eval), each as a Prefect
+    task with `retries` retries; then read metrics/eval.json, print and publish the eval table.
+
+    Param overrides: use `dvc exp run -S key=value` (DVC tracks params); this flow takes none.
+    Returns a PipelineResult (per-stage ran/skipped, attempts, wall time; eval metrics and table).
+    A failing stage raises StageFailed (stage name and exit code) after printing the summary.
+    """
+    logger = get_run_logger()
+    root = Path(repo).resolve()
+    stages = list(DEFAULT_STAGES if stages is None else stages)
+    _check_stages(stages, root)
+    run = dvc_stage.with_options(retries=retries, retry_delay_seconds=retry_delay_seconds)
+    result = PipelineResult(repo=str(root))
+
+    for stage in stages:
+        t0 = time.perf_counter()
+        try:
+            r = run(stage, repo=str(root), force=force)
+        except BaseException:
+            result.failed = stage
+            print(f"\nDARE pipeline FAILED at stage {stage!r} ({root})\n{result.stage_table()}", flush=True)
+            raise
+        result.stages.append(replace(r, seconds=time.perf_counter() - t0))
+
+    summary = result.stage_table()
+    create_table_artifact(
+        key="dare-stages",
+        table=[{"stage": r.stage, "status": r.status, "attempts": r.attempts,
+                "seconds": round(r.seconds, 2), "why": r.reason} for r in result.stages],
+        description=f"DARE pipeline stages ({root})",
+    )
+
+    result.metrics = read_eval_metrics(root)
+    if result.metrics is not None:
+        result.table = eval_table(result.metrics)
+        create_markdown_artifact(
+            key="dare-eval-table",
+            markdown="## DARE held-out evaluation\n\n" + result.table + "\n",
+            description=f"{EVAL_METRICS} in {root}",
+        )
+        create_table_artifact(
+            key="dare-eval-metrics",
+            table=eval_rows(result.metrics),
+            description=f"{EVAL_METRICS} in {root}",
+        )
+    else:
+        logger.info("no %s in %s: no eval table", EVAL_METRICS, root)
+
+    out = [f"\nDARE pipeline ({root})", summary]
+    if result.table:
+        out += ["", "Held-out evaluation", result.table]
+    print("\n".join(out), flush=True)
+    return result
+
+
+def apply_env_defaults(repo: str | Path = ".") -> None:
+    """Environment defaults for a run from the command line (never overriding what is set)."""
+    for key, value in ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    # Prefect state in the repo, unless the user chose a home/server or has profiles of their own.
+    if not any(k in os.environ for k in ("PREFECT_HOME", "PREFECT_API_URL", "PREFECT_PROFILES_PATH")) \
+            and not (Path.home() / ".prefect" / "profiles.toml").exists():
+        home = Path(repo).resolve() / ".cache" / "prefect"
+        home.mkdir(parents=True, exist_ok=True)  # Prefect creates only the last level
+        os.environ["PREFECT_HOME"] = str(home)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m flows.pipeline",
+        description="Run the DARE pipeline (DVC stages as Prefect tasks).",
+        epilog="Param overrides: `dvc exp run -S key=value`. Set PREFECT_API_URL to use a Prefect "
+               "server (UI); otherwise Prefect runs in ephemeral mode.",
+    )
+    parser.add_argument("--stages", default=",".join(DEFAULT_STAGES),
+                        help="comma-separated stages, in order (default: %(default)s)")
+    parser.add_argument("--repo", default=".", help="project directory with dvc.yaml (default: .)")
+    parser.add_argument("--force", action="store_true", help="rerun stages even if unchanged")
+    parser.add_argument("--retries", type=int, default=1, help="retries per stage (default: 1)")
+    parser.add_argument("--retry-delay", type=float, default=2.0, help="seconds between retries")
+    args = parser.parse_args(argv)
+
+    apply_env_defaults(args.repo)
+    import prefect.context
+
+    prefect.context.refresh_global_settings_context()  # pick up the defaults set above
+
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    try:
+        dare_pipeline(stages=stages, repo=args.repo, force=args.force,
+                      retries=args.retries, retry_delay_seconds=args.retry_delay)
+    except Exception as exc:  # Prefect has logged the traceback
+        print(f"dare pipeline failed: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
