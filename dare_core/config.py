@@ -96,6 +96,7 @@ class SFTConfig:
     # response canvas: responses are right-padded with EOS to this length (the sampler's gen_length)
     pad_to: int = 8
     loss_norm: str = "answer_length"  # answer_length | token | batch
+    mask_law: str = "bernoulli"  # bernoulli (t ~ U(eps,1), LLaDA) | count (l ~ U{1..n}, bounded 1/p weights)
     optim: OptimConfig = field(default_factory=OptimConfig)
     log_every: int = 10
     save_every: int = 200

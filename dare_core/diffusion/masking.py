@@ -53,6 +53,35 @@ def bernoulli_mask(maskable: torch.Tensor, p: torch.Tensor, generators: Sequence
     return (u < p.to(u.device)[:, None]) & maskable.bool()
 
 
+def count_mask(maskable: torch.Tensor, generators: Sequence[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Law (b) of ALGORITHMS.md 1.3: l ~ U{1..n}, then a uniform random l-subset of the n maskable
+    positions; returns the mask and p = l/n. Same ELBO as the Bernoulli law, but the weight 1/p is
+    at most n instead of 1/eps: far less variance on short responses."""
+    rows, probs = [], []
+    for row, g in zip(maskable.bool(), generators):
+        idx = row.nonzero().squeeze(-1)
+        n = idx.numel()
+        m = torch.zeros_like(row)
+        if n == 0:
+            rows.append(m)
+            probs.append(torch.tensor(1.0))
+            continue
+        count = int(torch.randint(1, n + 1, (), generator=g))
+        chosen = idx[torch.randperm(n, generator=g)[:count]]
+        m[chosen] = True
+        rows.append(m)
+        probs.append(torch.tensor(count / n))
+    return torch.stack(rows), torch.stack(probs).float()
+
+
+def masked_corruption(input_ids: torch.Tensor, prompt_len: int, masked_resp: torch.Tensor, mask_id: int, p: torch.Tensor) -> Corruption:
+    """MASK the chosen response positions; they are the scored ones."""
+    scored = torch.zeros_like(input_ids, dtype=torch.bool)
+    scored[:, prompt_len:] = masked_resp
+    noisy = torch.where(scored, torch.full_like(input_ids, mask_id), input_ids)
+    return Corruption(noisy, scored, p)
+
+
 def response_corruption(
     input_ids: torch.Tensor,
     prompt_len: int,
@@ -63,11 +92,7 @@ def response_corruption(
 ) -> Corruption:
     """Random completion-only corruption (law (a) of ALGORITHMS.md 1.3): response positions in
     `response_mask` [B, L] are masked with probability p[b] and scored where masked."""
-    masked_resp = bernoulli_mask(response_mask, p, generators)
-    scored = torch.zeros_like(input_ids, dtype=torch.bool)
-    scored[:, prompt_len:] = masked_resp
-    noisy = torch.where(scored, torch.full_like(input_ids, mask_id), input_ids)
-    return Corruption(noisy, scored, p)
+    return masked_corruption(input_ids, prompt_len, bernoulli_mask(response_mask, p, generators), mask_id, p)
 
 
 def full_response_corruption(

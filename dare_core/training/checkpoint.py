@@ -98,10 +98,30 @@ def checkpoint_state_dict(ckpt_dir: Path, tag: Optional[str] = None) -> tuple[di
 
 
 def config_fingerprint(*parts: Any) -> str:
+    """What a run's checkpoints belong to: a resumed run must have the same config and inputs."""
     import hashlib
 
     blob = json.dumps(parts, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def input_fingerprint(path: Path) -> str:
+    """Content hash of a data file; for a folder (a model), names, sizes and mtimes of its files
+    (hashing an 8B checkpoint's bytes would take minutes)."""
+    import hashlib
+
+    path = Path(path)
+    h = hashlib.sha256()
+    if path.is_dir():
+        for f in sorted(path.rglob("*")):
+            if f.is_file():
+                st = f.stat()
+                h.update(f"{f.relative_to(path)}:{st.st_size}:{st.st_mtime_ns}".encode())
+    else:
+        with path.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()[:16]
 
 
 def convert_checkpoint(ckpt_dir: Path, out_dir: Path, tokenizer_dir: Optional[Path] = None, tag: Optional[str] = None) -> Path:

@@ -24,7 +24,7 @@ from dare_core.models.registry import load_model
 from dare_core.sampling.decode import decode_responses, generate
 from dare_core.storage import atomic_write_json
 from dare_core.training import engine as eng
-from dare_core.training.checkpoint import CheckpointManager, config_fingerprint
+from dare_core.training.checkpoint import CheckpointManager, config_fingerprint, input_fingerprint
 from dare_core.training.engine import resolve_dtype
 from dare_core.training.metrics import MetricsLogger
 from dare_core.training.setup import stage_tokenizer
@@ -112,7 +112,7 @@ def run_rl(cfg: DareConfig, progress: bool = True) -> dict:
     engine = eng.build_engine(policy, rl.optim, updates, micro, mini // micro, cfg.launch.zero_stage)
     world, rank = eng.world_size(), eng.rank()
 
-    fingerprint = config_fingerprint(to_dict(cfg.model), to_dict(rl), cfg.run.seed, world, len(rows), str(rl_start_folder(cfg)))
+    fingerprint = config_fingerprint(to_dict(cfg.model), to_dict(rl), cfg.run.seed, world, input_fingerprint(data_path), input_fingerprint(rl_start_folder(cfg)))
     ckpt = CheckpointManager(out_dir / "checkpoints", rl.keep_last, fingerprint)
     start = 0
     tag = ckpt.latest_tag()

@@ -17,7 +17,7 @@ from dare_core.diffusion.seeding import sample_generators
 from dare_core.models.registry import save_model
 from dare_core.storage import atomic_write_json
 from dare_core.training import engine as eng
-from dare_core.training.checkpoint import CheckpointManager, config_fingerprint
+from dare_core.training.checkpoint import CheckpointManager, config_fingerprint, input_fingerprint
 from dare_core.training.metrics import MetricsLogger
 from dare_core.training.setup import initial_model, stage_tokenizer, tokenizer_folder
 
@@ -45,12 +45,12 @@ def run_sft(cfg: DareConfig, progress: bool = True) -> dict:
         save_model(model, cfg.base_model_dir, extra_files={"tokenizer": tokenizer_folder(cfg)})
 
     algo_cls = get_algorithm("sft")
-    algo = algo_cls(build_options(algo_cls, {"loss_norm": scfg.loss_norm}, "sft"), model.mask_token_id)
+    algo = algo_cls(build_options(algo_cls, {"loss_norm": scfg.loss_norm, "mask_law": scfg.mask_law}, "sft"), model.mask_token_id)
     engine = eng.build_engine(model, scfg.optim, scfg.max_steps, scfg.micro_batch_size, scfg.grad_accum, cfg.launch.zero_stage)
     world, rank = eng.world_size(), eng.rank()
     global_batch = scfg.micro_batch_size * scfg.grad_accum * world
 
-    fingerprint = config_fingerprint(to_dict(cfg.model), to_dict(scfg), cfg.run.seed, world, len(rows), rows[0]["uid"], rows[-1]["uid"])
+    fingerprint = config_fingerprint(to_dict(cfg.model), to_dict(scfg), cfg.run.seed, world, input_fingerprint(data_path))
     ckpt = CheckpointManager(out_dir / "checkpoints", scfg.keep_last, fingerprint)
     start = 0
     tag = ckpt.latest_tag()

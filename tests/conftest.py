@@ -1,0 +1,35 @@
+"""Shared fixtures: tiny models of a real family built in memory, and GPU-test skipping."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def make_tiny_llada(vocab_size: int = 40, mask_id: int = 39, eos_id: int = 38, seed: int = 0, **sizes):
+    from dare_core.diffusion.seeding import generator
+    from dare_core.models.llada import tiny_config
+    from dare_core.models.registry import build_model
+
+    sizes = {"d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "mlp_hidden_size": 64, "max_sequence_length": 64, **sizes}
+    model = build_model(tiny_config(vocab_size, mask_id, eos_id, **sizes))
+    model.net.init_weights(generator(seed, "test-init"), std=0.2)
+    return model.eval()
+
+
+@pytest.fixture
+def tiny_llada():
+    return make_tiny_llada()

@@ -1,0 +1,99 @@
+"""Sampler invariants of the LLaDA low-confidence remasking loop (ALGORITHMS.md 6.1)."""
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from conftest import make_tiny_llada
+from dare_core.diffusion.seeding import sample_generators
+from dare_core.sampling.decode import LinearScheduleUnmasker, SamplingParams, generate, gumbel_argmax
+
+PROMPTS = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11, 12, 13, 14, 15], [16]]
+
+
+class Recorder(torch.nn.Module):
+    """Wraps a model and keeps every input it is asked to denoise."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.inputs = []
+        self.family, self.mask_token_id, self.eos_token_id = model.family, model.mask_token_id, model.eos_token_id
+        self.pad_token_id, self.max_sequence_length = model.pad_token_id, model.max_sequence_length
+        outer = self
+
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lm_head = model.net.lm_head
+
+            def hidden_states(self, x, *a, **k):
+                outer.inputs.append(x.clone())
+                return model.net.hidden_states(x, *a, **k)
+
+        self.net = Net()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_committed_tokens_never_change_and_every_position_is_decoded(tiny_llada, temperature):
+    rec = Recorder(tiny_llada)
+    params = SamplingParams(gen_length=12, steps=6, block_length=4, temperature=temperature)
+    out = generate(rec, PROMPTS, params, generators=sample_generators((0,), list("abcd")), record_steps=True)
+    mask = tiny_llada.mask_token_id
+    assert out.response.shape == (4, 12) and not (out.response == mask).any()
+    final = out.sequences
+    for before, after in zip(rec.inputs, rec.inputs[1:] + [final]):
+        committed = before != mask
+        assert torch.equal(before[committed], after[committed])
+    assert out.nfe == len(rec.inputs) == 6
+    # every response position has exactly one commit step, blocks in order
+    steps = out.step_map
+    assert (steps >= 1).all() and (steps <= 6).all()
+    assert (steps[:, :4].max(-1).values < steps[:, 4:8].min(-1).values).all()
+
+
+def test_one_token_per_step_when_steps_equal_gen_length(tiny_llada):
+    out = generate(tiny_llada, PROMPTS, SamplingParams(gen_length=8, steps=8, block_length=8), record_steps=True)
+    for row in out.step_map:
+        assert sorted(row.tolist()) == list(range(1, 9))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_batched_equals_one_at_a_time_with_left_padding(tiny_llada, temperature):
+    params = SamplingParams(gen_length=8, steps=4, block_length=4, temperature=temperature)
+    uids = ["p0", "p1", "p2", "p3"]
+    batched = generate(tiny_llada, PROMPTS, params, generators=sample_generators((5,), uids))
+    for i, p in enumerate(PROMPTS):
+        alone = generate(tiny_llada, [p], params, generators=sample_generators((5,), [uids[i]]))
+        assert torch.equal(alone.response[0], batched.response[i])
+
+
+def test_prompt_is_never_touched_and_too_long_prompt_is_refused(tiny_llada):
+    out = generate(tiny_llada, PROMPTS, SamplingParams(gen_length=8, steps=8, block_length=4))
+    for i, p in enumerate(PROMPTS):
+        assert out.sequences[i, out.prompt_len - len(p): out.prompt_len].tolist() == p
+    with pytest.raises(ValueError, match="exceeds the model's maximum length 64"):
+        generate(tiny_llada, [[1] * 60], SamplingParams(gen_length=8, steps=8, block_length=8))
+
+
+def test_linear_schedule_splits_evenly():
+    u = LinearScheduleUnmasker()
+    for m in range(0, 40):
+        for s in (1, 3, 4, 7):
+            k = [u.counts(torch.tensor([m]), j, s).item() for j in range(s)]
+            assert sum(k) == m and max(k) - min(k) <= 1
+
+
+def test_gumbel_samples_from_tempered_softmax():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    draws = gumbel_argmax(logits.expand(1, 50_000, 5), 0.7, [torch.Generator().manual_seed(0)])[0]
+    counts = torch.bincount(draws, minlength=5).double()
+    expected = torch.softmax(logits.double() / 0.7, -1) * counts.sum()
+    assert chisquare(counts.numpy(), expected.numpy()).pvalue > 1e-3
+    assert torch.equal(gumbel_argmax(logits.expand(1, 3, 5), 0.0, None), torch.zeros(1, 3, dtype=torch.long))
+
+
+def test_sampling_params_validation():
+    with pytest.raises(ValueError, match="divisible by block_length"):
+        SamplingParams(gen_length=10, block_length=4)
+    with pytest.raises(ValueError, match="divisible by the number of blocks"):
+        SamplingParams(gen_length=8, block_length=4, steps=3)

@@ -1,0 +1,47 @@
+"""Tiny self-contained pipeline configs for stage and end-to-end tests."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny_params(root: Path, **overrides) -> dict:
+    params = {
+        "run": {"name": "t", "seed": 0, "runs_dir": str(root / "runs"), "models_dir": str(root / "models"), "metrics_dir": str(root / "metrics")},
+        "data": {"task": "arithmetic", "task_args": {"min_digits": 1, "max_digits": 2, "ops": "+"}, "num_sft": 400, "num_rl": 64,
+                 "num_eval": 40, "seed": 1, "prepared_dir": str(root / "data" / "prepared"), "tokenizer_dir": str(root / "data" / "tokenizer")},
+        "model": {"family": "llada", "init": {"d_model": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "mlp_hidden_size": 64, "max_sequence_length": 24}},
+        "sft": {"max_steps": 20, "micro_batch_size": 16, "pad_to": 4, "log_every": 5, "save_every": 10, "optim": {"lr": 3.0e-3}},
+        "rl": {"num_steps": 3, "prompts_per_step": 4, "group_size": 4, "num_iterations": 2, "save_every": 2,
+               "sampler": {"gen_length": 4, "steps": 4, "block_length": 4, "temperature": 1.0, "batch_size": 16}},
+        "eval": {"sampler": {"gen_length": 4, "steps": 4, "block_length": 4, "batch_size": 20}},
+    }
+    for dotted, value in overrides.items():
+        node = params
+        *parents, last = dotted.split("__")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+    return params
+
+
+def write_params(path: Path, params: dict) -> Path:
+    path.write_text(yaml.safe_dump(params, sort_keys=False))
+    return path
+
+
+def worker_env() -> dict:
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
+    env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    return env
+
+
+def dare(*args: str) -> list[str]:
+    return [sys.executable, "-m", "dare_core.cli", *args]
