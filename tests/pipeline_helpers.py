@@ -10,17 +10,30 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) and k not in ("init", "task_args") else v
+    return out
+
+
+TINY = {
+    "run": {"name": "t", "seed": 0},
+    "data": {"task_args": {"min_digits": 1, "max_digits": 2, "ops": "+", "zero_pad": True, "demo_error_rate": 0.5},
+             "num_sft": 400, "num_rl": 64, "num_eval": 40, "seed": 1},
+    "model": {"init": {"d_model": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "mlp_hidden_size": 64, "max_sequence_length": 24}},
+    "sft": {"max_steps": 20, "micro_batch_size": 16, "pad_to": 4, "log_every": 5, "save_every": 10, "optim": {"lr": 3.0e-3}},
+    "rl": {"num_steps": 3, "prompts_per_step": 4, "group_size": 4, "num_iterations": 2, "save_every": 2,
+           "sampler": {"gen_length": 4, "steps": 4, "block_length": 4, "temperature": 1.0, "batch_size": 16}},
+    "eval": {"sampler": {"gen_length": 4, "steps": 4, "block_length": 4, "batch_size": 20}},
+}
+
+
 def tiny_params(root: Path, **overrides) -> dict:
-    params = {
-        "run": {"name": "t", "seed": 0, "runs_dir": str(root / "runs"), "models_dir": str(root / "models"), "metrics_dir": str(root / "metrics")},
-        "data": {"task": "arithmetic", "task_args": {"min_digits": 1, "max_digits": 2, "ops": "+"}, "num_sft": 400, "num_rl": 64,
-                 "num_eval": 40, "seed": 1, "prepared_dir": str(root / "data" / "prepared"), "tokenizer_dir": str(root / "data" / "tokenizer")},
-        "model": {"family": "llada", "init": {"d_model": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "mlp_hidden_size": 64, "max_sequence_length": 24}},
-        "sft": {"max_steps": 20, "micro_batch_size": 16, "pad_to": 4, "log_every": 5, "save_every": 10, "optim": {"lr": 3.0e-3}},
-        "rl": {"num_steps": 3, "prompts_per_step": 4, "group_size": 4, "num_iterations": 2, "save_every": 2,
-               "sampler": {"gen_length": 4, "steps": 4, "block_length": 4, "temperature": 1.0, "batch_size": 16}},
-        "eval": {"sampler": {"gen_length": 4, "steps": 4, "block_length": 4, "batch_size": 20}},
-    }
+    """The repository's params.yaml (every key DVC tracks) shrunk to a seconds-long run under `root`."""
+    params = _merge(yaml.safe_load((REPO / "params.yaml").read_text()), TINY)
+    params["run"].update(runs_dir=str(root / "runs"), models_dir=str(root / "models"), metrics_dir=str(root / "metrics"))
+    params["data"].update(prepared_dir=str(root / "data" / "prepared"), tokenizer_dir=str(root / "data" / "tokenizer"))
     for dotted, value in overrides.items():
         node = params
         *parents, last = dotted.split("__")
