@@ -203,9 +203,9 @@ def apply_env_defaults(repo: str | Path = ".") -> None:
     # Prefect state in the repo, unless the user chose a home/server or has profiles of their own.
     if not any(k in os.environ for k in ("PREFECT_HOME", "PREFECT_API_URL", "PREFECT_PROFILES_PATH")) \
             and not (Path.home() / ".prefect" / "profiles.toml").exists():
-        home = Path(repo).resolve() / ".cache" / "prefect"
-        home.mkdir(parents=True, exist_ok=True)  # Prefect creates only the last level
-        os.environ["PREFECT_HOME"] = str(home)
+        os.environ["PREFECT_HOME"] = str(Path(repo).resolve() / ".cache" / "prefect")
+    if os.environ.get("PREFECT_HOME"):
+        Path(os.environ["PREFECT_HOME"]).expanduser().mkdir(parents=True, exist_ok=True)  # Prefect creates only the last level
 
 
 def main(argv: list[str] | None = None) -> int:
