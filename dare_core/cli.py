@@ -72,12 +72,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from dare_core.diffusion.seeding import generator
     from dare_core.models.registry import load_model
     from dare_core.models.tokenizer import load_tokenizer
-    from dare_core.sampling.decode import SamplingParams, decode_responses, generate
+    from dare_core.sampling.decode import decode_responses, generate
 
     model = load_model(args.model).eval()
     tok = load_tokenizer(args.model)
     text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if not args.raw else args.prompt
-    params = SamplingParams(gen_length=args.gen_length, steps=args.steps, block_length=args.block_length, temperature=args.temperature)
+    params = _sampling_params(args)
     with torch.no_grad():
         out = generate(model, [tok.encode(text)], params, generators=[generator(args.seed, "generate")])
     print(decode_responses(tok, out)[0])
@@ -89,13 +89,33 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from dare_core.eval.quick import evaluate
     from dare_core.models.registry import load_model
     from dare_core.models.tokenizer import load_tokenizer
-    from dare_core.sampling.decode import SamplingParams
 
     rows = read_rows(args.data, "eval")[: args.max_samples or None]
-    params = SamplingParams(gen_length=args.gen_length, steps=args.steps, block_length=args.block_length)
+    params = _sampling_params(args)
     res = evaluate(load_model(args.model).eval(), load_tokenizer(args.model), rows, params, args.batch_size, args.seed)
     print(f"| model | accuracy | samples |\n|---|---|---|\n| {args.model} | {res['accuracy']:.3f} | {res['num_samples']} |")
     return 0
+
+
+def _sampler_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--model", required=True, help="a Hugging Face model folder")
+    for flag, kind in (("--gen-length", int), ("--steps", int), ("--block-length", int), ("--temperature", float)):
+        p.add_argument(flag, type=kind, default=None, help="default: the folder's generation_config.json")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def _sampling_params(args: argparse.Namespace):
+    """Sampler settings: command line first, then what the checkpoint was trained to decode with."""
+    import json
+    from pathlib import Path
+
+    from dare_core.sampling.params import SamplingParams
+
+    gen_cfg = Path(args.model) / "generation_config.json"
+    saved = json.loads(gen_cfg.read_text()).get("dare_sampler", {}) if gen_cfg.exists() else {}
+    chosen = {k: getattr(args, k) for k in ("gen_length", "steps", "block_length", "temperature") if getattr(args, k) is not None}
+    return SamplingParams(**{**{k: v for k, v in saved.items() if k in SamplingParams.__dataclass_fields__}, **chosen})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,26 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_run)
 
     g = sub.add_parser("generate", help="sample one answer from a model folder")
-    g.add_argument("--model", required=True)
     g.add_argument("--prompt", required=True)
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    g.add_argument("--gen-length", type=int, default=8)
-    g.add_argument("--steps", type=int, default=8)
-    g.add_argument("--block-length", type=int, default=8)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=0)
-    g.set_defaults(func=cmd_generate)
+    _sampler_args(g).set_defaults(func=cmd_generate)
 
     e = sub.add_parser("eval", help="held-out accuracy of a model folder on an eval parquet/jsonl file")
-    e.add_argument("--model", required=True)
     e.add_argument("--data", default="data/prepared/eval.parquet")
     e.add_argument("--max-samples", type=int, default=0)
-    e.add_argument("--gen-length", type=int, default=8)
-    e.add_argument("--steps", type=int, default=8)
-    e.add_argument("--block-length", type=int, default=8)
     e.add_argument("--batch-size", type=int, default=64)
-    e.add_argument("--seed", type=int, default=0)
-    e.set_defaults(func=cmd_eval)
+    _sampler_args(e).set_defaults(func=cmd_eval)
     return p
 
 

@@ -15,6 +15,8 @@ from typing import Any, Optional, Union
 
 import yaml
 
+from dare_core.sampling.params import SamplingParams
+
 
 class ConfigError(ValueError):
     """A configuration problem, always naming the file and the key."""
@@ -76,15 +78,9 @@ class LaunchConfig:
 
 
 @dataclass
-class SamplerConfig:
-    gen_length: int = 8
-    steps: int = 8
-    block_length: int = 8
-    temperature: float = 0.0
-    remasking: str = "low_confidence"  # low_confidence | random
-    cfg_scale: float = 0.0
-    logits_eos_inf: bool = False
-    confidence_eos_eot_inf: bool = False
+class SamplerConfig(SamplingParams):
+    """The sampler's own settings (validated on load) plus how many prompts decode at once."""
+
     batch_size: int = 64
 
 
@@ -223,7 +219,10 @@ def from_dict(cls: type, data: Any, where: str = "", source: str = "params.yaml"
             if tp is tuple or typing.get_origin(tp) is tuple:
                 value = tuple(value)
             kwargs[key] = value
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{source}: '{where or '<root>'}': {exc}") from exc
 
 
 def merge_into(base: Any, data: Any, where: str = "", source: str = "params.yaml") -> Any:

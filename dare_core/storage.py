@@ -53,8 +53,8 @@ def atomic_write_text(path: PathLike, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
-def atomic_write_json(path: PathLike, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+def atomic_write_json(path: PathLike, obj: Any, sort_keys: bool = True) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=sort_keys) + "\n")
 
 
 @contextlib.contextmanager

@@ -2,32 +2,24 @@
 aggregation (ALGORITHMS.md 5.1)."""
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
-ADVANTAGES: dict[str, Callable] = {}
+from dare_core.registry import Registry
+
+ADVANTAGES = Registry("adv_estimator")
 
 
-def _advantage(name: str):
-    def wrap(fn):
-        ADVANTAGES[name] = fn
-        return fn
-
-    return wrap
-
-
-@_advantage("grpo")
+@ADVANTAGES.register("grpo")
 def _grpo(r: torch.Tensor) -> torch.Tensor:
     return (r - r.mean(-1, keepdim=True)) / (r.std(-1, unbiased=True, keepdim=True) + 1e-6)
 
 
-@_advantage("grpo_no_std")
+@ADVANTAGES.register("grpo_no_std")
 def _grpo_no_std(r: torch.Tensor) -> torch.Tensor:
     return r - r.mean(-1, keepdim=True)
 
 
-@_advantage("rloo")
+@ADVANTAGES.register("rloo")
 def _rloo(r: torch.Tensor) -> torch.Tensor:
     g = r.shape[-1]
     return (r - r.mean(-1, keepdim=True)) * g / (g - 1)
@@ -37,11 +29,10 @@ def group_advantages(rewards: torch.Tensor, group_size: int, estimator: str = "g
     """rewards [N] laid out group by group (N = prompts * G) -> advantages [N] and metrics."""
     if group_size < 2:
         raise ValueError("group advantages need group_size >= 2")
-    if estimator not in ADVANTAGES:
-        raise ValueError(f"unknown adv_estimator '{estimator}'; known: {sorted(ADVANTAGES)}")
+    estimate = ADVANTAGES.lookup(estimator)
     r = rewards.float().view(-1, group_size)
     zero_std = r.std(-1, unbiased=True) == 0
-    adv = ADVANTAGES[estimator](r)
+    adv = estimate(r)
     adv = torch.where(zero_std[:, None], torch.zeros_like(adv), adv)
     return adv.reshape(-1), {"zero_std_ratio": zero_std.float().mean().item(), "reward_std": r.std(-1).mean().item()}
 

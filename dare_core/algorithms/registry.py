@@ -5,27 +5,19 @@ import dataclasses
 from typing import Callable
 
 from dare_core.config import from_dict
+from dare_core.registry import Registry
 
-ALGORITHMS: dict[str, type] = {}
+ALGORITHMS = Registry("algorithm")
 
 
 def register(name: str) -> Callable[[type], type]:
-    def wrap(cls: type) -> type:
-        if name in ALGORITHMS:
-            raise ValueError(f"algorithm '{name}' registered twice")
-        cls.name = name
-        ALGORITHMS[name] = cls
-        return cls
-
-    return wrap
+    return ALGORITHMS.register(name, set_name=True)
 
 
 def get_algorithm(name: str) -> type:
     from dare_core.algorithms import d1, sft  # noqa: F401  (register themselves)
 
-    if name not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm '{name}'; registered: {sorted(ALGORITHMS)}")
-    return ALGORITHMS[name]
+    return ALGORITHMS.lookup(name)
 
 
 def build_options(cls: type, args: dict, where: str):

@@ -6,7 +6,7 @@ depend on batch size or order.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 from tqdm.auto import tqdm
 
@@ -66,12 +66,3 @@ def evaluate(
     model.train(was_training)
     n = max(len(predictions), 1)
     return {"accuracy": correct / n, "mean_reward": total_reward / n, "num_samples": len(predictions), "nfe": nfe, "predictions": predictions}
-
-
-def sampling_params(cfg) -> SamplingParams:
-    """SamplingParams from a config.SamplerConfig (batch_size is a loop setting, not a sampler one)."""
-    return SamplingParams(
-        gen_length=cfg.gen_length, steps=cfg.steps, block_length=cfg.block_length, temperature=cfg.temperature,
-        remasking=cfg.remasking, cfg_scale=cfg.cfg_scale, logits_eos_inf=cfg.logits_eos_inf,
-        confidence_eos_eot_inf=cfg.confidence_eos_eot_inf,
-    )

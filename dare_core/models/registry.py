@@ -18,13 +18,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dare_core.models.transformer import Transformer, TransformerConfig
+from dare_core.registry import Registry
 from dare_core.storage import atomic_dir
-
-FAMILIES: dict[str, "Family"] = {}
 
 
 class ModelLoadError(ValueError):
     """A checkpoint folder that cannot be loaded; the message names the file and the parameter."""
+
+
+FAMILIES = Registry("model_type", error=ModelLoadError)
 
 
 @dataclass
@@ -61,15 +63,12 @@ def _translate(name: str, name_map: list[tuple[str, str]], src: int, dst: int, m
 
 
 def register_family(family: Family) -> Family:
-    FAMILIES[family.model_type] = family
-    return family
+    return FAMILIES.register(family.model_type)(family)
 
 
 def get_family(model_type: str) -> Family:
     _import_families()
-    if model_type not in FAMILIES:
-        raise ModelLoadError(f"unknown model_type '{model_type}'; known families: {sorted(FAMILIES)}")
-    return FAMILIES[model_type]
+    return FAMILIES.lookup(model_type)
 
 
 def _import_families() -> None:
@@ -184,7 +183,13 @@ def load_model(folder: Union[str, Path], dtype: Optional[torch.dtype] = None, de
     return model.to(device)
 
 
-def save_model(model: DiffusionLM, folder: Union[str, Path], max_shard_bytes: int = 2 * 1024**3, extra_files: Optional[dict[str, Any]] = None) -> Path:
+def save_model(
+    model: DiffusionLM,
+    folder: Union[str, Path],
+    max_shard_bytes: int = 2 * 1024**3,
+    extra_files: Optional[dict[str, Any]] = None,
+    sampler: Optional[dict] = None,
+) -> Path:
     """Write config.json + sharded safetensors + index atomically (the folder appears complete or not at all)."""
     folder = Path(folder)
     state = {k: v.detach().contiguous().cpu() for k, v in model.hf_state_dict().items()}
@@ -209,6 +214,8 @@ def save_model(model: DiffusionLM, folder: Union[str, Path], max_shard_bytes: in
         (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         gen_cfg = {k: config[k] for k in ("eos_token_id", "pad_token_id") if k in config}
+        if sampler:  # how this checkpoint is meant to be decoded (read back by `dare generate`/`dare eval`)
+            gen_cfg["dare_sampler"] = sampler
         (tmp / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2))
         for name, content in (extra_files or {}).items():
             src = Path(content) if isinstance(content, (str, Path)) else None

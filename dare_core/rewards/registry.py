@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from dare_core.registry import Registry
+
 RewardFn = Callable[[str, str, Optional[dict]], "RewardResult"]
 
 
@@ -18,23 +20,15 @@ class RewardResult:
     extra: dict = field(default_factory=dict)
 
 
-REWARDS: dict[str, RewardFn] = {}
+REWARDS = Registry("reward")
 
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
-    def decorator(fn: RewardFn) -> RewardFn:
-        if name in REWARDS:
-            raise ValueError(f"reward '{name}' is registered twice")
-        REWARDS[name] = fn
-        return fn
-
-    return decorator
+    return REWARDS.register(name)
 
 
 def get_reward(name: str) -> RewardFn:
-    if name not in REWARDS:
-        raise ValueError(f"unknown reward '{name}'; known rewards: {sorted(REWARDS)}")
-    return REWARDS[name]
+    return REWARDS.lookup(name)
 
 
 def compute_reward(name: str, response_text: str, ground_truth: str, extra: Optional[dict] = None) -> RewardResult:

@@ -1,3 +1,1 @@
-from dare_core.sampling.decode import GenerationOutput, SamplingParams, decode_responses, generate, left_pad
-
-__all__ = ["GenerationOutput", "SamplingParams", "decode_responses", "generate", "left_pad"]
+"""Sampling: one denoising loop (decode.py) with pluggable unmasking and cache policies."""

@@ -64,9 +64,15 @@ class CheckpointManager:
             torch.distributed.barrier()
         return tag
 
-    def load(self, engine, tag: str) -> dict:
+    def resume(self, engine, what: str) -> int:
+        """Load the last usable checkpoint into `engine`; returns the step to continue from (0: fresh)."""
+        tag = self.latest_tag()
+        if tag is None:
+            return 0
         _, client_state = engine.load_checkpoint(str(self.dir), tag=tag)
-        return client_state or {}
+        step = (client_state or {})["step"]
+        log.info("resuming %s from %s (step %d)", what, tag, step)
+        return step
 
     def _prune(self, keep: str) -> None:
         tags = sorted(p.name for p in self.dir.glob("step*") if p.is_dir())
@@ -124,7 +130,8 @@ def input_fingerprint(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def convert_checkpoint(ckpt_dir: Path, out_dir: Path, tokenizer_dir: Optional[Path] = None, tag: Optional[str] = None) -> Path:
+def convert_checkpoint(ckpt_dir: Path, out_dir: Path, tokenizer_dir: Optional[Path] = None, tag: Optional[str] = None,
+                       sampler: Optional[dict] = None) -> Path:
     """Training checkpoint -> Hugging Face folder; verified by reloading it to identical logits."""
     from dare_core.models.registry import build_model, load_model, save_model
 
@@ -132,7 +139,7 @@ def convert_checkpoint(ckpt_dir: Path, out_dir: Path, tokenizer_dir: Optional[Pa
     model = build_model(meta["hf_config"], device="meta")
     model.net.load_state_dict(state, strict=True, assign=True)
     model.eval()
-    save_model(model, out_dir, extra_files={"tokenizer": tokenizer_dir} if tokenizer_dir else None)
+    save_model(model, out_dir, extra_files={"tokenizer": tokenizer_dir} if tokenizer_dir else None, sampler=sampler)
     reloaded = load_model(out_dir).eval()
     probe = torch.arange(min(16, model.max_sequence_length))[None] % model.config.vocab_size
     with torch.no_grad():

@@ -19,7 +19,7 @@ from dare_core.data.batching import global_batch_indices
 from dare_core.data.schema import read_rows
 from dare_core.diffusion.masking import valid_region
 from dare_core.diffusion.seeding import sample_generators
-from dare_core.eval.quick import sampling_params, score_texts
+from dare_core.eval.quick import score_texts
 from dare_core.models.registry import load_model
 from dare_core.sampling.decode import decode_responses, generate
 from dare_core.storage import atomic_write_json
@@ -51,7 +51,6 @@ def check_rl_config(cfg: DareConfig) -> None:
 def rollout(model, tokenizer, rows: list[dict], cfg: DareConfig, step: int) -> tuple[Batch, dict]:
     """G samples per prompt, rewarded and turned into a training batch with group advantages."""
     rl = cfg.rl
-    params = sampling_params(rl.sampler)
     expanded = [r for r in rows for _ in range(rl.group_size)]
     uids = [f"{r['uid']}/{g}" for r in rows for g in range(rl.group_size)]
     prompts = [tokenizer.encode(r["prompt_text"]) for r in expanded]
@@ -59,7 +58,7 @@ def rollout(model, tokenizer, rows: list[dict], cfg: DareConfig, step: int) -> t
     outs = []
     for o in range(0, len(prompts), rl.sampler.batch_size):
         gens = sample_generators((cfg.run.seed, "rollout", step), uids[o:o + rl.sampler.batch_size])
-        outs.append(generate(model, prompts[o:o + rl.sampler.batch_size], params, generators=gens))
+        outs.append(generate(model, prompts[o:o + rl.sampler.batch_size], rl.sampler, generators=gens))
     model.train()
     # one common prompt width so that all rollouts form one batch
     width = max(o.prompt_len for o in outs)
@@ -114,11 +113,7 @@ def run_rl(cfg: DareConfig, progress: bool = True) -> dict:
 
     fingerprint = config_fingerprint(to_dict(cfg.model), to_dict(rl), cfg.run.seed, world, input_fingerprint(data_path), input_fingerprint(rl_start_folder(cfg)))
     ckpt = CheckpointManager(out_dir / "checkpoints", rl.keep_last, fingerprint)
-    start = 0
-    tag = ckpt.latest_tag()
-    if tag:
-        start = ckpt.load(engine, tag)["step"]
-        log.info("resuming RL from %s (step %d)", tag, start)
+    start = ckpt.resume(engine, "RL")
     logger = MetricsLogger(out_dir, resume_step=start, plot_keys=("reward", "accuracy"), enabled=rank == 0)
     trivial_ratio = rl.num_iterations == 1 and rl.mini_batches == 1
     if trivial_ratio:

@@ -21,6 +21,13 @@ def tokenizer_folder(cfg: DareConfig) -> Path:
     return Path(cfg.model.path or cfg.data.tokenizer_dir)
 
 
+def sampler_dict(cfg: DareConfig) -> dict:
+    """The eval sampler settings, stored with exported checkpoints."""
+    from dataclasses import asdict
+
+    return {k: v for k, v in asdict(cfg.eval.sampler).items() if k != "batch_size"}
+
+
 def initial_model(cfg: DareConfig, tokenizer: Tokenizer, device: Optional[torch.device] = None) -> DiffusionLM:
     """The model SFT starts from: `model.path` if set, else a seeded from-scratch init of `model.family`."""
     dtype = resolve_dtype(cfg.model.dtype)

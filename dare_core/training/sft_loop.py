@@ -19,7 +19,7 @@ from dare_core.storage import atomic_write_json
 from dare_core.training import engine as eng
 from dare_core.training.checkpoint import CheckpointManager, config_fingerprint, input_fingerprint
 from dare_core.training.metrics import MetricsLogger
-from dare_core.training.setup import initial_model, stage_tokenizer, tokenizer_folder
+from dare_core.training.setup import initial_model, sampler_dict, stage_tokenizer, tokenizer_folder
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +52,7 @@ def run_sft(cfg: DareConfig, progress: bool = True) -> dict:
 
     fingerprint = config_fingerprint(to_dict(cfg.model), to_dict(scfg), cfg.run.seed, world, input_fingerprint(data_path))
     ckpt = CheckpointManager(out_dir / "checkpoints", scfg.keep_last, fingerprint)
-    start = 0
-    tag = ckpt.latest_tag()
-    if tag:
-        start = ckpt.load(engine, tag)["step"]
-        log.info("resuming SFT from %s (step %d)", tag, start)
+    start = ckpt.resume(engine, "SFT")
     logger = MetricsLogger(out_dir, resume_step=start, plot_keys=("loss",), enabled=rank == 0)
 
     engine.train()
@@ -89,7 +85,7 @@ def run_sft(cfg: DareConfig, progress: bool = True) -> dict:
 
     summary = {"final_loss": loss, "steps": scfg.max_steps, "global_batch": global_batch, "wall_s": round(time.time() - t0, 1)}
     if rank == 0:
-        save_model(engine.module, out_dir / "model", extra_files={"tokenizer": tokenizer_folder(cfg)})
+        save_model(engine.module, out_dir / "model", extra_files={"tokenizer": tokenizer_folder(cfg)}, sampler=sampler_dict(cfg))
         atomic_write_json(Path(cfg.run.metrics_dir) / "sft.json", summary)
     return summary
 

@@ -3,12 +3,12 @@ import sys
 
 from dare_core.config import DareConfig
 from dare_core.training.checkpoint import convert_checkpoint
-from dare_core.training.setup import tokenizer_folder
+from dare_core.training.setup import sampler_dict, tokenizer_folder
 from dare_core.workers.common import run_worker
 
 
 def run_convert(cfg: DareConfig) -> None:
-    out = convert_checkpoint(cfg.stage_dir("rl") / "checkpoints", cfg.final_model_dir, tokenizer_folder(cfg))
+    out = convert_checkpoint(cfg.stage_dir("rl") / "checkpoints", cfg.final_model_dir, tokenizer_folder(cfg), sampler=sampler_dict(cfg))
     print(f"wrote {out}")
 
 

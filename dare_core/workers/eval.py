@@ -5,7 +5,7 @@ from pathlib import Path
 
 from dare_core.config import DareConfig
 from dare_core.data.schema import read_rows
-from dare_core.eval.quick import evaluate, sampling_params
+from dare_core.eval.quick import evaluate
 from dare_core.eval.report import accuracy_plot
 from dare_core.models.registry import load_model
 from dare_core.models.tokenizer import load_tokenizer
@@ -28,19 +28,19 @@ def run_eval(cfg: DareConfig) -> dict:
     rows = read_rows(data, "eval")
     if cfg.eval.max_samples:
         rows = rows[: cfg.eval.max_samples]
-    params = sampling_params(cfg.eval.sampler)
     results, artifacts = {}, {}
     out_dir = cfg.stage_dir("eval")
     for name, folder in checkpoints(cfg).items():
         if not (folder / "config.json").exists():
             raise FileNotFoundError(f"{folder}: checkpoint '{name}' not found (run the earlier stages first)")
         model = load_model(folder, dtype=resolve_dtype(cfg.model.dtype), device=device())
-        res = evaluate(model, load_tokenizer(folder), rows, params, cfg.eval.sampler.batch_size, cfg.run.seed, desc=f"eval[{name}]")
+        res = evaluate(model, load_tokenizer(folder), rows, cfg.eval.sampler, cfg.eval.sampler.batch_size, cfg.run.seed, desc=f"eval[{name}]")
         preds = res.pop("predictions")
         atomic_write_text(out_dir / f"predictions_{name}.jsonl", "".join(json.dumps(p) + "\n" for p in preds))
         results[name] = {k: res[k] for k in ("accuracy", "mean_reward", "num_samples")}
         artifacts[name] = str(folder)
-    atomic_write_json(Path(cfg.run.metrics_dir) / "eval.json", {**results, "artifacts": artifacts})
+    # checkpoint order (base, sft, rl) is meaningful: keep it in the file
+    atomic_write_json(Path(cfg.run.metrics_dir) / "eval.json", {**results, "artifacts": artifacts}, sort_keys=False)
     accuracy_plot(results, out_dir / "accuracy.png")
     for name, r in results.items():
         print(f"{name:>6}: accuracy {r['accuracy']:.3f} on {r['num_samples']} held-out problems ({artifacts[name]})")

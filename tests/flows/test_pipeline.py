@@ -6,9 +6,7 @@ per process; every flow run after that costs about a second.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import subprocess
 import sys
 from pathlib import Path

@@ -11,25 +11,18 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-TASKS: dict[str, type] = {}
+from dare_core.registry import Registry
+
+TASKS = Registry("task")
 
 
 def register_task(name: str) -> Callable[[type], type]:
-    def decorator(cls: type) -> type:
-        if name in TASKS:
-            raise ValueError(f"task '{name}' is registered twice")
-        cls.name = name
-        TASKS[name] = cls
-        return cls
-
-    return decorator
+    return TASKS.register(name, set_name=True)
 
 
 def get_task(name: str) -> Any:
     """An instance of the task registered as `name`."""
-    if name not in TASKS:
-        raise ValueError(f"unknown task '{name}'; known tasks: {sorted(TASKS)}")
-    return TASKS[name]()
+    return TASKS.lookup(name)()
 
 
 # Imported for registration; after register_task exists so the module can use it.

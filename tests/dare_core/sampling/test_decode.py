@@ -3,7 +3,6 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from conftest import make_tiny_llada
 from dare_core.diffusion.seeding import sample_generators
 from dare_core.sampling.decode import LinearScheduleUnmasker, SamplingParams, generate, gumbel_argmax
 

@@ -6,7 +6,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -86,7 +85,6 @@ def test_unknown_config_key_is_named(tmp_path):
 
 def test_malformed_prepared_row_names_file_and_row(tmp_path):
     params = _setup(tmp_path)
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
     path = tmp_path / "data" / "prepared" / "sft.parquet"

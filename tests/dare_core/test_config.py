@@ -1,0 +1,35 @@
+"""The config schema: unknown keys and bad values are named by their full path."""
+import pytest
+
+from dare_core.config import ConfigError, load_config
+
+
+def _write(tmp_path, text):
+    p = tmp_path / "params.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_unknown_key_is_named_with_a_suggestion(tmp_path):
+    p = _write(tmp_path, "sft:\n  optim:\n    weight_decy: 0.1\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'sft\.optim\.weight_decy' \(did you mean 'weight_decay'\?\)"):
+        load_config(p)
+
+
+def test_wrong_type_and_invalid_sampler_are_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"key 'rl\.num_steps' expects int"):
+        load_config(_write(tmp_path, "rl:\n  num_steps: many\n"))
+    with pytest.raises(ConfigError, match=r"'eval\.sampler'.*divisible by block_length"):
+        load_config(_write(tmp_path, "eval:\n  sampler: {gen_length: 10, block_length: 4, steps: 10}\n"))
+
+
+def test_overrides_and_yaml_float_spelling(tmp_path):
+    p = _write(tmp_path, "sft:\n  optim: {lr: 2e-3}\n")
+    cfg = load_config(p, ["rl.sampler.temperature=0.5", "sft.max_steps=7"])
+    assert cfg.sft.optim.lr == 0.002 and cfg.rl.sampler.temperature == 0.5 and cfg.sft.max_steps == 7
+    # a nested override keeps the section's other non-default defaults
+    assert cfg.rl.optim.lr == 1e-5
+    with pytest.raises(ConfigError, match="must look like key.sub=value"):
+        load_config(p, ["sft.max_steps"])
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
