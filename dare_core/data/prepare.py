@@ -122,10 +122,11 @@ def _check_lengths(split: str, rows: list[dict], tokenizer: Tokenizer, canvas: i
             raise DataError(f"{row['_where']}: prompt is {n} tokens (with chat template) + {canvas} "
                             f"{split} generation tokens = {n + canvas} > max sequence length {limit}")
         if split == "sft":
-            # A response longer than the canvas would be silently truncated in SFT.
+            # The canvas must hold the response and at least one EOS (how the model learns to stop);
+            # a longer response would be silently truncated.
             r = len(_encode(tokenizer, row["response"], row["_where"], "response"))
-            if r > canvas:
-                raise DataError(f"{row['_where']}: response is {r} tokens > sft.pad_to {canvas}")
+            if r + 1 > canvas:
+                raise DataError(f"{row['_where']}: response is {r} tokens + 1 EOS > sft.pad_to {canvas}")
         longest = max(longest, n)
     return longest
 
