@@ -15,17 +15,9 @@ from dare_core.diffusion.masking import Corruption, full_response_corruption, va
 
 def token_logprobs(model, corruption: Corruption, targets: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """log p_theta(targets_i | noisy) at every scored position, 0 elsewhere; float32 [B, S]."""
-    hidden = model.net.hidden_states(corruption.noisy_ids, attention_mask)
+    hidden = model.hidden_states(corruption.noisy_ids, attention_mask)
     rows = corruption.scored
-    if model.family.shift_logits:
-        # the prediction for position i lives at output i-1 (position 0 reuses its own output)
-        src = torch.zeros_like(rows)
-        src[:, :-1] = rows[:, 1:]
-        src[:, 0] |= rows[:, 0]
-        picked = hidden[src]
-    else:
-        picked = hidden[rows]
-    logits = model.net.lm_head(picked).float()
+    logits = model.logits_at(hidden, rows, attention_mask).float()
     logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[rows][:, None]).squeeze(-1)
     out = torch.zeros(rows.shape, dtype=torch.float32, device=hidden.device)
     return out.masked_scatter(rows, logp)

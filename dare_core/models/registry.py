@@ -17,7 +17,7 @@ import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dare_core.models.transformer import Transformer, TransformerConfig
+from dare_core.models.transformer import Transformer, TransformerConfig, default_position_ids
 from dare_core.registry import Registry
 from dare_core.storage import atomic_dir
 
@@ -35,9 +35,12 @@ class Family:
 
     model_type: str
     config_from_hf: Callable[[dict], TransformerConfig]
-    # (generic name template, checkpoint name template) pairs; `{i}` stands for the layer index
+    # (generic name template, checkpoint name template) pairs; `{i}` is the layer, `{e}` the expert index
     name_map: list[tuple[str, str]]
     shift_logits: bool = False
+    # block diffusion: attention is block-causal with this default block size (config "block_size"
+    # overrides it); None means fully bidirectional (masked diffusion)
+    block_size: Optional[int] = None
     # (vocab_size, mask_id, eos_id, pad_id, **sizes) -> config.json dict of a from-scratch model
     tiny_config: Optional[Callable[..., dict]] = None
     # config.json keys holding special token ids
@@ -51,7 +54,8 @@ class Family:
 
 
 def _template_regex(template: str) -> re.Pattern:
-    return re.compile(re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)"))
+    """"layers.{i}.mlp.experts.{e}.up_proj.weight" -> a regex with one numeric group per field."""
+    return re.compile(re.sub(r"\\\{(\w+)\\\}", r"(?P<\1>\\d+)", re.escape(template)))
 
 
 def _translate(name: str, name_map: list[tuple[str, str]], src: int, dst: int, model_type: str) -> str:
@@ -72,7 +76,7 @@ def get_family(model_type: str) -> Family:
 
 
 def _import_families() -> None:
-    from dare_core.models import llada  # noqa: F401  (registers itself)
+    from dare_core.models import dream, llada, llada2, sdar  # noqa: F401  (they register themselves)
 
 
 class DiffusionLM(nn.Module):
@@ -97,6 +101,42 @@ class DiffusionLM(nn.Module):
     def max_sequence_length(self) -> int:
         return self.config.max_sequence_length
 
+    @property
+    def block_size(self) -> Optional[int]:
+        if self.family.block_size is None:
+            return None
+        return int(self.hf_config.get("block_size") or self.family.block_size)
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        attn_mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Final hidden states under the family's attention pattern (bidirectional or block-causal)."""
+        if position_ids is None:
+            position_ids = default_position_ids(input_ids, attention_mask)
+        if attn_mask is None and self.block_size is not None:
+            attn_mask = block_causal_mask(position_ids, self.block_size, attention_mask)
+        return self.net.hidden_states(input_ids, attention_mask, position_ids, attn_mask)
+
+    def _shift_source(self, b: torch.Tensor, i: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """Output position holding the prediction for (b, i) in a shifted family: i-1, except a
+        sample's first real token (after any left padding), which reads its own output."""
+        src = (i - 1).clamp_min(0)
+        if attention_mask is not None:
+            first_real = attention_mask.long().argmax(-1)
+            src = torch.where(i == first_real[b], i, src)
+        return src
+
+    def logits_at(self, hidden: torch.Tensor, rows: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits for the positions in the boolean [B, S] `rows`, in row-major order."""
+        if not self.family.shift_logits:
+            return self.net.lm_head(hidden[rows])
+        b, i = rows.nonzero(as_tuple=True)
+        return self.net.lm_head(hidden[b, self._shift_source(b, i, attention_mask)])
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -105,19 +145,38 @@ class DiffusionLM(nn.Module):
         attn_mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Logits aligned so that position i predicts token i (shifted families are re-aligned here)."""
-        logits = self.net(input_ids, attention_mask, position_ids, attn_mask)
-        if self.family.shift_logits:
-            logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
-        return logits
+        logits = self.net.lm_head(self.hidden_states(input_ids, attention_mask, position_ids, attn_mask))
+        if not self.family.shift_logits:
+            return logits
+        bsz, seq = input_ids.shape
+        b = torch.arange(bsz, device=input_ids.device)[:, None].expand(bsz, seq)
+        i = torch.arange(seq, device=input_ids.device)[None].expand(bsz, seq)
+        src = self._shift_source(b, i, attention_mask)
+        return logits.gather(1, src[..., None].expand(-1, -1, logits.shape[-1]))
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        return {self.family.to_hf_name(k): v for k, v in self.net.state_dict().items()}
+        """Checkpoint-named tensors: parameters and persistent buffers (e.g. an expert bias); a tied
+        head is stored once, as the embedding."""
+        state = self.net.state_dict()
+        if self.config.tie_embeddings:
+            state.pop("lm_head.weight", None)
+        return {self.family.to_hf_name(k): v for k, v in state.items()}
 
     def hf_parameter_shapes(self) -> dict[str, tuple]:
-        return {self.family.to_hf_name(k): tuple(p.shape) for k, p in self.net.named_parameters()}
+        return {k: tuple(v.shape) for k, v in self.hf_state_dict().items()}
 
     def set_gradient_checkpointing(self, enabled: bool = True) -> None:
         self.net.gradient_checkpointing = enabled
+
+
+def block_causal_mask(position_ids: torch.Tensor, block_size: int, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[B, 1, S, S] bool: query i sees key j iff block(j) <= block(i), blocks counted from each
+    sample's own position 0 (so left padding does not shift them); padding keys are never seen."""
+    block = position_ids // block_size
+    mask = block[:, None, None, :] <= block[:, None, :, None]
+    if attention_mask is not None:
+        mask = mask & attention_mask.bool()[:, None, None, :]
+    return mask
 
 
 def build_model(hf_config: dict, device: Union[str, torch.device] = "cpu", dtype: Optional[torch.dtype] = None) -> DiffusionLM:
@@ -156,10 +215,52 @@ def _weight_files(folder: Path) -> dict[str, str]:
         return {k: single.name for k in f.keys()}
 
 
+MASK_TOKENS = ("<|mdm_mask|>", "<|mask|>", "<|MASK|>", "<MASK>")
+
+
+def _token_content(value: Any) -> Optional[str]:
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def tokenizer_token_ids(folder: Path) -> dict[str, int]:
+    """mask/eos/pad ids from a folder's tokenizer files, for configs that do not carry them
+    (LLaDA2's config.json has neither mask nor eos id)."""
+    tok_cfg = _json_or_empty(folder / "tokenizer_config.json")
+    ids: dict[str, int] = {}
+    for entry_id, entry in (tok_cfg.get("added_tokens_decoder") or {}).items():
+        ids[entry["content"]] = int(entry_id)
+    tok_json = _json_or_empty(folder / "tokenizer.json")
+    for entry in tok_json.get("added_tokens") or []:
+        ids.setdefault(entry["content"], int(entry["id"]))
+    vocab = (tok_json.get("model") or {}).get("vocab")
+    if isinstance(vocab, dict):
+        for content in list(MASK_TOKENS) + [_token_content(tok_cfg.get("eos_token")), _token_content(tok_cfg.get("pad_token"))]:
+            if content in vocab:
+                ids.setdefault(content, int(vocab[content]))
+    found = {}
+    mask = _token_content(tok_cfg.get("mask_token"))
+    for name in ([mask] if mask else []) + list(MASK_TOKENS):
+        if name in ids:
+            found["mask_token_id"] = ids[name]
+            break
+    for key in ("eos", "pad"):
+        content = _token_content(tok_cfg.get(f"{key}_token"))
+        if content in ids:
+            found[f"{key}_token_id"] = ids[content]
+    return found
+
+
+def _json_or_empty(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 def load_model(folder: Union[str, Path], dtype: Optional[torch.dtype] = None, device: Union[str, torch.device] = "cpu") -> DiffusionLM:
     """Load a Hugging Face checkpoint folder (config.json + safetensors) into our stack."""
     folder = Path(folder)
     hf_config = _read_config(folder)
+    for key, value in tokenizer_token_ids(folder).items():
+        if hf_config.get(key) is None:
+            hf_config[key] = value
     model = build_model(hf_config, device="meta")
     expected = model.hf_parameter_shapes()
     weight_map = _weight_files(folder)
@@ -176,8 +277,14 @@ def load_model(folder: Union[str, Path], dtype: Optional[torch.dtype] = None, de
                 t = f.get_tensor(hf_name)
                 if tuple(t.shape) != expected[hf_name]:
                     raise ModelLoadError(f"{folder / shard}: parameter '{hf_name}' has shape {tuple(t.shape)}, config implies {expected[hf_name]}")
-                state[model.family.from_hf_name(hf_name)] = t
+                # a fresh (64-byte aligned) buffer: kernels may round differently on misaligned data,
+                # and a reload must reproduce the saved model's logits bit for bit
+                state[model.family.from_hf_name(hf_name)] = t.clone()
+    if model.config.tie_embeddings:
+        state["lm_head.weight"] = state["embed.weight"]
     model.net.load_state_dict(state, assign=True, strict=True)
+    if model.config.tie_embeddings:
+        model.net.lm_head.weight = model.net.embed.weight
     if dtype is not None:
         model = model.to(dtype)
     return model.to(device)

@@ -1,11 +1,11 @@
-"""One decoder stack for every family: RMSNorm, RoPE, attention, SwiGLU MLP.
+"""One decoder stack for every family: RMSNorm, RoPE, attention, SwiGLU MLP or mixture of experts.
 
 It knows nothing about any family: a family file maps its config.json onto `TransformerConfig`,
 maps its weight names onto this module tree, and chooses the attention pattern.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -14,6 +14,22 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from dare_core.models.attention import attend, key_padding_mask
+
+
+@dataclass
+class MoEConfig:
+    n_experts: int
+    top_k: int
+    hidden: int  # intermediate size of one routed expert
+    # softmax: softmax over all experts, top-k (Qwen3-MoE / SDAR-MoE, LLaDA-MoE)
+    # sigmoid_grouped: sigmoid scores, selection biased by `expert_bias`, group-limited top-k (LLaDA2)
+    router: str = "softmax"
+    norm_topk_prob: bool = True
+    n_shared: int = 0  # shared experts, fused into one SwiGLU of width hidden * n_shared
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling: float = 1.0
+    expert_bias: bool = False
 
 
 @dataclass
@@ -28,10 +44,19 @@ class TransformerConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    head_size: Optional[int] = None  # explicit head width when it is not d_model / n_heads
+    qkv_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE
+    fused_qkv: bool = False  # one projection whose rows are [all q heads; all k heads; all v heads]
+    rotary_dim: Optional[int] = None  # rotate only the first rotary_dim dims of a head (partial RoPE)
+    # True: rotate in float32 (LLaDA); False: cos/sin cast to the activation dtype first (Qwen lineage)
+    rope_fp32: bool = True
+    moe: Optional[MoEConfig] = None
+    moe_layers: tuple = field(default_factory=tuple)  # indices of the layers whose MLP is the MoE
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.head_size or self.d_model // self.n_heads
 
 
 class RMSNorm(nn.Module):
@@ -41,65 +66,138 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalise in float32 whatever the model dtype: bf16 variance loses too much precision
+        # normalise in float32 whatever the model dtype; the weight multiplies after the cast back
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
 
 
-def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [B, 1, S, D] for the half-split ("rotate_half") RoPE, always in float32."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim))
-    freqs = position_ids.float()[..., None] * inv_freq  # [B, S, D/2]
+def rope_cos_sin(position_ids: torch.Tensor, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [B, 1, S, rotary_dim] for the half-split ("rotate_half") RoPE, computed in float32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, device=position_ids.device, dtype=torch.int64).float() / rotary_dim))
+    freqs = position_ids.float()[..., None] * inv_freq  # [B, S, rotary_dim/2]
     emb = torch.cat([freqs, freqs], dim=-1)[:, None]
     return emb.cos(), emb.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x32 = x.float()
-    x1, x2 = x32.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (x32 * cos + rotated * sin).to(x.dtype)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, in_fp32: bool = True) -> torch.Tensor:
+    """Rotate the first cos.shape[-1] dims of every head; the rest pass through (partial RoPE)."""
+    rd = cos.shape[-1]
+    rot, rest = x[..., :rd], x[..., rd:]
+    if in_fp32:
+        r = rot.float()
+    else:
+        r, cos, sin = rot, cos.to(x.dtype), sin.to(x.dtype)
+    r1, r2 = r.chunk(2, dim=-1)
+    out = (r * cos + torch.cat([-r2, r1], dim=-1) * sin).to(x.dtype)
+    return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
+        self.cfg = cfg
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        q_out, kv_out = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        if cfg.fused_qkv:
+            self.qkv_proj = nn.Linear(cfg.d_model, q_out + 2 * kv_out, bias=cfg.qkv_bias)
+        else:
+            self.q_proj = nn.Linear(cfg.d_model, q_out, bias=cfg.qkv_bias)
+            self.k_proj = nn.Linear(cfg.d_model, kv_out, bias=cfg.qkv_bias)
+            self.v_proj = nn.Linear(cfg.d_model, kv_out, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q_out, cfg.d_model, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.cfg.fused_qkv:
+            q, k, v = self.qkv_proj(x).split([self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin, self.cfg.rope_fp32), apply_rope(k, cos, sin, self.cfg.rope_fp32)
         out = attend(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, cfg: TransformerConfig):
+    def __init__(self, d_model: int, hidden: int):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.d_model, cfg.mlp_hidden_size, bias=False)
-        self.up_proj = nn.Linear(cfg.d_model, cfg.mlp_hidden_size, bias=False)
-        self.down_proj = nn.Linear(cfg.mlp_hidden_size, cfg.d_model, bias=False)
+        self.gate_proj = nn.Linear(d_model, hidden, bias=False)
+        self.up_proj = nn.Linear(d_model, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class MoE(nn.Module):
+    """Routed SwiGLU experts (+ optional shared expert). The router runs in float32."""
+
+    def __init__(self, d_model: int, cfg: MoEConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.router = nn.Linear(d_model, cfg.n_experts, bias=False)
+        if cfg.expert_bias:
+            # selection-only bias (LLaDA2): saved with the checkpoint, never trained by gradient
+            self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))
+        self.experts = nn.ModuleList(SwiGLU(d_model, cfg.hidden) for _ in range(cfg.n_experts))
+        if cfg.n_shared:
+            self.shared = SwiGLU(d_model, cfg.hidden * cfg.n_shared)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, d] -> (expert indices [T, k], float32 weights [T, k])."""
+        cfg = self.cfg
+        logits = F.linear(x.float(), self.router.weight.float())
+        if cfg.router == "softmax":
+            probs = logits.softmax(dim=-1)
+            weights, idx = probs.topk(cfg.top_k, dim=-1)
+            if cfg.norm_topk_prob:
+                weights = weights / weights.sum(-1, keepdim=True)
+        elif cfg.router == "sigmoid_grouped":
+            scores = logits.sigmoid()
+            biased = scores + self.expert_bias.float() if cfg.expert_bias else scores
+            groups = biased.view(-1, cfg.n_group, cfg.n_experts // cfg.n_group)
+            group_score = groups.topk(min(2, groups.shape[-1]), dim=-1).values.sum(-1)
+            keep = torch.zeros_like(group_score).scatter_(1, group_score.topk(cfg.topk_group, dim=-1).indices, 1.0)
+            allowed = keep[..., None].expand_as(groups).reshape_as(biased).bool()
+            idx = biased.masked_fill(~allowed, float("-inf")).topk(cfg.top_k, dim=-1).indices
+            weights = scores.gather(-1, idx)
+            if cfg.norm_topk_prob:
+                weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        else:
+            raise ValueError(f"unknown MoE router '{cfg.router}'")
+        return idx, weights * cfg.routed_scaling
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        idx, weights = self.route(flat)
+        out = torch.zeros(flat.shape, dtype=torch.float32, device=x.device)
+        for e in idx.unique().tolist():
+            token, slot = (idx == e).nonzero(as_tuple=True)
+            y = self.experts[e](flat[token]).float() * weights[token, slot, None]
+            out.index_add_(0, token, y)
+        out = out.to(x.dtype)
+        if self.cfg.n_shared:
+            out = out + self.shared(flat)
+        return out.view(shape)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: TransformerConfig):
+    def __init__(self, cfg: TransformerConfig, moe: bool):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
-        self.mlp = SwiGLU(cfg)
+        self.mlp = MoE(cfg.d_model, cfg.moe) if moe else SwiGLU(cfg.d_model, cfg.mlp_hidden_size)
 
     def forward(self, x, cos, sin, mask):
         x = x + self.attn(self.attn_norm(x), cos, sin, mask)
@@ -113,7 +211,8 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_layers))
+        moe_layers = set(cfg.moe_layers) if cfg.moe is not None else set()
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i in moe_layers) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -123,11 +222,11 @@ class Transformer(nn.Module):
     def init_weights(self, generator: torch.Generator, std: float = 0.02) -> None:
         """Deterministic from-scratch init (normal(0, std), output projections scaled by depth)."""
         for name, p in self.named_parameters():
-            if p.dim() == 1:
-                nn.init.ones_(p)
-            else:
-                scale = std / (2 * self.cfg.n_layers) ** 0.5 if name.endswith(("o_proj.weight", "down_proj.weight")) else std
-                with torch.no_grad():
+            with torch.no_grad():
+                if p.dim() == 1:
+                    p.copy_(torch.zeros_like(p) if name.endswith("bias") else torch.ones_like(p))
+                else:
+                    scale = std / (2 * self.cfg.n_layers) ** 0.5 if name.endswith(("o_proj.weight", "down_proj.weight")) else std
                     p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float32) * scale)
 
     def hidden_states(
@@ -143,7 +242,7 @@ class Transformer(nn.Module):
             position_ids = default_position_ids(input_ids, attention_mask)
         if attn_mask is None and attention_mask is not None:
             attn_mask = key_padding_mask(attention_mask)
-        cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta)
+        cos, sin = rope_cos_sin(position_ids, self.cfg.rotary_dim or self.cfg.head_dim, self.cfg.rope_theta)
         x = self.embed(input_ids)
         for layer in self.layers:
             if self.gradient_checkpointing and self.training:

@@ -49,15 +49,10 @@ class NoCache:
     """Re-encode the whole sequence every step; logits are projected only for the rows asked for."""
 
     def logits(self, model, x: torch.Tensor, attention_mask: torch.Tensor, rows: slice) -> torch.Tensor:
-        pos = default_position_ids(x, attention_mask)
-        hidden = model.net.hidden_states(x, attention_mask, pos)
-        if model.family.shift_logits:
-            start = max(rows.start - 1, 0)
-            h = hidden[:, start:rows.stop - 1]
-            if rows.start == 0:
-                h = torch.cat([hidden[:, :1], h], dim=1)
-            return model.net.lm_head(h)
-        return model.net.lm_head(hidden[:, rows])
+        hidden = model.hidden_states(x, attention_mask, default_position_ids(x, attention_mask))
+        want = torch.zeros(x.shape, dtype=torch.bool, device=x.device)
+        want[:, rows] = True
+        return model.logits_at(hidden, want, attention_mask).view(x.shape[0], rows.stop - rows.start, -1)
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:

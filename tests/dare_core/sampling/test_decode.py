@@ -18,18 +18,13 @@ class Recorder(torch.nn.Module):
         self.inputs = []
         self.family, self.mask_token_id, self.eos_token_id = model.family, model.mask_token_id, model.eos_token_id
         self.pad_token_id, self.max_sequence_length = model.pad_token_id, model.max_sequence_length
-        outer = self
 
-        class Net(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.lm_head = model.net.lm_head
+    def hidden_states(self, x, *args, **kwargs):
+        self.inputs.append(x.clone())
+        return self.model.hidden_states(x, *args, **kwargs)
 
-            def hidden_states(self, x, *a, **k):
-                outer.inputs.append(x.clone())
-                return model.net.hidden_states(x, *a, **k)
-
-        self.net = Net()
+    def logits_at(self, hidden, rows, attention_mask=None):
+        return self.model.logits_at(hidden, rows, attention_mask)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])

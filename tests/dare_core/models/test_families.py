@@ -1,0 +1,123 @@
+"""Every family: a tiny random checkpoint in the real on-disk layout reloads to bit-identical
+logits; each family's attention pattern and logit alignment behave as its published code does."""
+import json
+
+import pytest
+import torch
+
+from dare_core.diffusion.seeding import generator
+from dare_core.models.registry import build_model, get_family, load_model, save_model
+
+VOCAB, MASK, EOS = 64, 63, 62
+FAMILIES = ["llada", "Dream", "sdar", "sdar_moe", "llada2_moe"]
+SMALL = {
+    "llada": {"d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "mlp_hidden_size": 64, "max_sequence_length": 64},
+    "Dream": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64},
+    "sdar": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 64},
+    "sdar_moe": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                 "intermediate_size": 64, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16},
+    "llada2_moe": {"hidden_size": 32, "head_dim": 16, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 3,
+                   "intermediate_size": 64, "moe_intermediate_size": 16, "num_experts": 16, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2},
+}
+
+
+def tiny(model_type: str, seed: int = 0):
+    cfg = get_family(model_type).tiny_config(VOCAB, MASK, EOS, **SMALL[model_type])
+    model = build_model(cfg)
+    model.net.init_weights(generator(seed, model_type), std=0.3)
+    for layer in model.net.layers:  # a non-trivial selection-only bias
+        if hasattr(layer.mlp, "expert_bias"):
+            layer.mlp.expert_bias.copy_(torch.randn(layer.mlp.expert_bias.shape, generator=generator(seed, "bias")) * 0.1)
+    return model.eval()
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_round_trip_in_the_real_layout_is_bit_identical(tmp_path, model_type):
+    model = tiny(model_type)
+    folder = save_model(model, tmp_path / model_type, max_shard_bytes=30_000)
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["model_type"] == model_type and "architectures" in cfg
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(model.hf_state_dict())
+    reloaded = load_model(folder).eval()
+    x = torch.randint(0, 60, (2, 12), generator=generator(1, "x"))
+    attn = torch.ones_like(x)
+    attn[1, :3] = 0
+    assert torch.equal(model(x, attn), reloaded(x, attn))
+    bf = load_model(folder, dtype=torch.bfloat16).eval()
+    assert bf(x, attn).dtype == torch.bfloat16
+
+
+def test_dream_logits_are_shifted():
+    model = tiny("Dream")
+    x = torch.randint(0, 60, (1, 10), generator=generator(2, "x"))
+    raw = model.net(x)
+    aligned = model(x)
+    assert torch.equal(aligned[:, 1:], raw[:, :-1]) and torch.equal(aligned[:, 0], raw[:, 0])
+    rows = torch.zeros(1, 10, dtype=torch.bool)
+    rows[0, [0, 4, 9]] = True
+    torch.testing.assert_close(model.logits_at(model.hidden_states(x), rows), aligned[rows], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("model_type,block", [("sdar", 4), ("sdar_moe", 4), ("llada2_moe", 32)])
+def test_block_families_attend_block_causally(model_type, block):
+    model = tiny(model_type)
+    assert model.block_size == block
+    n = 3 * block if block < 32 else 40
+    x = torch.randint(0, 60, (1, n), generator=generator(3, "x"))
+    y = x.clone()
+    y[0, -1] = (y[0, -1] + 1) % 60  # change a token in the last block
+    lx, ly = model(x), model(y)
+    last_block_start = ((n - 1) // block) * block
+    # earlier blocks never see it (MoE: up to float reassociation, since routing batches change)
+    torch.testing.assert_close(lx[:, :last_block_start], ly[:, :last_block_start], atol=1e-5, rtol=0)
+    assert not torch.allclose(lx[:, last_block_start:-1], ly[:, last_block_start:-1])  # its own block does
+
+
+@pytest.mark.parametrize("model_type", ["llada", "Dream"])
+def test_masked_families_are_bidirectional(model_type):
+    model = tiny(model_type)
+    x = torch.randint(0, 60, (1, 8), generator=generator(4, "x"))
+    y = x.clone()
+    y[0, -1] = (y[0, -1] + 1) % 60
+    assert not torch.allclose(model(x)[0, 2], model(y)[0, 2])
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_left_padding_never_reaches_real_tokens(model_type):
+    model = tiny(model_type)
+    x = torch.randint(0, 60, (1, 9), generator=generator(5, "x"))
+    alone = model(x)
+    for pad_token in (7, 11):
+        padded = torch.cat([torch.full((1, 5), pad_token), x], dim=1)
+        attn = torch.cat([torch.zeros(1, 5, dtype=torch.long), torch.ones(1, 9, dtype=torch.long)], dim=1)
+        torch.testing.assert_close(model(padded, attn)[:, 5:], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_llada2_router_bias_selects_but_does_not_weight():
+    model = tiny("llada2_moe")
+    moe = model.net.layers[1].mlp
+    x = torch.randn(5, 32, generator=generator(6, "x"))
+    idx, w = moe.route(x)
+    assert idx.shape == (5, 4) and torch.allclose(w.sum(-1), torch.full((5,), 2.5))  # renormalised, then scaled
+    # experts come from at most topk_group groups of 4
+    assert all(len({e // 4 for e in row.tolist()}) <= 2 for row in idx)
+    # a huge bias on one expert forces its selection; its weight is still its unbiased score
+    moe.expert_bias.zero_()
+    moe.expert_bias[5] = 100.0
+    idx2, w2 = moe.route(x)
+    assert (idx2 == 5).any(-1).all()
+    scores = torch.sigmoid(torch.nn.functional.linear(x.float(), moe.router.weight.float()))
+    expected = scores.gather(-1, idx2)
+    torch.testing.assert_close(w2, 2.5 * expected / expected.sum(-1, keepdim=True))
+
+
+def test_sdar_moe_router_is_softmax_topk_renormalised():
+    model = tiny("sdar_moe")
+    moe = model.net.layers[0].mlp
+    x = torch.randn(6, 32, generator=generator(7, "x"))
+    idx, w = moe.route(x)
+    probs = torch.softmax(torch.nn.functional.linear(x, moe.router.weight), -1)
+    top = probs.topk(2, dim=-1)
+    assert torch.equal(idx, top.indices)
+    torch.testing.assert_close(w, top.values / top.values.sum(-1, keepdim=True))
