@@ -49,7 +49,8 @@ class MaskedDiffusionSFT(Algorithm):
             corruption = masked_corruption(batch.input_ids, batch.prompt_len, masked, self.mask_id, p)
         else:
             p = sample_mask_prob(generators, self.options.eps)
-            corruption = response_corruption(batch.input_ids, batch.prompt_len, batch.response_mask, self.mask_id, p, generators)
+            corruption = response_corruption(batch.input_ids, batch.prompt_len, batch.response_mask, self.mask_id, p, generators,
+                                             at_least_one=model.block_size is not None)
         nll = weighted_masked_nll(model, corruption, batch.input_ids, batch.attention_mask)  # [B]
         if self.options.loss_norm == "answer_length":
             per_sample = nll / batch.response_mask.sum(-1).clamp_min(1).to(nll)

@@ -10,20 +10,23 @@ from dare_core.algorithms.base import Batch
 from dare_core.sampling.decode import left_pad
 
 
-def sft_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], uids: list, pad_to: int, eos_id: int, pad_id: int) -> Batch:
-    """Left-pad prompts; responses get one EOS and are right-padded with EOS to `pad_to`.
+def sft_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], uids: list, pad_to: int, eos_id: int, pad_id: int,
+              eos_padding: bool = True) -> Batch:
+    """Left-pad prompts; responses get one EOS and fill a canvas of `pad_to` positions.
 
-    The EOS padding is attended and trained: it is how a masked diffusion LM learns to end an
-    answer inside a fixed canvas. Responses are truncated, never prompts."""
+    eos_padding (masked diffusion): the rest of the canvas is EOS, attended and trained; it is how
+    a masked diffusion LM learns to end an answer inside a fixed canvas. Otherwise (block diffusion)
+    the rest is padding with attention 0, never trained. Responses are truncated, never prompts."""
     prompt_ids, prompt_mask = left_pad(prompts, pad_id)
-    resp = torch.full((len(responses), pad_to), eos_id, dtype=torch.long)
+    resp = torch.full((len(responses), pad_to), eos_id if eos_padding else pad_id, dtype=torch.long)
+    resp_mask = torch.ones_like(resp, dtype=torch.bool) if eos_padding else torch.zeros_like(resp, dtype=torch.bool)
     for i, r in enumerate(responses):
-        r = list(r)[:pad_to]
-        if r:
-            resp[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        r = (list(r) + [eos_id])[:pad_to]
+        resp[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        resp_mask[i, : len(r)] = True
     input_ids = torch.cat([prompt_ids, resp], dim=1)
-    attention_mask = torch.cat([prompt_mask, torch.ones_like(resp)], dim=1)
-    return Batch(input_ids, attention_mask, prompt_ids.shape[1], torch.ones_like(resp, dtype=torch.bool), list(uids))
+    attention_mask = torch.cat([prompt_mask, resp_mask.long()], dim=1)
+    return Batch(input_ids, attention_mask, prompt_ids.shape[1], resp_mask, list(uids))
 
 
 @lru_cache(maxsize=4)

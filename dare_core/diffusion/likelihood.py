@@ -10,12 +10,19 @@ from typing import Sequence
 
 import torch
 
+from dare_core.diffusion.block import two_stream_hidden
 from dare_core.diffusion.masking import Corruption, full_response_corruption, valid_region
 
 
 def token_logprobs(model, corruption: Corruption, targets: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """log p_theta(targets_i | noisy) at every scored position, 0 elsewhere; float32 [B, S]."""
-    hidden = model.hidden_states(corruption.noisy_ids, attention_mask)
+    """log p_theta(targets_i | noisy) at every scored position, 0 elsewhere; float32 [B, S].
+
+    Block-diffusion models score all blocks in one pass of the two-stream layout [x_t ; x_0],
+    each noisy block seeing only the clean blocks before it."""
+    if model.block_size is not None:
+        hidden = two_stream_hidden(model, corruption.noisy_ids, targets, attention_mask)
+    else:
+        hidden = model.hidden_states(corruption.noisy_ids, attention_mask)
     rows = corruption.scored
     logits = model.logits_at(hidden, rows, attention_mask).float()
     logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[rows][:, None]).squeeze(-1)

@@ -47,10 +47,19 @@ def sample_mask_prob(generators: Sequence[torch.Generator], eps: float = EPS) ->
     return (1 - eps) * t + eps
 
 
-def bernoulli_mask(maskable: torch.Tensor, p: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
-    """Mask each maskable position independently with its row's probability p."""
+def bernoulli_mask(maskable: torch.Tensor, p: torch.Tensor, generators: Sequence[torch.Generator], at_least_one: bool = False) -> torch.Tensor:
+    """Mask each maskable position independently with its row's probability p.
+
+    at_least_one (block-diffusion SFT): a row that drew no mask gets one uniformly chosen position,
+    so no packed sample contributes an empty loss."""
     u = torch.stack([torch.rand(maskable.shape[1], generator=g) for g in generators]).to(maskable.device)
-    return (u < p.to(u.device)[:, None]) & maskable.bool()
+    mask = (u < p.to(u.device)[:, None]) & maskable.bool()
+    if at_least_one:
+        for row, g in enumerate(generators):
+            idx = maskable[row].nonzero().squeeze(-1)
+            if idx.numel() and not mask[row].any():
+                mask[row, idx[torch.randint(idx.numel(), (), generator=g)]] = True
+    return mask
 
 
 def count_mask(maskable: torch.Tensor, generators: Sequence[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,10 +98,11 @@ def response_corruption(
     mask_id: int,
     p: torch.Tensor,
     generators: Sequence[torch.Generator],
+    at_least_one: bool = False,
 ) -> Corruption:
     """Random completion-only corruption (law (a) of ALGORITHMS.md 1.3): response positions in
     `response_mask` [B, L] are masked with probability p[b] and scored where masked."""
-    return masked_corruption(input_ids, prompt_len, bernoulli_mask(response_mask, p, generators), mask_id, p)
+    return masked_corruption(input_ids, prompt_len, bernoulli_mask(response_mask, p, generators, at_least_one), mask_id, p)
 
 
 def full_response_corruption(

@@ -63,7 +63,7 @@ def run_sft(cfg: DareConfig, progress: bool = True) -> dict:
         idx = global_batch_indices(step, global_batch, len(rows), cfg.run.seed)
         micro = [idx[o:o + scfg.micro_batch_size] for o in range(0, global_batch, scfg.micro_batch_size)]
         mine = micro[rank::world]
-        batches = [sft_batch([prompts[i] for i in m], [responses[i] for i in m], [rows[i]["uid"] for i in m], scfg.pad_to, model.eos_token_id, model.pad_token_id) for m in mine]
+        batches = [sft_batch([prompts[i] for i in m], [responses[i] for i in m], [rows[i]["uid"] for i in m], scfg.pad_to, model.eos_token_id, model.pad_token_id, eos_padding=model.block_size is None) for m in mine]
         denom = eng.all_reduce_sum(algo.global_denominator([b.response_mask for b in batches]))
         loss_sum = 0.0
         for b in batches:

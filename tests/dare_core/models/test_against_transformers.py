@@ -9,7 +9,7 @@ import torch
 
 from dare_core.diffusion.seeding import generator
 from dare_core.models.registry import block_causal_mask, save_model
-from test_families import tiny
+from tiny_models import tiny
 
 transformers = pytest.importorskip("transformers")
 

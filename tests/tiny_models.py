@@ -1,0 +1,27 @@
+"""Tiny random models of every family, for tests."""
+import torch
+
+from dare_core.diffusion.seeding import generator
+from dare_core.models.registry import build_model, get_family
+
+VOCAB, MASK, EOS = 64, 63, 62
+FAMILIES = ["llada", "Dream", "sdar", "sdar_moe", "llada2_moe"]
+SMALL = {
+    "llada": {"d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "mlp_hidden_size": 64, "max_sequence_length": 64},
+    "Dream": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64},
+    "sdar": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 64},
+    "sdar_moe": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                 "intermediate_size": 64, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16},
+    "llada2_moe": {"hidden_size": 32, "head_dim": 16, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 3,
+                   "intermediate_size": 64, "moe_intermediate_size": 16, "num_experts": 16, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2},
+}
+
+
+def tiny(model_type: str, seed: int = 0):
+    cfg = get_family(model_type).tiny_config(VOCAB, MASK, EOS, **SMALL[model_type])
+    model = build_model(cfg)
+    model.net.init_weights(generator(seed, model_type), std=0.3)
+    for layer in model.net.layers:  # a non-trivial selection-only bias
+        if hasattr(layer.mlp, "expert_bias"):
+            layer.mlp.expert_bias.copy_(torch.randn(layer.mlp.expert_bias.shape, generator=generator(seed, "bias")) * 0.1)
+    return model.eval()
