@@ -56,6 +56,8 @@ class ModelConfig:
     init: dict = field(default_factory=dict)
     dtype: str = "auto"  # auto | float32 | bfloat16
     gradient_checkpointing: bool = False
+    # LoRA adapter instead of full fine-tuning: {r, alpha, dropout, targets}; null = full weights
+    lora: Optional[dict] = None
 
 
 @dataclass

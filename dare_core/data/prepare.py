@@ -36,7 +36,13 @@ def _dedupe(rows: list[dict]) -> list[dict]:
 
 def _max_length(cfg: DareConfig) -> int:
     if cfg.model.path is None:
-        return int(cfg.model.init.get("max_sequence_length", DEFAULT_MAX_LENGTH))
+        # whatever the family calls it (max_sequence_length, max_position_embeddings), its config says
+        from dare_core.models.registry import get_family
+
+        family = get_family(cfg.model.family)
+        if family.tiny_config is None:
+            return DEFAULT_MAX_LENGTH
+        return family.config_from_hf(family.tiny_config(8, 7, 6, **cfg.model.init)).max_sequence_length
     path = Path(cfg.model.path) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"model config not found: {path}")

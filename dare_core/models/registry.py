@@ -157,7 +157,12 @@ class DiffusionLM(nn.Module):
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Checkpoint-named tensors: parameters and persistent buffers (e.g. an expert bias); a tied
         head is stored once, as the embedding."""
-        state = self.net.state_dict()
+        if getattr(self, "lora", None) is not None:  # export folds the adapter into the weights
+            from dare_core.models.lora import merged_state_dict
+
+            state = merged_state_dict(self)
+        else:
+            state = self.net.state_dict()
         if self.config.tie_embeddings:
             state.pop("lm_head.weight", None)
         return {self.family.to_hf_name(k): v for k, v in state.items()}

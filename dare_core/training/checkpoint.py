@@ -3,6 +3,7 @@
 conversion of a checkpoint into a Hugging Face folder."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -54,8 +55,10 @@ class CheckpointManager:
         shutil.rmtree(self.dir / tmp_tag, ignore_errors=True)
         engine.save_checkpoint(str(self.dir), tag=tmp_tag, client_state=client_state, save_latest=False)
         if engine.global_rank == 0:
+            lora = getattr(engine.module, "lora", None)
             atomic_write_json(self.dir / tmp_tag / META, {"fingerprint": self.fingerprint, "step": step, "hf_config": hf_config,
-                                                          "zero_stage": engine.zero_optimization_stage()})
+                                                          "zero_stage": engine.zero_optimization_stage(),
+                                                          "lora": dataclasses.asdict(lora) if lora is not None else None})
             shutil.rmtree(self.dir / tag, ignore_errors=True)
             os.replace(self.dir / tmp_tag, self.dir / tag)
             atomic_write_text(self.dir / "latest", tag)
@@ -137,7 +140,14 @@ def convert_checkpoint(ckpt_dir: Path, out_dir: Path, tokenizer_dir: Optional[Pa
 
     state, meta = checkpoint_state_dict(ckpt_dir, tag)
     model = build_model(meta["hf_config"], device="meta")
-    model.net.load_state_dict(state, strict=True, assign=True)
+    if meta.get("lora"):
+        from dare_core.models.lora import LoraSettings, apply_lora
+
+        model = build_model(meta["hf_config"])
+        apply_lora(model, LoraSettings(**meta["lora"]))
+        model.net.load_state_dict(state, strict=True)
+    else:
+        model.net.load_state_dict(state, strict=True, assign=True)
     model.eval()
     save_model(model, out_dir, extra_files={"tokenizer": tokenizer_dir} if tokenizer_dir else None, sampler=sampler)
     reloaded = load_model(out_dir).eval()

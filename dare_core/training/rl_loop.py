@@ -27,7 +27,7 @@ from dare_core.training import engine as eng
 from dare_core.training.checkpoint import CheckpointManager, config_fingerprint, input_fingerprint
 from dare_core.training.engine import resolve_dtype
 from dare_core.training.metrics import MetricsLogger
-from dare_core.training.setup import stage_tokenizer
+from dare_core.training.setup import prepare_for_training, stage_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +87,21 @@ def rollout(model, tokenizer, rows: list[dict], cfg: DareConfig, step: int) -> t
     return batch, metrics
 
 
+def reference_scores(algo, policy, ref, batch: Batch, corruptions: list) -> list:
+    """Reference-policy scores on the same corruptions: a frozen copy, or (LoRA) the policy with its
+    adapter disabled, in eval mode."""
+    if ref is not None:
+        return [algo.score(ref, batch, c) for c in corruptions]
+    from dare_core.models.lora import adapter_disabled
+
+    was_training = policy.training
+    policy.eval()
+    with adapter_disabled(policy):
+        scores = [algo.score(policy, batch, c) for c in corruptions]
+    policy.train(was_training)
+    return scores
+
+
 def run_rl(cfg: DareConfig, progress: bool = True) -> dict:
     rl = cfg.rl
     check_rl_config(cfg)
@@ -95,11 +110,9 @@ def run_rl(cfg: DareConfig, progress: bool = True) -> dict:
     rows = read_rows(data_path, "rl")
     tokenizer = stage_tokenizer(cfg)
     device = eng.device()
-    policy = load_model(rl_start_folder(cfg), dtype=resolve_dtype(cfg.model.dtype), device=device)
-    if cfg.model.gradient_checkpointing:
-        policy.set_gradient_checkpointing(True)
+    policy = prepare_for_training(load_model(rl_start_folder(cfg), dtype=resolve_dtype(cfg.model.dtype), device=device), cfg)
     ref: Optional[torch.nn.Module] = None
-    if rl.kl_beta > 0:
+    if rl.kl_beta > 0 and cfg.model.lora is None:
         ref = copy.deepcopy(policy).eval().requires_grad_(False)
 
     algo_cls = get_algorithm(rl.algorithm)
@@ -133,7 +146,7 @@ def run_rl(cfg: DareConfig, progress: bool = True) -> dict:
         corruptions = [algo.corrupt(batch, (cfg.run.seed, step, it)) for it in range(rl.num_iterations)]
         with torch.no_grad():
             old = None if trivial_ratio else [algo.score(engine.module, batch, c) for c in corruptions]
-            ref_scores = [algo.score(ref, batch, c) for c in corruptions] if ref is not None else None
+            ref_scores = reference_scores(algo, engine.module, ref, batch, corruptions) if rl.kl_beta > 0 else None
         order = torch.arange(len(batch))
         update_metrics: dict[str, float] = {}
         n_updates = 0

@@ -41,6 +41,16 @@ def initial_model(cfg: DareConfig, tokenizer: Tokenizer, device: Optional[torch.
         model = build_model(hf_config)
         model.net.init_weights(generator(cfg.run.seed, "init"))
         model = model.to(device=device or "cpu", dtype=dtype)
+    return prepare_for_training(model, cfg)
+
+
+def prepare_for_training(model: DiffusionLM, cfg: DareConfig) -> DiffusionLM:
+    """Gradient checkpointing and LoRA, as configured."""
     if cfg.model.gradient_checkpointing:
         model.set_gradient_checkpointing(True)
+    if cfg.model.lora is not None:
+        from dare_core.config import from_dict
+        from dare_core.models.lora import LoraSettings, apply_lora
+
+        apply_lora(model, from_dict(LoraSettings, cfg.model.lora, "model.lora"))
     return model

@@ -1,0 +1,78 @@
+"""LoRA through peft on every family.
+
+Targets are full module-path patterns over our generic module tree, so "all-linear" means the
+attention and MLP (and expert) projections of every layer, never the LM head, the embeddings or an
+MoE router (LLaDA's checkpoint names its head and its MLP output both `ff_out`; our tree does not).
+The reference policy is the same module with the adapter disabled: no second copy of the weights.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+ALL_LINEAR = r"layers\.\d+\.(attn\.(q_proj|k_proj|v_proj|qkv_proj|o_proj)|mlp\.((experts\.\d+|shared)\.)?(gate_proj|up_proj|down_proj))"
+ATTENTION = r"layers\.\d+\.attn\.(q_proj|k_proj|v_proj|qkv_proj|o_proj)"
+TARGETS = {"all-linear": ALL_LINEAR, "attention": ATTENTION}
+
+
+@dataclass
+class LoraSettings:
+    r: int = 32
+    alpha: int = 16
+    dropout: float = 0.0
+    targets: str = "all-linear"  # all-linear | attention | a regex over module paths
+
+
+def apply_lora(model, settings: LoraSettings):
+    """Inject a LoRA adapter into `model.net` in place; only adapter weights stay trainable."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    pattern = TARGETS.get(settings.targets, settings.targets)
+    config = LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout, target_modules=pattern, bias="none")
+    inject_adapter_in_model(config, model.net)
+    for name, p in model.net.named_parameters():
+        p.requires_grad_("lora_" in name)
+    model.lora = settings
+    return model
+
+
+def lora_layers(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    from peft.tuners.lora import LoraLayer
+
+    return (m for m in module.modules() if isinstance(m, LoraLayer))
+
+
+@contextlib.contextmanager
+def adapter_disabled(model) -> Iterator[None]:
+    """The reference policy: the base weights, adapter off (no copy)."""
+    layers = list(lora_layers(model.net))
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+
+
+def merged_state_dict(model) -> dict[str, torch.Tensor]:
+    """Generic-named base weights with every adapter folded in (W + scale * B A), for export."""
+    state = {}
+    lora_modules = {name: m for name, m in model.net.named_modules() if "lora_A" in dict(m.named_children())}
+    for name, tensor in model.net.state_dict().items():
+        if "lora_" in name:
+            continue
+        clean = name.replace(".base_layer.", ".")
+        owner = clean.rsplit(".", 1)[0]
+        if owner in lora_modules and clean.endswith(".weight"):
+            layer = lora_modules[owner]
+            tensor = tensor + layer.get_delta_weight("default").to(tensor.dtype)
+        state[clean] = tensor.detach()
+    return state
+
+
+def adapter_state_dict(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach() for k, v in model.net.state_dict().items() if "lora_" in k}
