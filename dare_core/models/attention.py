@@ -1,15 +1,22 @@
 """Attention backends behind one call.
 
-On CPU (and as the reference everywhere) this is PyTorch SDPA with a boolean mask. Masks are built
-by the caller from the family's attention pattern; a KV cache (issue: fast rollouts) plugs in here
-by extending `k`/`v` before the call.
+  sdpa    PyTorch scaled_dot_product_attention with a dense boolean mask (CPU and GPU; the reference)
+  flex    FlexAttention with a sparse BlockMask (block-diffusion patterns, packing); GPU, compiled
+  varlen  packed variable-length sequences without padding: flash-attn's varlen kernel when
+          installed, else PyTorch's varlen_attn (CUDA only); bidirectional attention only
+
+An `AttentionContext` is built once per forward from the attention pattern (padding, packing,
+block-causal) and handed to every layer, so masks are never rebuilt per layer.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+BACKENDS = ("sdpa", "flex", "varlen")
 
 
 def key_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -17,15 +24,100 @@ def key_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return attention_mask.bool()[:, None, None, :]
 
 
-def attend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """q: [B, H, Sq, D], k/v: [B, Hkv, Sk, D]; mask broadcastable to [B, H, Sq, Sk], True = attend."""
+@dataclass
+class AttentionContext:
+    backend: str = "sdpa"
+    mask: Optional[torch.Tensor] = None  # sdpa: bool, broadcastable to [B, H, Sq, Sk]
+    block_mask: object = None  # flex: torch.nn.attention.flex_attention.BlockMask
+    cu_seqlens: Optional[torch.Tensor] = None  # varlen: int32 [n_seqs + 1]
+    max_seqlen: int = 0
+
+
+def packed_context(seq_lens: list[int], backend: str, device, block_size: Optional[int] = None,
+                   position_ids: Optional[torch.Tensor] = None) -> AttentionContext:
+    """Context for sequences packed back to back in one row: no token attends across sequences;
+    block_size adds block-causal attention inside each sequence (block diffusion)."""
+    lens = torch.tensor(seq_lens, device=device)
+    doc = torch.repeat_interleave(torch.arange(len(seq_lens), device=device), lens)
+    if position_ids is None:
+        starts = torch.cumsum(lens, 0) - lens
+        position_ids = torch.arange(int(lens.sum()), device=device) - torch.repeat_interleave(starts, lens)
+    if backend == "varlen":
+        if block_size is not None:
+            raise ValueError("varlen attention is bidirectional only; use flex or sdpa for block diffusion")
+        cu = torch.zeros(len(seq_lens) + 1, dtype=torch.int32, device=device)
+        cu[1:] = torch.cumsum(lens, 0)
+        return AttentionContext("varlen", cu_seqlens=cu, max_seqlen=int(lens.max()))
+    blk = position_ids // block_size if block_size is not None else None
+    if backend == "flex":
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def mask_mod(b, h, q, k):
+            same = doc[q] == doc[k]
+            return same & (blk[k] <= blk[q]) if blk is not None else same
+
+        n = int(lens.sum())
+        return AttentionContext("flex", block_mask=create_block_mask(mask_mod, None, None, n, n, device=device))
+    mask = doc[:, None] == doc[None, :]
+    if blk is not None:
+        mask = mask & (blk[None, :] <= blk[:, None])
+    return AttentionContext("sdpa", mask=mask[None, None])
+
+
+def dense_to_flex(mask: torch.Tensor):
+    """A dense [B, 1, S, S] boolean mask as a flex BlockMask (for padded batches on the flex path)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    m = mask[:, 0]
+
+    def mask_mod(b, h, q, k):
+        return m[b, q, k]
+
+    return create_block_mask(mask_mod, m.shape[0], None, m.shape[1], m.shape[2], device=m.device)
+
+
+_compiled_flex = None
+
+
+def _flex(q, k, v, block_mask):
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if q.is_cuda:
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+    return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _varlen(q, k, v, ctx: AttentionContext):
+    """q/k/v [1, H, T, D] of packed sequences."""
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))  # [T, H, D]
+    if k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    try:
+        from flash_attn import flash_attn_varlen_func
+
+        out = flash_attn_varlen_func(q, k, v, ctx.cu_seqlens, ctx.cu_seqlens, ctx.max_seqlen, ctx.max_seqlen, causal=False)
+    except ImportError:
+        from torch.nn.attention.varlen import varlen_attn
+
+        out = varlen_attn(q, k, v, ctx.cu_seqlens, ctx.cu_seqlens, ctx.max_seqlen, ctx.max_seqlen)  # full attention
+    return out.transpose(0, 1)[None]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx) -> torch.Tensor:
+    """q: [B, H, Sq, D], k/v: [B, Hkv, Sk, D] -> [B, H, Sq, D]. `ctx` is an AttentionContext, or
+    (sdpa shorthand) a boolean mask / None."""
+    if not isinstance(ctx, AttentionContext):
+        ctx = AttentionContext(mask=ctx)
+    if ctx.backend == "flex":
+        return _flex(q, k, v, ctx.block_mask)
+    if ctx.backend == "varlen":
+        return _varlen(q, k, v, ctx)
     if k.shape[1] != q.shape[1]:
         rep = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(rep, dim=1)
         v = v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=False)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, is_causal=False)

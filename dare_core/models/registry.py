@@ -121,6 +121,21 @@ class DiffusionLM(nn.Module):
             attn_mask = block_causal_mask(position_ids, self.block_size, attention_mask)
         return self.net.hidden_states(input_ids, attention_mask, position_ids, attn_mask)
 
+    def forward_packed(self, input_ids: torch.Tensor, seq_lens: list[int], backend: str = "sdpa") -> torch.Tensor:
+        """Logits [T, V] of sequences packed back to back in the 1-D `input_ids` (no padding);
+        positions restart at 0 per sequence and no token attends across sequences."""
+        from dare_core.models.attention import packed_context
+
+        lens = torch.tensor(seq_lens, device=input_ids.device)
+        starts = torch.cumsum(lens, 0) - lens
+        pos = torch.arange(input_ids.numel(), device=input_ids.device) - torch.repeat_interleave(starts, lens)
+        ctx = packed_context(seq_lens, backend, input_ids.device, self.block_size, pos)
+        hidden = self.net.hidden_states(input_ids[None], None, pos[None], ctx)[0]
+        if self.family.shift_logits:  # i-1 inside each sequence; a sequence's first token reads itself
+            i = torch.arange(input_ids.numel(), device=input_ids.device)
+            hidden = hidden[torch.where(pos == 0, i, i - 1)]
+        return self.net.lm_head(hidden)
+
     def _shift_source(self, b: torch.Tensor, i: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
         """Output position holding the prediction for (b, i) in a shifted family: i-1, except a
         sample's first real token (after any left padding), which reads its own output."""
