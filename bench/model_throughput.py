@@ -114,9 +114,6 @@ def run(name: str, batch: int, min_len: int, max_len: int, seed: int, device: st
         rows.append({"model": name, "mode": label, "tokens": tokens, "padded_tokens": batch * width, "ms": sec * 1e3,
                      "tokens_per_s": tokens / sec, "mfu": model_flops(model, lens, backward) / sec / peak,
                      "max_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0})
-    del model
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
     return rows
 
 
