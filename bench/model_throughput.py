@@ -60,8 +60,7 @@ def run(name: str, batch: int, min_len: int, max_len: int, seed: int, device: st
     cfg.update(shrink or {})
     cfg.setdefault("mask_token_id", 1)
     torch.set_default_dtype(torch.bfloat16)
-    with torch.device(device):
-        model = build_model(cfg)
+    model = build_model(cfg, device=device)
     torch.set_default_dtype(torch.float32)
     with torch.no_grad():
         for p in model.parameters():
