@@ -55,7 +55,8 @@ def timed(fn, warmup: int = 2, iters: int = 5) -> float:
     return (time.perf_counter() - t) / iters
 
 
-def run(name: str, batch: int, min_len: int, max_len: int, seed: int, device: str = "cuda", shrink: dict | None = None) -> list[dict]:
+def run(name: str, batch: int, min_len: int, max_len: int, seed: int, device: str = "cuda", shrink: dict | None = None,
+        micro: int = 0) -> list[dict]:
     cfg = json.loads((CONFIGS / f"{name}.json").read_text())
     cfg.update(shrink or {})
     cfg.setdefault("mask_token_id", 1)
@@ -68,13 +69,22 @@ def run(name: str, batch: int, min_len: int, max_len: int, seed: int, device: st
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(min_len, max_len + 1, (batch,), generator=g).tolist()
     seqs = [torch.randint(0, 1000, (n,), generator=g) for n in lens]
+    # the padded baseline: every sequence padded to the batch's longest (LLaDA's recipe), run in
+    # micro-batches of `micro` sequences (all at once if 0) with gradients accumulated, as a padded
+    # trainer does to fit memory
+    micro = micro or batch
     width = max(lens)
-    padded = torch.zeros(batch, width, dtype=torch.long)
-    attn = torch.zeros(batch, width, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        padded[i, : len(s)] = s
-        attn[i, : len(s)] = 1
-    padded, attn, packed = padded.to(device), attn.to(device), torch.cat(seqs).to(device)
+    chunks = []
+    for lo in range(0, batch, micro):
+        part = seqs[lo:lo + micro]
+        ids = torch.zeros(len(part), width, dtype=torch.long)
+        mask = torch.zeros(len(part), width, dtype=torch.long)
+        for i, t in enumerate(part):
+            ids[i, : len(t)] = t
+            mask[i, : len(t)] = 1
+        chunks.append((ids.to(device), mask.to(device)))
+    padded_tokens = sum(ids.numel() for ids, _ in chunks)
+    packed = torch.cat(seqs).to(device)
     packed_backend = "sdpa" if device == "cpu" else "flex" if model.block_size else "varlen"
     rows = []
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
@@ -82,14 +92,16 @@ def run(name: str, batch: int, min_len: int, max_len: int, seed: int, device: st
 
     def pad_fwd():
         with torch.no_grad():
-            model(padded, attn)
+            for ids, mask in chunks:
+                model(ids, mask)
 
     def pack_fwd():
         with torch.no_grad():
             model.forward_packed(packed, lens, backend=packed_backend)
 
     def pad_fwd_bwd():
-        model(padded, attn).float().square().mean().backward()
+        for ids, mask in chunks:
+            model(ids, mask).float().square().mean().backward()
         model.zero_grad(set_to_none=True)
 
     def pack_fwd_bwd():
@@ -110,7 +122,7 @@ def run(name: str, batch: int, min_len: int, max_len: int, seed: int, device: st
             rows.append({"model": name, "mode": label, "error": f"{type(exc).__name__}: {str(exc)[:100]}"})
             continue
         tokens = sum(lens)
-        rows.append({"model": name, "mode": label, "tokens": tokens, "padded_tokens": batch * width, "ms": sec * 1e3,
+        rows.append({"model": name, "mode": label, "tokens": tokens, "padded_tokens": padded_tokens, "ms": sec * 1e3,
                      "tokens_per_s": tokens / sec, "mfu": model_flops(model, lens, backward) / sec / peak,
                      "max_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0})
     return rows
@@ -124,6 +136,7 @@ def main() -> None:
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results/model_throughput.md")
+    p.add_argument("--micro", type=int, default=0, help="padded baseline micro-batch size (0: the whole batch at once)")
     p.add_argument("--smoke", action="store_true", help="2 layers, width 256, on CPU: checks the script, measures nothing")
     args = p.parse_args()
     shrink, device = None, "cuda"
@@ -133,15 +146,16 @@ def main() -> None:
                           "head_dim": 64, "vocab_size": 1024, "embedding_size": 1024}, "cpu"
     rows = []
     for name in args.configs:
-        rows += run(name, args.batch, args.min_len, args.max_len, args.seed, device, shrink)
+        rows += run(name, args.batch, args.min_len, args.max_len, args.seed, device, shrink, args.micro)
         for r in rows:
             print(r, flush=True)
     lines = [
         "# Model throughput: padded vs packed, real 8B configs, random bf16 weights",
         "",
-        f"Command: `python3 bench/model_throughput.py --batch {args.batch} --min-len {args.min_len} --max-len {args.max_len}`  ",
+        f"Command: `python3 bench/model_throughput.py --batch {args.batch} --min-len {args.min_len} --max-len {args.max_len} --micro {args.micro}`  ",
         f"Hardware: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU (smoke run)'} (peak bf16 dense taken as 989 TFLOP/s), torch {torch.__version__}, Python {platform.python_version()}  ",
-        f"Batch: {args.batch} sequences, lengths uniform in [{args.min_len}, {args.max_len}] (seed {args.seed}).",
+        f"Batch: {args.batch} sequences, lengths uniform in [{args.min_len}, {args.max_len}] (seed {args.seed}); padded baseline in "
+        f"micro-batches of {args.micro or args.batch}, every sequence padded to the batch's longest, gradients accumulated.",
         "",
         "| model | mode | real tokens | padded tokens | ms / step | tokens/s | MFU | peak mem (GiB) |",
         "|---|---|---|---|---|---|---|---|",

@@ -99,3 +99,17 @@ def test_sdar_moe_router_is_softmax_topk_renormalised():
     top = probs.topk(2, dim=-1)
     assert torch.equal(idx, top.indices)
     torch.testing.assert_close(w, top.values / top.values.sum(-1, keepdim=True))
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_gradient_checkpointing_gives_the_same_gradients(model_type):
+    model = tiny(model_type).train()
+    x = torch.randint(0, 60, (2, 9), generator=generator(8, "x"))
+    model(x).logsumexp(-1).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    model.set_gradient_checkpointing(True)
+    model(x).logsumexp(-1).sum().backward()
+    for n, p in model.named_parameters():
+        if n in grads:
+            torch.testing.assert_close(p.grad, grads[n], atol=1e-5, rtol=1e-5)
