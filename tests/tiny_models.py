@@ -5,10 +5,12 @@ from dare_core.diffusion.seeding import generator
 from dare_core.models.registry import build_model, get_family
 
 VOCAB, MASK, EOS = 64, 63, 62
-FAMILIES = ["llada", "Dream", "sdar", "sdar_moe", "llada2_moe"]
+FAMILIES = ["llada", "llada_moe", "Dream", "sdar", "sdar_moe", "llada2_moe"]
 SMALL = {
     # head width 16: FlexAttention's compiled kernels need at least 16 (the GPU backend tests use these too)
     "llada": {"d_model": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "mlp_hidden_size": 64, "max_sequence_length": 64},
+    "llada_moe": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
+                  "expert_intermediate_size": 16, "num_experts": 8, "num_experts_per_tok": 2},
     "Dream": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 64},
     "sdar": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 64},
     "sdar_moe": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from dare_core.models.registry import Family, ModelLoadError, register_family
-from dare_core.models.transformer import TransformerConfig
+from dare_core.models.qwen import qwen_name_map
+from dare_core.models.registry import FAMILIES, Family, ModelLoadError, register_family
+from dare_core.models.transformer import MoEConfig, TransformerConfig
 
 # config.json fields of a LLaDA checkpoint that describe its on-disk format; a from-scratch model
 # carries them so that it is a LLaDA checkpoint like any other
@@ -76,9 +77,16 @@ def tiny_config(vocab_size: int, mask_token_id: int, eos_token_id: int, pad_toke
     return cfg
 
 
+def _moe_variant(cfg: dict) -> Family:
+    """LLaDA-MoE checkpoints also say model_type "llada" but use the Llama/OLMoE layout."""
+    is_moe = "num_experts" in cfg or "LLaDAMoEModelLM" in (cfg.get("architectures") or [])
+    return LLADA_MOE if is_moe else LLADA
+
+
 LLADA = register_family(
     Family(
         model_type="llada",
+        variant=_moe_variant,
         config_from_hf=config_from_hf,
         tiny_config=tiny_config,
         name_map=[
@@ -97,3 +105,60 @@ LLADA = register_family(
         ],
     )
 )
+
+
+# ---- LLaDA-MoE (LLaDA-MoE-7B-A1B): per-head q/k RMSNorm, full RoPE, softmax top-k routing without
+# renormalisation, bidirectional attention, unshifted logits. See docs/families/llada_moe.md.
+
+
+def moe_config_from_hf(cfg: dict) -> TransformerConfig:
+    if cfg.get("moe_router_enable_expert_bias"):
+        raise ModelLoadError("LLaDA-MoE config: moe_router_enable_expert_bias is not supported")
+    if cfg.get("partial_rotary_factor", 1.0) not in (1, 1.0):
+        raise ModelLoadError(f"LLaDA-MoE config: partial_rotary_factor={cfg['partial_rotary_factor']} is not supported")
+    n_layers = cfg["num_hidden_layers"]
+    freq = cfg.get("moe_layer_freq", 1)
+    freq = freq if isinstance(freq, list) else [freq] * n_layers
+    shared = cfg.get("shared_expert_intermediate_size")
+    moe = MoEConfig(n_experts=cfg["num_experts"], top_k=cfg["num_experts_per_tok"], hidden=cfg["expert_intermediate_size"],
+                    router="softmax", norm_topk_prob=False, n_shared=1 if shared else 0)
+    if shared and shared != cfg["expert_intermediate_size"]:
+        raise ModelLoadError("LLaDA-MoE config: a shared expert wider than a routed one is not supported")
+    return TransformerConfig(
+        vocab_size=cfg["vocab_size"], d_model=cfg["hidden_size"], n_layers=n_layers, n_heads=cfg["num_attention_heads"],
+        n_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+        mlp_hidden_size=cfg.get("dense_intermediate_size") or cfg["expert_intermediate_size"],
+        max_sequence_length=cfg.get("max_position_embeddings", 8192), rope_theta=float(cfg.get("rope_theta", 50000.0)),
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-5), tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qk_norm=bool(cfg.get("qk_layernorm", True)), rope_fp32=False, moe=moe,
+        moe_layers=tuple(i for i, f in enumerate(freq) if f),
+    )
+
+
+def moe_tiny_config(vocab_size: int, mask_token_id: int, eos_token_id: int, pad_token_id: Optional[int] = None, **sizes) -> dict:
+    cfg = {
+        "model_type": "llada", "architectures": ["LLaDAMoEModelLM"],
+        "auto_map": {"AutoConfig": "configuration_lladamoe.LLaDAConfig", "AutoModel": "modeling_lladamoe.LLaDAMoEModelLM"},
+        "hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "expert_intermediate_size": 64, "dense_intermediate_size": 256, "num_experts": 8, "num_experts_per_tok": 2,
+        "moe_layer_freq": 1, "qk_layernorm": True, "rope_theta": 50000.0, "partial_rotary_factor": 1.0,
+        "rms_norm_eps": 1e-5, "max_position_embeddings": 128, "tie_word_embeddings": False, "hidden_act": "silu",
+    }
+    cfg.update(sizes)
+    padded = -(-vocab_size // 8) * 8
+    cfg.update(vocab_size=padded, mask_token_id=mask_token_id, eos_token_id=eos_token_id,
+               pad_token_id=eos_token_id if pad_token_id is None else pad_token_id)
+    return cfg
+
+
+LLADA_MOE = Family(
+    model_type="llada",
+    config_from_hf=moe_config_from_hf,
+    name_map=qwen_name_map(qk_norm=True, moe=True) + [
+        (f"layers.{{i}}.mlp.shared.{p}.weight", f"model.layers.{{i}}.shared_expert.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj")
+    ],
+    tiny_config=moe_tiny_config,
+)
+# selectable by name for from-scratch configs (`model.family: llada_moe`); loading a checkpoint
+# reaches it through the "llada" model_type and `_moe_variant`
+FAMILIES.register("llada_moe")(LLADA_MOE)

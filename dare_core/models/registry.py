@@ -43,6 +43,9 @@ class Family:
     block_size: Optional[int] = None
     # (vocab_size, mask_id, eos_id, pad_id, **sizes) -> config.json dict of a from-scratch model
     tiny_config: Optional[Callable[..., dict]] = None
+    # a family whose model_type is shared by another layout picks it from the config (LLaDA-MoE
+    # says model_type "llada" like LLaDA-8B): config -> the Family that really applies
+    variant: Optional[Callable[[dict], "Family"]] = None
     # config.json keys holding special token ids
     token_id_keys: dict = field(default_factory=lambda: {"mask": "mask_token_id", "eos": "eos_token_id", "pad": "pad_token_id"})
 
@@ -73,6 +76,11 @@ def register_family(family: Family) -> Family:
 def get_family(model_type: str) -> Family:
     _import_families()
     return FAMILIES.lookup(model_type)
+
+
+def family_of(hf_config: dict) -> Family:
+    family = get_family(hf_config.get("model_type", "<missing>"))
+    return family.variant(hf_config) if family.variant is not None else family
 
 
 def _import_families() -> None:
@@ -200,7 +208,7 @@ def block_causal_mask(position_ids: torch.Tensor, block_size: int, attention_mas
 
 
 def build_model(hf_config: dict, device: Union[str, torch.device] = "cpu", dtype: Optional[torch.dtype] = None) -> DiffusionLM:
-    family = get_family(hf_config.get("model_type", "<missing>"))
+    family = family_of(hf_config)
     with torch.device(device):
         model = DiffusionLM(family, hf_config)
     if dtype is not None:

@@ -81,3 +81,19 @@ def test_llada_matches_llama_bidirectional():
     with torch.no_grad():
         expected = ref(x, attention_mask=torch.ones(2, 1, 12, 12, dtype=torch.bool)).logits
     torch.testing.assert_close(ours(x), expected, atol=2e-5, rtol=1e-4)
+
+
+def test_llada_moe_matches_qwen3_moe_bidirectional_without_renormalisation(tmp_path):
+    """LLaDA-MoE's math is Qwen3-MoE's (per-head q/k norm, softmax top-k) with norm_topk_prob off and
+    bidirectional attention; its checkpoint names are the same Llama/OLMoE layout."""
+    ours = tiny("llada_moe")
+    assert ours.family.model_type == "llada" and ours.config.moe.norm_topk_prob is False
+    folder = save_model(ours, tmp_path / "llada_moe")
+    cfg = json.loads((folder / "config.json").read_text())
+    ref = _reference(folder, transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                     moe_intermediate_size=cfg["expert_intermediate_size"], intermediate_size=cfg["dense_intermediate_size"],
+                     norm_topk_prob=False, head_dim=cfg["hidden_size"] // cfg["num_attention_heads"], decoder_sparse_step=1, mlp_only_layers=[])
+    x = _inputs()
+    with torch.no_grad():
+        expected = ref(x, attention_mask=torch.ones(2, 1, 12, 12, dtype=torch.bool)).logits
+    torch.testing.assert_close(ours(x), expected, atol=2e-5, rtol=1e-4)

@@ -14,10 +14,11 @@ def test_round_trip_in_the_real_layout_is_bit_identical(tmp_path, model_type):
     model = tiny(model_type)
     folder = save_model(model, tmp_path / model_type, max_shard_bytes=30_000)
     cfg = json.loads((folder / "config.json").read_text())
-    assert cfg["model_type"] == model_type and "architectures" in cfg
+    assert cfg["model_type"] == model.family.model_type and "architectures" in cfg  # llada_moe keeps "llada"
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(model.hf_state_dict())
     reloaded = load_model(folder).eval()
+    assert reloaded.family is model.family  # LLaDA-MoE is told apart from LLaDA-8B by its config
     x = torch.randint(0, 60, (2, 12), generator=generator(1, "x"))
     attn = torch.ones_like(x)
     attn[1, :3] = 0
