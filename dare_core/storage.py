@@ -79,12 +79,3 @@ def atomic_dir(path: PathLike) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-def read_json(path: PathLike) -> Any:
-    if is_remote(path):
-        import fsspec
-
-        with fsspec.open(str(path), "r") as f:
-            return json.load(f)
-    return json.loads(_local(path).read_text())

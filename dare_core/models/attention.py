@@ -64,17 +64,6 @@ def packed_context(seq_lens: list[int], backend: str, device, block_size: Option
     return AttentionContext("sdpa", mask=mask[None, None])
 
 
-def dense_to_flex(mask: torch.Tensor):
-    """A dense [B, 1, S, S] boolean mask as a flex BlockMask (for padded batches on the flex path)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    m = mask[:, 0]
-
-    def mask_mod(b, h, q, k):
-        return m[b, q, k]
-
-    return create_block_mask(mask_mod, m.shape[0], None, m.shape[1], m.shape[2], device=m.device)
-
 
 _compiled_flex = None
 

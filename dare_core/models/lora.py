@@ -72,7 +72,3 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
             tensor = tensor + layer.get_delta_weight("default").to(tensor.dtype)
         state[clean] = tensor.detach()
     return state
-
-
-def adapter_state_dict(model) -> dict[str, torch.Tensor]:
-    return {k: v.detach() for k, v in model.net.state_dict().items() if "lora_" in k}

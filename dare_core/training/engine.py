@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Optional
 
 import torch
 
@@ -89,8 +88,3 @@ def device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
-
-
-def maybe_barrier(enabled: Optional[bool] = None) -> None:
-    if torch.distributed.is_initialized() and world_size() > 1:
-        torch.distributed.barrier()

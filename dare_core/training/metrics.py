@@ -4,7 +4,6 @@ from __future__ import annotations
 import csv
 import json
 from pathlib import Path
-from typing import Optional
 
 
 class MetricsLogger:
@@ -65,17 +64,3 @@ class MetricsLogger:
     def close(self) -> None:
         if self._tb:
             self._tb.close()
-
-
-def read_metrics(path: Path) -> list[dict]:
-    path = Path(path)
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def last_value(rows: list[dict], key: str) -> Optional[float]:
-    for r in reversed(rows):
-        if key in r:
-            return r[key]
-    return None

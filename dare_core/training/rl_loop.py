@@ -44,8 +44,9 @@ def check_rl_config(cfg: DareConfig) -> None:
         raise ValueError("rl.group_size must be >= 2 (group advantages need a group)")
     if rollouts % rl.mini_batches:
         raise ValueError(f"rl.prompts_per_step * rl.group_size = {rollouts} must be divisible by rl.mini_batches = {rl.mini_batches}")
-    if (rollouts // rl.mini_batches) % rl.micro_batch_size and rl.micro_batch_size < rollouts // rl.mini_batches:
-        raise ValueError("rl.micro_batch_size must divide the mini-batch size")
+    mini = rollouts // rl.mini_batches
+    if rl.micro_batch_size < mini and mini % rl.micro_batch_size:
+        raise ValueError(f"rl.micro_batch_size = {rl.micro_batch_size} must divide the mini-batch size {mini}")
 
 
 def rollout(model, tokenizer, rows: list[dict], cfg: DareConfig, step: int) -> tuple[Batch, dict]:
