@@ -99,7 +99,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def _sampler_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="a Hugging Face model folder")
-    for flag, kind in (("--gen-length", int), ("--steps", int), ("--block-length", int), ("--temperature", float)):
+    for flag, kind in (("--gen-length", int), ("--steps", int), ("--block-length", int), ("--temperature", float),
+                       ("--unmasking", str), ("--threshold", float), ("--cache", str)):
         p.add_argument(flag, type=kind, default=None, help="default: the folder's generation_config.json")
     p.add_argument("--seed", type=int, default=0)
     return p
@@ -114,7 +115,8 @@ def _sampling_params(args: argparse.Namespace):
 
     gen_cfg = Path(args.model) / "generation_config.json"
     saved = json.loads(gen_cfg.read_text()).get("dare_sampler", {}) if gen_cfg.exists() else {}
-    chosen = {k: getattr(args, k) for k in ("gen_length", "steps", "block_length", "temperature") if getattr(args, k) is not None}
+    keys = ("gen_length", "steps", "block_length", "temperature", "unmasking", "threshold", "cache")
+    chosen = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
     return SamplingParams(**{**{k: v for k, v in saved.items() if k in SamplingParams.__dataclass_fields__}, **chosen})
 
 

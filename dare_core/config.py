@@ -81,9 +81,12 @@ class LaunchConfig:
 
 @dataclass
 class SamplerConfig(SamplingParams):
-    """The sampler's own settings (validated on load) plus how many prompts decode at once."""
+    """The sampler's own settings (validated on load), how many prompts decode at once, and which
+    rollout engine runs them (`native`: our loop; `lmdeploy`: block diffusion through lmdeploy)."""
 
     batch_size: int = 64
+    engine: str = "native"
+    engine_args: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -31,6 +31,9 @@ class Batch:
     response_mask: torch.Tensor  # [B, L] maskable / scored response positions
     uids: list  # per-sample ids: seeds derive from them, never from batch position
     advantages: Optional[torch.Tensor] = None  # [B] (RL only)
+    # rollout records an algorithm asked for (`RLAlgorithm.requires`), each a tensor with a batch dim
+    # first, e.g. "step_map" [B, L] (ALGORITHMS.md 6.5)
+    records: dict = field(default_factory=dict)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -39,6 +42,7 @@ class Batch:
         return Batch(
             self.input_ids[idx], self.attention_mask[idx], self.prompt_len, self.response_mask[idx],
             [self.uids[i] for i in idx.tolist()], None if self.advantages is None else self.advantages[idx],
+            {k: v[idx.to(v.device)] for k, v in self.records.items()},
         )
 
 
@@ -53,7 +57,8 @@ class Algorithm(ABC):
 
 
 class RLAlgorithm(Algorithm):
-    #: rollout records the algorithm needs beyond token ids (e.g. {"step_map"})
+    #: rollout records the algorithm needs beyond token ids: "step_map" (CJ-GRPO, d-TreeRPO), or
+    #: "x0_hat" / "confidence" (MDPO), which make the sampler record every step in full
     requires: ClassVar[frozenset] = frozenset()
 
     def __init__(self, options, rl_cfg, mask_id: int, eos_id: int):

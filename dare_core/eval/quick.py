@@ -52,7 +52,7 @@ def evaluate(
     for start in range(0, len(rows), batch_size):
         chunk = list(rows[start:start + batch_size])
         prompts = [tokenizer.encode(r["prompt_text"]) for r in chunk]
-        gens = sample_generators((seed, "eval"), [r["uid"] for r in chunk])
+        gens = sample_generators((seed, "eval"), [r["uid"] for r in chunk], device=next(model.parameters()).device)
         out = generate(model, prompts, params, generators=gens)
         nfe += out.nfe
         texts = decode_responses(tokenizer, out)

@@ -105,8 +105,5 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx) -> torch.Tens
         return _flex(q, k, v, ctx.block_mask)
     if ctx.backend == "varlen":
         return _varlen(q, k, v, ctx)
-    if k.shape[1] != q.shape[1]:
-        rep = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, is_causal=False)
+    # grouped-query attention without materialising repeated keys (a full KV cache would be copied per layer)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, is_causal=False, enable_gqa=k.shape[1] != q.shape[1])

@@ -17,7 +17,7 @@ import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dare_core.models.transformer import Transformer, TransformerConfig, default_position_ids
+from dare_core.models.transformer import KVCache, Transformer, TransformerConfig, default_position_ids
 from dare_core.registry import Registry
 from dare_core.storage import atomic_dir
 
@@ -128,6 +128,40 @@ class DiffusionLM(nn.Module):
         if attn_mask is None and self.block_size is not None:
             attn_mask = block_causal_mask(position_ids, self.block_size, attention_mask)
         return self.net.hidden_states(input_ids, attention_mask, position_ids, attn_mask)
+
+    def window_hidden(
+        self,
+        window_ids: torch.Tensor,
+        cols: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        key_end: int,
+        cache: Optional[KVCache] = None,
+    ) -> torch.Tensor:
+        """Hidden states of the canvas columns `cols` (ascending, contiguous), whose tokens are
+        `window_ids`, attending to the canvas keys [0, key_end) under the family's pattern.
+
+        With a `KVCache` the window's keys/values are written into it and the other keys come from it;
+        without one the window must be the keys themselves (cols = 0..key_end-1)."""
+        if cache is None and (cols.numel() != key_end or int(cols[0]) != 0):
+            raise ValueError("without a KV cache the window must cover columns 0..key_end-1")
+        mask = attention_mask[:, None, None, :key_end].bool()
+        pos = position_ids[:, cols]
+        if self.block_size is not None:
+            q_block = pos // self.block_size
+            k_block = position_ids[:, :key_end] // self.block_size
+            mask = mask & (k_block[:, None, None, :] <= q_block[:, None, :, None])
+        return self.net.hidden_states(window_ids, None, pos, mask, kv_cache=cache.window(cols, key_end) if cache is not None else None)
+
+    def column_logits(self, hidden: torch.Tensor, window_start: int, lo: int, hi: int) -> torch.Tensor:
+        """Logits [B, hi-lo, V] predicting canvas columns [lo, hi) from the hidden states of a window
+        that starts at `window_start` (a shifted family reads column c from hidden c-1, so its window
+        must start before lo)."""
+        shift = 1 if self.family.shift_logits else 0
+        a = lo - shift - window_start
+        if a < 0:
+            raise ValueError(f"window starting at column {window_start} cannot predict column {lo}")
+        return self.net.lm_head(hidden[:, a:a + hi - lo])
 
     def forward_packed(self, input_ids: torch.Tensor, seq_lens: list[int], backend: str = "sdpa") -> torch.Tensor:
         """Logits [T, V] of sequences packed back to back in the 1-D `input_ids` (no padding);

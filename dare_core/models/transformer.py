@@ -111,7 +111,8 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor],
+                cache: Optional["LayerCache"] = None) -> torch.Tensor:
         b, s, _ = x.shape
         if self.cfg.fused_qkv:
             q, k, v = self.qkv_proj(x).split([self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim], dim=-1)
@@ -123,6 +124,8 @@ class Attention(nn.Module):
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin, self.cfg.rope_fp32), apply_rope(k, cos, sin, self.cfg.rope_fp32)
+        if cache is not None:  # write this window's keys/values, then attend to the cache's first key_end columns
+            k, v = cache.write_and_read(k, v)
         out = attend(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
@@ -199,8 +202,8 @@ class DecoderLayer(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
         self.mlp = MoE(cfg.d_model, cfg.moe) if moe else SwiGLU(cfg.d_model, cfg.mlp_hidden_size)
 
-    def forward(self, x, cos, sin, mask):
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
+    def forward(self, x, cos, sin, mask, cache=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -235,20 +238,23 @@ class Transformer(nn.Module):
         attention_mask: Optional[torch.Tensor] = None,
         position_ids: Optional[torch.Tensor] = None,
         attn_mask: Optional[torch.Tensor] = None,
+        kv_cache: Optional["KVCache"] = None,
     ) -> torch.Tensor:
         """Final-norm hidden states [B, S, d]. `attn_mask` (bool, broadcastable to [B,H,S,S]) overrides
-        the default bidirectional key-padding mask built from `attention_mask`."""
+        the default bidirectional key-padding mask built from `attention_mask`. With `kv_cache`, the
+        input is a window of the cached sequence (its columns are `kv_cache.cols`) and `attn_mask`
+        is [B, 1, S, key_end] over the cache's keys."""
         if position_ids is None:
             position_ids = default_position_ids(input_ids, attention_mask)
         if attn_mask is None and attention_mask is not None:
             attn_mask = key_padding_mask(attention_mask)
         cos, sin = rope_cos_sin(position_ids, self.cfg.rotary_dim or self.cfg.head_dim, self.cfg.rope_theta)
         x = self.embed(input_ids)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             if self.gradient_checkpointing and self.training:
                 x = checkpoint(layer, x, cos, sin, attn_mask, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, attn_mask)
+                x = layer(x, cos, sin, attn_mask, kv_cache.layer(i) if kv_cache is not None else None)
         return self.norm(x)
 
     def forward(
@@ -266,3 +272,50 @@ def default_position_ids(input_ids: torch.Tensor, attention_mask: Optional[torch
     if attention_mask is None:
         return torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
     return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
+class LayerCache:
+    """One layer's view of a `KVCache` during a windowed forward."""
+
+    __slots__ = ("k", "v", "cols", "key_end")
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, cols: torch.Tensor, key_end: int):
+        self.k, self.v, self.cols, self.key_end = k, v, cols, key_end
+
+    def write_and_read(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # index_copy_ with a column tensor (not a Python slice) so that a CUDA graph can replay it at
+        # any offset
+        self.k.index_copy_(2, self.cols, k.to(self.k.dtype))
+        self.v.index_copy_(2, self.cols, v.to(self.v.dtype))
+        return self.k[:, :, :self.key_end], self.v[:, :, :self.key_end]
+
+
+class KVCache:
+    """Post-RoPE keys and values of every layer for a whole canvas: [B, Hkv, S, D] per layer.
+
+    A forward over a window of columns writes the window's keys/values in place and attends to the
+    first `key_end` columns, whatever mix of cached and fresh entries they hold; which columns are
+    fresh on each step is the caller's policy (prefix, dual, block KV)."""
+
+    def __init__(self, cfg: TransformerConfig, batch: int, length: int, dtype: torch.dtype, device):
+        shape = (batch, cfg.n_kv_heads, length, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
+        self.cols: torch.Tensor = torch.arange(0, device=device)
+        self.key_end = length
+
+    @property
+    def length(self) -> int:
+        return self.k[0].shape[2]
+
+    def window(self, cols: torch.Tensor, key_end: int) -> "KVCache":
+        self.cols, self.key_end = cols, key_end
+        return self
+
+    def layer(self, i: int) -> LayerCache:
+        return LayerCache(self.k[i], self.v[i], self.cols, self.key_end)
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only these batch rows (finished sequences leave the batch)."""
+        self.k = [t.index_select(0, rows) for t in self.k]
+        self.v = [t.index_select(0, rows) for t in self.v]

@@ -1,58 +1,58 @@
-"""One denoising loop for masked diffusion LMs (ALGORITHMS.md 6.1).
+"""One denoising loop for every family (ALGORITHMS.md 6).
 
-The loop is fixed; what varies plugs in: an `Unmasker` decides how many masked positions of the
-current block to commit each step (and which, given confidences), and a `Cache` decides which part
-of the sequence is re-encoded each step (only `NoCache` exists so far; prefix/dual/block-KV caches
-slot in behind the same two methods). Returns token ids, never text.
+Masked diffusion (LLaDA, Dream) decodes the response in semi-autoregressive blocks counted from the
+end of the prompt; block diffusion (SDAR, LLaDA2) decodes blocks aligned to absolute positions, the
+first of which holds the prompt's tail. Both are the same loop over blocks and steps; what varies
+plugs in:
+
+  unmasking  how many / which masked positions of the block a step commits (`unmasking.py`)
+  cache      which columns a step re-encodes (`cache.py`); keys/values live in one `KVCache`
+  proposal   temperature, top-k / top-p, float64 Gumbel, classifier-free guidance
+
+Prompts are left-padded; padding is a key that no query ever sees, in every cache mode, and
+positions restart at 0 at each prompt's first token, so a batch decodes exactly as its prompts would
+one at a time. A sequence whose finished blocks hold EOS (or a stop id) leaves the batch. Returns
+token ids, never text.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Optional, Sequence
 
 import torch
 
-from dare_core.models.transformer import default_position_ids
+from dare_core.models.transformer import KVCache
+from dare_core.sampling.cache import CachePolicy, Window, build_cache_policy
 from dare_core.sampling.params import SamplingParams
+from dare_core.sampling.trajectory import Trajectory, TrajectoryRecorder
+from dare_core.sampling.unmasking import StepContext, build_unmasker, gumbel_argmax, score_block  # noqa: F401
+
+RECORD = ("none", "steps", "full")
 
 
 @dataclass
 class GenerationOutput:
-    sequences: torch.Tensor  # [B, P+L]: left-padded prompt then the response canvas
+    sequences: torch.Tensor  # [B, P+L]: left-padded prompt, then the response (EOS after the first stop)
     attention_mask: torch.Tensor  # [B, P+L]
     prompt_len: int
-    nfe: int  # model forward passes
-    step_map: Optional[torch.Tensor] = None  # [B, L] 1-based step at which each position was committed
+    nfe: int  # model forwards (a classifier-free-guidance forward counts twice)
+    lengths: torch.Tensor  # [B] response tokens up to and including the first stop token (gen_length if none)
+    stop_reason: list  # per row: "eos" | "length"
+    steps: torch.Tensor  # [B] denoising steps each row took
+    sampler: dict = field(default_factory=dict)  # the sampler config (6.5); the engine name is "native"
+    trajectory: Optional[Trajectory] = None
 
     @property
     def response(self) -> torch.Tensor:
         return self.sequences[:, self.prompt_len:]
 
-
-class Unmasker(Protocol):
-    def counts(self, num_masked: torch.Tensor, step_in_block: int, steps_per_block: int) -> torch.Tensor: ...
-
-
-class LinearScheduleUnmasker:
-    """LLaDA's linear schedule: an even split k_j = floor(m/s) + [j < m mod s] of the block's m masks."""
-
-    def counts(self, num_masked: torch.Tensor, step_in_block: int, steps_per_block: int) -> torch.Tensor:
-        base = num_masked // steps_per_block
-        return base + (step_in_block < num_masked % steps_per_block).long()
-
-
-class Cache(Protocol):
-    def logits(self, model, x: torch.Tensor, attention_mask: torch.Tensor, rows: slice) -> torch.Tensor: ...
-
-
-class NoCache:
-    """Re-encode the whole sequence every step; logits are projected only for the rows asked for."""
-
-    def logits(self, model, x: torch.Tensor, attention_mask: torch.Tensor, rows: slice) -> torch.Tensor:
-        hidden = model.hidden_states(x, attention_mask, default_position_ids(x, attention_mask))
-        want = torch.zeros(x.shape, dtype=torch.bool, device=x.device)
-        want[:, rows] = True
-        return model.logits_at(hidden, want, attention_mask).view(x.shape[0], rows.stop - rows.start, -1)
+    @property
+    def step_map(self) -> Optional[torch.Tensor]:
+        """[B, gen_length] 1-based step that committed each response position (0: never decoded)."""
+        if self.trajectory is None:
+            return None
+        return self.trajectory.response_step_map(self.response.shape[1])
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,15 +66,128 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device
     return ids, mask
 
 
-def gumbel_argmax(logits: torch.Tensor, temperature: float, generators: Optional[Sequence[torch.Generator]]) -> torch.Tensor:
-    """argmax(l + T g), g ~ Gumbel in float64: a sample from softmax(l / T); T = 0 is argmax."""
-    if temperature <= 0:
-        return logits.argmax(-1)
-    noise = torch.stack([
-        -torch.log(-torch.log(torch.rand(logits.shape[1:], generator=g, dtype=torch.float64).clamp_min(1e-300)))
-        for g in generators
-    ]).to(logits.device)
-    return (logits.double() + temperature * noise).argmax(-1)
+@dataclass
+class Canvas:
+    """The decoding canvas. Masked: [pad | prompt | L masks], blocks from the prompt's end.
+    Block diffusion: whole pad blocks, the prompt's full blocks, then blocks that start with each
+    prompt's tail, so that every row's blocks sit on the same columns and on its own multiples of B_s."""
+
+    x: torch.Tensor
+    attn: torch.Tensor
+    pos: torch.Tensor
+    is_prompt: torch.Tensor
+    resp_start: torch.Tensor  # [B]
+    origin: int  # first column of the first decoding block
+    blocks: list
+
+    @classmethod
+    def build(cls, prompts, params: SamplingParams, mask_id: int, pad_id: int, block_diffusion: bool, device,
+              bucket: int = 1) -> "Canvas":
+        lens = [len(p) for p in prompts]
+        if min(lens) == 0:
+            raise ValueError("every prompt needs at least one token")
+        bs, L = params.block_length, params.gen_length
+        if block_diffusion:
+            fulls = [n - n % bs for n in lens]
+            unit = math.lcm(bucket, bs)
+            origin = math.ceil(max(fulls) / unit) * unit
+            n_blocks = math.ceil((max(n % bs for n in lens) + L) / bs)
+            pads = [origin - f for f in fulls]
+        else:
+            origin, n_blocks = math.ceil(max(lens) / bucket) * bucket, L // bs
+            pads = [origin - n for n in lens]
+        S = origin + n_blocks * bs
+        x = torch.full((len(prompts), S), mask_id, dtype=torch.long)
+        attn = torch.zeros((len(prompts), S), dtype=torch.long)
+        is_prompt = torch.zeros((len(prompts), S), dtype=torch.bool)
+        for i, (p, pad) in enumerate(zip(prompts, pads)):
+            x[i, :pad] = pad_id
+            x[i, pad:pad + len(p)] = torch.tensor(list(p), dtype=torch.long)
+            attn[i, pad:] = 1
+            is_prompt[i, pad:pad + len(p)] = True
+        resp_start = torch.tensor([pad + n for pad, n in zip(pads, lens)])
+        pos = (attn.cumsum(-1) - 1).clamp_min(0)
+        blocks = [(origin + b * bs, origin + (b + 1) * bs) for b in range(n_blocks)]
+        return cls(x.to(device), attn.to(device), pos.to(device), is_prompt.to(device), resp_start.to(device), origin, blocks)
+
+    def select(self, keep: torch.Tensor) -> None:
+        for name in ("x", "attn", "pos", "is_prompt", "resp_start"):
+            setattr(self, name, getattr(self, name).index_select(0, keep))
+
+
+class Forward:
+    """Runs the model on a window of the canvas, with the KV cache, classifier-free guidance (the
+    unconditional rows ride in the same batch, prompt masked) and, on GPUs, a CUDA graph of the
+    fixed-width one-block window."""
+
+    def __init__(self, model, canvas: Canvas, policy: CachePolicy, params: SamplingParams):
+        self.model, self.canvas, self.policy, self.params = model, canvas, policy, params
+        self.cfg = params.cfg_scale > 0
+        self.cache: Optional[KVCache] = None
+        if policy.uses_kv:
+            p = next(model.parameters())
+            self.cache = KVCache(model.config, canvas.x.shape[0] * (2 if self.cfg else 1), canvas.x.shape[1], p.dtype, p.device)
+        self.nfe = 0
+        self.graphs = None
+        self.static = None
+        if _graphs_wanted(model, params):
+            from dare_core.sampling.graphs import graph_store
+
+            self.static = graph_store(model, canvas.x.shape[0], canvas.x.shape[1], params.compile_forward)
+            self.static.attn.copy_(canvas.attn)
+            self.static.pos.copy_(canvas.pos)
+            self.cache, self.graphs = self.static.cache, self.static.graphed
+
+    def _inputs(self):
+        c = self.canvas
+        if self.static is not None:  # graphs read the static copies (rows never leave the batch then)
+            return c.x, self.static.attn, self.static.pos
+        if not self.cfg:
+            return c.x, c.attn, c.pos
+        uncond = c.x.masked_fill(c.is_prompt, self.model.mask_token_id)
+        return torch.cat([c.x, uncond]), torch.cat([c.attn, c.attn]), torch.cat([c.pos, c.pos])
+
+    def __call__(self, w: Window, lo: Optional[int] = None, hi: Optional[int] = None) -> Optional[torch.Tensor]:
+        """Encode window `w` (writing its keys/values when cached); logits [B, hi-lo, V] in float32
+        for columns [lo, hi), or None when none are asked for (prefill, commit)."""
+        self.nfe += 2 if self.cfg else 1
+        x, attn, pos = self._inputs()
+        width = w.end - w.start
+        S = x.shape[1]
+        # graphs serve the fixed widths (a block, the whole canvas); key_end is then always the
+        # whole canvas, which the mask makes equivalent
+        if self.graphs is not None and (width == S or width == self.params.block_length + self.policy.shift):
+            hidden = self.graphs(x[:, w.start:w.end], w.start, attn, pos, self.cache)
+        else:
+            cols = torch.arange(w.start, w.end, device=x.device)
+            hidden = self.model.window_hidden(x[:, w.start:w.end], cols, attn, pos, w.key_end, self.cache)
+        if lo is None:
+            return None
+        logits = self.model.column_logits(hidden, w.start, lo, hi).float()
+        if self.cfg:
+            cond, uncond = logits.chunk(2)
+            logits = uncond + (self.params.cfg_scale + 1) * (cond - uncond)
+        return logits
+
+    def select(self, keep: torch.Tensor) -> None:
+        if self.cache is not None:
+            half = self.cache.k[0].shape[0] // 2  # the unconditional rows follow the conditional ones
+            self.cache.select(torch.cat([keep, keep + half]) if self.cfg else keep)
+        if self.graphs is not None:
+            self.graphs.reset()
+
+
+def _graphs_wanted(model, params: SamplingParams) -> bool:
+    if params.cuda_graphs is False or params.cache not in ("dual", "block_kv"):
+        return False
+    ok = next(model.parameters()).is_cuda and model.config.moe is None and params.cfg_scale == 0
+    if params.cuda_graphs and not ok:
+        raise ValueError("cuda_graphs needs a CUDA model without MoE layers and cfg_scale = 0")
+    return ok
+
+
+def _stop_ids(model, params: SamplingParams) -> torch.Tensor:
+    return torch.tensor(sorted({model.eos_token_id, *params.stop_token_ids}))
 
 
 @torch.no_grad()
@@ -83,71 +196,159 @@ def generate(
     prompts: Sequence[Sequence[int]],
     params: SamplingParams,
     generators: Optional[Sequence[torch.Generator]] = None,
-    unmasker: Optional[Unmasker] = None,
-    cache: Optional[Cache] = None,
-    record_steps: bool = False,
-    eot_id: Optional[int] = None,
+    record: str = "none",
+    max_blocks: Optional[int] = None,
 ) -> GenerationOutput:
-    """Semi-autoregressive low-confidence remasking over left-padded prompts."""
-    unmasker = unmasker or LinearScheduleUnmasker()
-    cache = cache or NoCache()
+    """Decode `params.gen_length` tokens after each prompt. `record`: "steps" keeps the step map
+    (CJ-GRPO, d-TreeRPO), "full" also every step's proposals and confidences (MDPO). `max_blocks`
+    decodes only the first blocks (benchmarks, previews); the rest of the response is EOS."""
+    if record not in RECORD:
+        raise ValueError(f"record must be one of {RECORD}, got '{record}'")
     device = next(model.parameters()).device
     mask_id, eos_id = model.mask_token_id, model.eos_token_id
-    if params.temperature > 0 or params.remasking == "random":
-        if generators is None or len(generators) != len(prompts):
-            raise ValueError("stochastic sampling needs one torch.Generator per prompt")
-    limit = model.max_sequence_length
-    longest = max(len(p) for p in prompts)
-    if longest + params.gen_length > limit:
-        raise ValueError(f"prompt of {longest} tokens + gen_length {params.gen_length} exceeds the model's maximum length {limit}")
+    block_diffusion = model.block_size is not None
+    if block_diffusion and params.block_length != model.block_size:
+        raise ValueError(f"this model was trained with blocks of {model.block_size}; set block_length: {model.block_size}")
+    if params.stochastic and (generators is None or len(generators) != len(prompts)):
+        raise ValueError("stochastic sampling needs one torch.Generator per prompt")
+    generators = list(generators) if generators is not None else None
 
-    prompt_ids, prompt_mask = left_pad(prompts, model.pad_token_id, device)
-    B, P, L = prompt_ids.shape[0], prompt_ids.shape[1], params.gen_length
-    x = torch.cat([prompt_ids, torch.full((B, L), mask_id, dtype=torch.long, device=device)], dim=1)
-    attn = torch.cat([prompt_mask, torch.ones((B, L), dtype=torch.long, device=device)], dim=1)
-    step_map = torch.zeros((B, L), dtype=torch.long, device=device) if record_steps else None
-    nfe, step = 0, 0
-    for block in range(L // params.block_length):
-        lo, hi = P + block * params.block_length, P + (block + 1) * params.block_length
-        block_masked = (x[:, lo:hi] == mask_id).sum(-1)
-        for j in range(params.steps_per_block):
-            step += 1
-            is_masked = x[:, lo:hi] == mask_id
+    graphs = _graphs_wanted(model, params)
+    # with CUDA graphs, canvases come in lengths rounded up to 64 columns of left padding (never
+    # attended), so that rollouts with different prompt lengths replay the same captured graphs
+    canvas = Canvas.build(prompts, params, mask_id, model.pad_token_id, block_diffusion, device, bucket=64 if graphs else 1)
+    B, S, L = canvas.x.shape[0], canvas.x.shape[1], params.gen_length
+    span = int((S - (canvas.attn == 0).sum(-1)).max())
+    if span > model.max_sequence_length:
+        raise ValueError(f"prompt + gen_length needs {span} positions, more than the model's maximum length {model.max_sequence_length}")
+    policy = build_cache_policy(params, 1 if model.family.shift_logits else 0, block_diffusion)
+    forward = Forward(model, canvas, policy, params)
+    unmasker = build_unmasker(params)
+    stop_ids = _stop_ids(model, params).to(device)
+    recorder = TrajectoryRecorder(B, S - canvas.origin, canvas.origin, record == "full", device) if record != "none" else None
+
+    final = canvas.x.clone()
+    resp_start_all = canvas.resp_start.clone()
+    active = torch.arange(B, device=device)
+    steps = torch.zeros(B, dtype=torch.long, device=device)
+    limit = max(params.steps_per_block, params.block_length) + 1
+
+    frozen = torch.zeros(B, dtype=torch.bool, device=device)
+
+    def retire(done: torch.Tensor) -> bool:
+        """Move finished rows out of the batch (under CUDA graphs, whose shapes are fixed, they stay
+        in it, frozen: no position of theirs is masked any more); False when none is left."""
+        nonlocal active, generators, frozen
+        if not done.any():
+            return True
+        if forward.static is not None:
+            newly = done & ~frozen
+            final[active[newly]] = canvas.x[newly]
+            frozen = frozen | done
+            return not bool(frozen.all())
+        final[active[done]] = canvas.x[done]
+        keep = (~done).nonzero().squeeze(-1)
+        active, frozen = active[keep], frozen[keep]
+        if keep.numel() == 0:
+            return False
+        canvas.select(keep)
+        forward.select(keep)
+        if generators is not None:
+            generators = [generators[i] for i in keep.tolist()]
+        return True
+
+    if (w := policy.prefill(canvas.origin)) is not None:
+        forward(w)
+    for bi, (lo, hi) in enumerate(canvas.blocks[:max_blocks]):
+        masked_at_start = ((canvas.x[:, lo:hi] == mask_id) & ~frozen[:, None]).sum(-1)
+        j = 0
+        while True:
+            is_masked = (canvas.x[:, lo:hi] == mask_id) & ~frozen[:, None]
             if not is_masked.any():
                 break
-            logits = cache.logits(model, x, attn, slice(lo, hi))
-            nfe += 1
-            if params.cfg_scale > 0:
-                uncond = x.clone()
-                uncond[:, :P] = torch.where(prompt_mask.bool(), torch.full_like(uncond[:, :P], mask_id), uncond[:, :P])
-                logits_u = cache.logits(model, uncond, attn, slice(lo, hi))
-                nfe += 1
-                logits = logits_u + (params.cfg_scale + 1) * (logits - logits_u)
-            logits = logits.float()
+            if j >= limit:
+                raise RuntimeError(f"unmasking '{params.unmasking}' left block {bi} unfinished after {j} steps")
+            logits = forward(policy.step(j, lo, hi, S), lo, hi)
+            logits[..., mask_id] = float("-inf")  # committing MASK would leave the position masked
             if params.logits_eos_inf:
                 logits[..., eos_id] = float("-inf")
-            proposal = gumbel_argmax(logits, params.temperature, generators)
-            if params.remasking == "low_confidence":
-                conf = torch.softmax(logits, dim=-1).gather(-1, proposal[..., None]).squeeze(-1)
+            # rows whose block is already complete draw nothing: a row's random stream must not
+            # depend on how long its batch neighbours take
+            # (deterministic decoding needs no such care, and skipping the row selection saves a
+            # host-device sync per step)
+            part = is_masked.any(-1)
+            if params.stochastic:
+                rows = part.nonzero().squeeze(-1)
+                sub_gens = [generators[i] for i in rows.tolist()]
+                logits = logits[rows]
             else:
-                conf = torch.stack([torch.rand(hi - lo, generator=g) for g in generators]).to(device)
+                rows, sub_gens = torch.arange(part.shape[0], device=device), None
+            scores = score_block(logits, params, sub_gens, want_entropy=unmasker.needs_entropy)
             if params.confidence_eos_eot_inf:
-                special = proposal == eos_id
-                if eot_id is not None:
-                    special |= proposal == eot_id
-                conf = torch.where(special, torch.full_like(conf, -1.0), conf)
-            conf = torch.where(is_masked, conf, torch.full_like(conf, float("-inf")))
-            k = unmasker.counts(block_masked, j, params.steps_per_block).clamp(max=is_masked.sum(-1))
-            order = conf.argsort(dim=-1, descending=True)
-            rank = torch.empty_like(order)
-            rank.scatter_(1, order, torch.arange(hi - lo, device=device).expand(B, -1))
-            commit = (rank < k[:, None]) & is_masked
-            x[:, lo:hi] = torch.where(commit, proposal, x[:, lo:hi])
-            if step_map is not None:
-                step_map[:, lo - P:hi - P][commit] = step
-    leftover = x[:, P:] == mask_id
-    x[:, P:][leftover] = eos_id
-    return GenerationOutput(sequences=x, attention_mask=attn, prompt_len=P, nfe=nfe, step_map=step_map)
+                special = torch.isin(scores.proposal, stop_ids)
+                scores.confidence = scores.confidence.masked_fill(special, float("-inf"))
+            ctx = StepContext(params, j, masked_at_start[rows], sub_gens)
+            sub_masked = is_masked[rows]
+            commit = unmasker.select(scores, sub_masked, ctx) & sub_masked
+            block = canvas.x[rows, lo:hi]
+            canvas.x[rows, lo:hi] = torch.where(commit, scores.proposal, block)
+            steps[active[rows]] += part[rows].long()
+            if recorder is not None:
+                took = part[rows].nonzero().squeeze(-1)  # a row whose block was complete took no step
+                recorder.record(active[rows[took]], steps[active[rows[took]]], lo, commit[took], scores.proposal[took], scores.confidence[took])
+            j += 1
+            # rows that are finished leave mid-block too, once enough of them to be worth the re-slicing
+            # (and, with CUDA graphs, a re-capture)
+            complete = ~(canvas.x[:, lo:hi] == mask_id).any(-1) & ~frozen
+            if complete.numel() > 1 and complete.any() and not (complete | frozen).all():
+                done = complete & _finished(canvas, hi, L, stop_ids, params.stop_at_eos)
+                if int(done.sum()) >= (1 if forward.static is not None else max(1, done.numel() // 4)):
+                    if forward.static is None:
+                        masked_at_start = masked_at_start[(~done).nonzero().squeeze(-1)]
+                    retire(done)
+        if bi + 1 < len(canvas.blocks) and (w := policy.commit(lo, hi)) is not None:
+            forward(w)
+        if not retire(_finished(canvas, hi, L, stop_ids, params.stop_at_eos)):
+            break
+    if active.numel():
+        final[active] = canvas.x
+    return _assemble(model, prompts, params, final, resp_start_all, canvas.origin, forward.nfe, steps, recorder, stop_ids)
+
+
+def _finished(canvas: Canvas, hi: int, gen_length: int, stop_ids: torch.Tensor, stop_at_eos: bool) -> torch.Tensor:
+    """Rows that need no further block: they have all gen_length tokens, or (stop_at_eos) a stop token."""
+    cols = torch.arange(canvas.x.shape[1], device=canvas.x.device)
+    in_resp = (cols >= canvas.resp_start[:, None]) & (cols < hi) & (cols < canvas.resp_start[:, None] + gen_length)
+    done = canvas.resp_start + gen_length <= hi
+    if stop_at_eos:
+        done |= (torch.isin(canvas.x, stop_ids) & in_resp).any(-1)
+    return done
+
+
+def _assemble(model, prompts, params, final, resp_start, origin, nfe, steps, recorder, stop_ids) -> GenerationOutput:
+    """Standard layout [left-padded prompt | response]; after the first stop token everything is EOS
+    (the trajectory keeps what was decoded there)."""
+    mask_id, eos_id, L = model.mask_token_id, model.eos_token_id, params.gen_length
+    device = final.device
+    idx = resp_start[:, None] + torch.arange(L, device=device)
+    response = final.gather(1, idx.clamp(max=final.shape[1] - 1))
+    response = response.masked_fill(idx >= final.shape[1], mask_id)
+    is_stop = torch.isin(response, stop_ids)
+    after = (is_stop.long().cumsum(-1) - is_stop.long()) > 0
+    response = response.masked_fill(after | (response == mask_id), eos_id)
+    has_stop = is_stop.any(-1)
+    lengths = torch.where(has_stop, is_stop.long().argmax(-1) + 1, torch.full_like(has_stop, L, dtype=torch.long))
+    prompt_ids, prompt_mask = left_pad(prompts, model.pad_token_id, device)
+    sequences = torch.cat([prompt_ids, response], dim=1)
+    attention_mask = torch.cat([prompt_mask, torch.ones_like(response)], dim=1)
+    trajectory = None
+    if recorder is not None:
+        trajectory = recorder.finish(final[:, origin:], resp_start - origin, steps, params.block_length, mask_id)
+    return GenerationOutput(
+        sequences=sequences, attention_mask=attention_mask, prompt_len=prompt_ids.shape[1], nfe=nfe,
+        lengths=lengths, stop_reason=["eos" if s else "length" for s in has_stop.tolist()], steps=steps,
+        sampler={"engine": "native", **asdict(params)}, trajectory=trajectory,
+    )
 
 
 def decode_responses(tokenizer, output: GenerationOutput) -> list[str]:

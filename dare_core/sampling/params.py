@@ -1,29 +1,79 @@
-"""Sampler settings (no torch import: the config schema builds on them)."""
+"""Sampler settings (no torch import: the config schema builds on them). ALGORITHMS.md 6."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
+
+# how a position's confidence is measured (6.1, 6.2)
+REMASKING = ("low_confidence", "maskgit_plus", "topk_margin", "entropy", "random")
+# how many / which masked positions of the current block are committed each step (6.1-6.4)
+UNMASKING = ("topk", "threshold", "dynamic", "factor", "entropy_bounded", "sequential", "origin")
+# how many positions a count-based unmasker commits per step: LLaDA's even split or Dream's timesteps
+SCHEDULES = ("linear", "dream")
+CACHES = ("none", "prefix", "dual", "block_kv")
 
 
 @dataclass
 class SamplingParams:
     gen_length: int = 8
+    # total denoising steps over gen_length (steps per block = steps / number of blocks); count-based
+    # unmaskers finish a block in exactly that many steps, threshold-like ones take as many as they need
     steps: int = 8
     block_length: int = 8
     temperature: float = 0.0
-    remasking: str = "low_confidence"  # low_confidence | random
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    # low_confidence: softmax(logits)[x] untempered (LLaDA); maskgit_plus: p(x) under the tempered,
+    # filtered distribution (Dream, SDAR); topk_margin: p1 - p2; entropy: sum p log p; random: U(0,1)
+    remasking: str = "low_confidence"
+    unmasking: str = "topk"
+    schedule: str = "linear"
+    threshold: float = 0.9  # threshold / dynamic: commit every masked position with confidence >= threshold
+    factor: float = 1.0  # factor: commit the largest n with (n+1)(1 - c_(n)) < factor
+    entropy_bound: float = 0.35  # entropy_bounded: cumulative vocabulary entropy budget per step
+    alg_temp: float = 0.0  # > 0: positions drawn from softmax(confidence / alg_temp) instead of top-k (Dream)
+    cache: str = "none"
+    # prefix/dual: re-encode the whole sequence at the start of each block and, if > 0, also every
+    # refresh_every steps inside a block (1 = every step, which reproduces decoding without a cache)
+    refresh_every: int = 0
     cfg_scale: float = 0.0
     logits_eos_inf: bool = False
     confidence_eos_eot_inf: bool = False
+    # a sequence stops once a finished block holds EOS or one of these ids; what follows is cut (EOS)
+    stop_at_eos: bool = True
+    stop_token_ids: list = field(default_factory=list)
+    # replay the cached one-block forward as a CUDA graph (GPU, dense models, no CFG); None = auto
+    cuda_graphs: Optional[bool] = None
+    # torch.compile that forward before capturing it (fewer, fused kernels; compiles once per batch size)
+    compile_forward: bool = False
 
     def __post_init__(self) -> None:
+        if self.gen_length <= 0 or self.block_length <= 0 or self.steps <= 0:
+            raise ValueError("gen_length, block_length and steps must be positive")
         if self.gen_length % self.block_length:
             raise ValueError(f"gen_length {self.gen_length} must be divisible by block_length {self.block_length}")
         blocks = self.gen_length // self.block_length
         if self.steps % blocks:
             raise ValueError(f"steps {self.steps} must be divisible by the number of blocks {blocks}")
-        if self.remasking not in ("low_confidence", "random"):
-            raise ValueError(f"unknown remasking '{self.remasking}'")
+        for name, value, allowed in (("remasking", self.remasking, REMASKING), ("unmasking", self.unmasking, UNMASKING),
+                                     ("schedule", self.schedule, SCHEDULES), ("cache", self.cache, CACHES)):
+            if value not in allowed:
+                raise ValueError(f"unknown {name} '{value}'; known: {list(allowed)}")
+        if self.temperature < 0 or self.alg_temp < 0:
+            raise ValueError("temperature and alg_temp must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0 or self.refresh_every < 0:
+            raise ValueError("top_k and refresh_every must be >= 0")
+        if self.factor <= 0 or self.entropy_bound < 0:
+            raise ValueError("factor must be > 0 and entropy_bound >= 0")
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
 
     @property
     def steps_per_block(self) -> int:
         return self.steps // (self.gen_length // self.block_length)
+
+    @property
+    def stochastic(self) -> bool:
+        """Whether decoding draws random numbers (and so needs one generator per prompt)."""
+        return (self.temperature > 0 or self.remasking == "random" or self.unmasking == "origin" or self.alg_temp > 0)

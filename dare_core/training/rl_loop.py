@@ -21,7 +21,8 @@ from dare_core.diffusion.masking import valid_region
 from dare_core.diffusion.seeding import sample_generators
 from dare_core.eval.quick import score_texts
 from dare_core.models.registry import load_model
-from dare_core.sampling.decode import decode_responses, generate
+from dare_core.sampling.decode import decode_responses
+from dare_core.sampling.engines import RolloutEngine, build_engine
 from dare_core.storage import atomic_write_json
 from dare_core.training import engine as eng
 from dare_core.training.checkpoint import CheckpointManager, config_fingerprint, input_fingerprint
@@ -49,17 +50,28 @@ def check_rl_config(cfg: DareConfig) -> None:
         raise ValueError(f"rl.micro_batch_size = {rl.micro_batch_size} must divide the mini-batch size {mini}")
 
 
-def rollout(model, tokenizer, rows: list[dict], cfg: DareConfig, step: int) -> tuple[Batch, dict]:
+def record_level(requires: frozenset) -> str:
+    """How much of the denoising trajectory the sampler must keep for an algorithm."""
+    if requires & {"x0_hat", "confidence"}:
+        return "full"
+    return "steps" if "step_map" in requires else "none"
+
+
+def rollout(sampler: RolloutEngine, model, tokenizer, rows: list[dict], cfg: DareConfig, step: int,
+            requires: frozenset = frozenset()) -> tuple[Batch, dict]:
     """G samples per prompt, rewarded and turned into a training batch with group advantages."""
     rl = cfg.rl
     expanded = [r for r in rows for _ in range(rl.group_size)]
     uids = [f"{r['uid']}/{g}" for r in rows for g in range(rl.group_size)]
     prompts = [tokenizer.encode(r["prompt_text"]) for r in expanded]
+    device = next(model.parameters()).device
     model.eval()
     outs = []
+    t0 = time.time()
     for o in range(0, len(prompts), rl.sampler.batch_size):
-        gens = sample_generators((cfg.run.seed, "rollout", step), uids[o:o + rl.sampler.batch_size])
-        outs.append(generate(model, prompts[o:o + rl.sampler.batch_size], rl.sampler, generators=gens))
+        gens = sample_generators((cfg.run.seed, "rollout", step), uids[o:o + rl.sampler.batch_size], device=device)
+        outs.append(sampler.generate(prompts[o:o + rl.sampler.batch_size], rl.sampler, generators=gens, record=record_level(requires)))
+    rollout_s = time.time() - t0
     model.train()
     # one common prompt width so that all rollouts form one batch
     width = max(o.prompt_len for o in outs)
@@ -76,8 +88,11 @@ def rollout(model, tokenizer, rows: list[dict], cfg: DareConfig, step: int) -> t
     adv, adv_metrics = group_advantages(rewards, rl.group_size, rl.adv_estimator)
     response = input_ids[:, width:]
     valid = valid_region(response, model.eos_token_id, attention_mask[:, width:])
-    batch = Batch(input_ids, attention_mask, width, valid, uids, adv)
+    batch = Batch(input_ids, attention_mask, width, valid, uids, adv, _records(outs, requires))
+    steps = torch.cat([o.steps.float().cpu() for o in outs])
     metrics = {
+        "rollout_steps": steps.mean().item(),
+        "rollout_tokens_per_s": attention_mask[:, width:].sum().item() / max(rollout_s, 1e-9),
         "reward": rewards.mean().item(),
         "accuracy": sum(r.acc for r in results) / len(results),
         "response_tokens": valid.sum(-1).float().mean().item(),
@@ -86,6 +101,20 @@ def rollout(model, tokenizer, rows: list[dict], cfg: DareConfig, step: int) -> t
         **adv_metrics,
     }
     return batch, metrics
+
+
+def _records(outs: list, requires: frozenset) -> dict:
+    """The trajectory records an algorithm asked for, concatenated over the rollout chunks (per-step
+    records padded to the longest chunk: -1 proposals, NaN confidences)."""
+    records = {}
+    if "step_map" in requires:
+        records["step_map"] = torch.cat([o.step_map for o in outs])
+    for key, fill in (("x0_hat", -1), ("confidence", float("nan"))):
+        if key in requires:
+            parts = [getattr(o.trajectory, key) for o in outs]
+            k = max(p.shape[1] for p in parts)
+            records[key] = torch.cat([torch.nn.functional.pad(p, (0, 0, 0, k - p.shape[1]), value=fill) for p in parts])
+    return records
 
 
 def reference_scores(algo, policy, ref, batch: Batch, corruptions: list) -> list:
@@ -124,6 +153,7 @@ def run_rl(cfg: DareConfig, progress: bool = True) -> dict:
     updates = rl.num_steps * rl.num_iterations * rl.mini_batches
     engine = eng.build_engine(policy, rl.optim, updates, micro, mini // micro, cfg.launch.zero_stage)
     world, rank = eng.world_size(), eng.rank()
+    sampler = build_engine(rl.sampler.engine, engine.module, **rl.sampler.engine_args)
 
     fingerprint = config_fingerprint(to_dict(cfg.model), to_dict(rl), cfg.run.seed, world, input_fingerprint(data_path), input_fingerprint(rl_start_folder(cfg)))
     ckpt = CheckpointManager(out_dir / "checkpoints", rl.keep_last, fingerprint)
@@ -141,7 +171,7 @@ def run_rl(cfg: DareConfig, progress: bool = True) -> dict:
         idx = global_batch_indices(step, rl.prompts_per_step, len(rows), cfg.run.seed)
         prompt_rows = [rows[i] for i in idx]
         mine = prompt_rows[rank::world]
-        batch, metrics = rollout(engine.module, tokenizer, mine, cfg, step)
+        batch, metrics = rollout(sampler, engine.module, tokenizer, mine, cfg, step, algo.requires)
         t_rollout = time.time() - t0
 
         corruptions = [algo.corrupt(batch, (cfg.run.seed, step, it)) for it in range(rl.num_iterations)]
@@ -168,6 +198,7 @@ def run_rl(cfg: DareConfig, progress: bool = True) -> dict:
                         update_metrics[k] = update_metrics.get(k, 0.0) + v
                     n_updates += 1
         metrics.update({k: v / max(n_updates, 1) for k, v in update_metrics.items()})
+        sampler.update_weights(engine.module)  # the next rollout must see this step's weights
         metrics.update(step_time_s=time.time() - t0, rollout_time_s=t_rollout, lr=engine.get_lr()[0])
         if (step + 1) % rl.log_every == 0 or step + 1 == rl.num_steps:
             logger.log(step + 1, metrics)

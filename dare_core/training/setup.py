@@ -25,7 +25,7 @@ def sampler_dict(cfg: DareConfig) -> dict:
     """The eval sampler settings, stored with exported checkpoints."""
     from dataclasses import asdict
 
-    return {k: v for k, v in asdict(cfg.eval.sampler).items() if k != "batch_size"}
+    return {k: v for k, v in asdict(cfg.eval.sampler).items() if k not in ("batch_size", "engine", "engine_args")}
 
 
 def initial_model(cfg: DareConfig, tokenizer: Tokenizer, device: Optional[torch.device] = None) -> DiffusionLM:

@@ -4,7 +4,8 @@ import torch
 from scipy.stats import chisquare
 
 from dare_core.diffusion.seeding import sample_generators
-from dare_core.sampling.decode import LinearScheduleUnmasker, SamplingParams, generate, gumbel_argmax
+from dare_core.sampling.decode import SamplingParams, generate
+from dare_core.sampling.unmasking import gumbel_argmax, scheduled_counts
 
 PROMPTS = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11, 12, 13, 14, 15], [16]]
 
@@ -19,22 +20,24 @@ class Recorder(torch.nn.Module):
         self.family, self.mask_token_id, self.eos_token_id = model.family, model.mask_token_id, model.eos_token_id
         self.pad_token_id, self.max_sequence_length = model.pad_token_id, model.max_sequence_length
 
-    def hidden_states(self, x, *args, **kwargs):
-        self.inputs.append(x.clone())
-        return self.model.hidden_states(x, *args, **kwargs)
+        self.config, self.block_size = model.config, model.block_size
 
-    def logits_at(self, hidden, rows, attention_mask=None):
-        return self.model.logits_at(hidden, rows, attention_mask)
+    def window_hidden(self, x, *args, **kwargs):
+        self.inputs.append(x.clone())
+        return self.model.window_hidden(x, *args, **kwargs)
+
+    def column_logits(self, *args):
+        return self.model.column_logits(*args)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_committed_tokens_never_change_and_every_position_is_decoded(tiny_llada, temperature):
     rec = Recorder(tiny_llada)
-    params = SamplingParams(gen_length=12, steps=6, block_length=4, temperature=temperature)
-    out = generate(rec, PROMPTS, params, generators=sample_generators((0,), list("abcd")), record_steps=True)
+    params = SamplingParams(gen_length=12, steps=6, block_length=4, temperature=temperature, stop_at_eos=False)
+    out = generate(rec, PROMPTS, params, generators=sample_generators((0,), list("abcd")), record="steps")
     mask = tiny_llada.mask_token_id
     assert out.response.shape == (4, 12) and not (out.response == mask).any()
-    final = out.sequences
+    final = torch.cat([out.sequences[:, :out.prompt_len], out.trajectory.tokens], 1)
     for before, after in zip(rec.inputs, rec.inputs[1:] + [final]):
         committed = before != mask
         assert torch.equal(before[committed], after[committed])
@@ -46,7 +49,7 @@ def test_committed_tokens_never_change_and_every_position_is_decoded(tiny_llada,
 
 
 def test_one_token_per_step_when_steps_equal_gen_length(tiny_llada):
-    out = generate(tiny_llada, PROMPTS, SamplingParams(gen_length=8, steps=8, block_length=8), record_steps=True)
+    out = generate(tiny_llada, PROMPTS, SamplingParams(gen_length=8, steps=8, block_length=8, stop_at_eos=False), record="steps")
     for row in out.step_map:
         assert sorted(row.tolist()) == list(range(1, 9))
 
@@ -65,15 +68,15 @@ def test_prompt_is_never_touched_and_too_long_prompt_is_refused(tiny_llada):
     out = generate(tiny_llada, PROMPTS, SamplingParams(gen_length=8, steps=8, block_length=4))
     for i, p in enumerate(PROMPTS):
         assert out.sequences[i, out.prompt_len - len(p): out.prompt_len].tolist() == p
-    with pytest.raises(ValueError, match="exceeds the model's maximum length 64"):
+    with pytest.raises(ValueError, match="more than the model's maximum length 64"):
         generate(tiny_llada, [[1] * 60], SamplingParams(gen_length=8, steps=8, block_length=8))
 
 
 def test_linear_schedule_splits_evenly():
-    u = LinearScheduleUnmasker()
     for m in range(0, 40):
         for s in (1, 3, 4, 7):
-            k = [u.counts(torch.tensor([m]), j, s).item() for j in range(s)]
+            params = SamplingParams(gen_length=8 * s, steps=s, block_length=8 * s)
+            k = [scheduled_counts(params, torch.tensor([m]), torch.tensor([m]), j).item() for j in range(s)]
             assert sum(k) == m and max(k) - min(k) <= 1
 
 

@@ -1,0 +1,96 @@
+"""What a rollout records beyond token ids, on request (ALGORITHMS.md 6.5).
+
+Positions are columns of the *decoding window*: the part of the canvas from the first decoding
+block on. For masked diffusion that is the response itself; for block diffusion the first block
+starts at the last prompt-block boundary, so the window begins with the prompt's tail and
+`response_offset[b]` says where row b's response starts. Blocks are aligned to the window's origin.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+
+
+@dataclass
+class Trajectory:
+    tokens: torch.Tensor  # [B, W] every decoded token, including those after EOS in the terminal block; MASK where never decoded
+    step_map: torch.Tensor  # [B, W] int32, 1-based step (per row) that committed the position; 0 = not committed by the sampler
+    response_offset: torch.Tensor  # [B] first response column of each row inside the window
+    num_steps: torch.Tensor  # [B] denoising steps the row took part in
+    block_length: int
+    mask_token_id: int
+    x0_hat: Optional[torch.Tensor] = None  # [B, K, W] int32 proposals of each step for the block being decoded, -1 elsewhere
+    confidence: Optional[torch.Tensor] = None  # [B, K, W] float32 confidences of those proposals, NaN elsewhere
+
+    def response_step_map(self, gen_length: int) -> torch.Tensor:
+        """[B, gen_length] step map in response coordinates (what CJ-GRPO / d-TreeRPO consume)."""
+        idx = self.response_offset[:, None] + torch.arange(gen_length, device=self.step_map.device)
+        return self.step_map.gather(1, idx.clamp(max=self.step_map.shape[1] - 1)).masked_fill(idx >= self.step_map.shape[1], 0)
+
+    def block_local_steps(self) -> torch.Tensor:
+        """Steps counted from 1 inside each block (the BDLM form of CJ-GRPO's step map)."""
+        out = torch.zeros_like(self.step_map)
+        width = self.step_map.shape[1]
+        for lo in range(0, width, self.block_length):
+            blk = self.step_map[:, lo:lo + self.block_length]
+            first = blk.masked_fill(blk == 0, torch.iinfo(blk.dtype).max).min(-1, keepdim=True).values
+            out[:, lo:lo + self.block_length] = torch.where(blk > 0, blk - first + 1, blk)
+        return out
+
+    def states(self, row: int) -> Iterator[torch.Tensor]:
+        """The window's state before each step k = 1..K of one row: tokens committed earlier, the
+        prompt tail, MASK elsewhere. Replaying the trajectory is feeding these back to the model."""
+        steps, toks = self.step_map[row], self.tokens[row]
+        fixed = torch.arange(toks.shape[0], device=toks.device) < self.response_offset[row]
+        for k in range(1, int(self.num_steps[row]) + 1):
+            known = fixed | ((steps > 0) & (steps < k))
+            yield torch.where(known, toks, torch.full_like(toks, self.mask_token_id))
+
+    def validate(self, valid: torch.Tensor, allow_empty_steps: bool = False) -> None:
+        """6.5's rules, for `valid` [B, W] the positions that must carry a step (the response up to
+        its stop): every valid position has exactly one step, padding none, and the steps of a block
+        are contiguous from 1. A count schedule that may commit nothing on a step (Dream's
+        floor(m(1 - s/t)) can be 0) leaves gaps; `allow_empty_steps` accepts those."""
+        if ((self.step_map > 0) != valid).any():
+            raise ValueError("trajectory: a valid position has no step, or padding has one")
+        local = self.block_local_steps()
+        for lo in range(0, local.shape[1], self.block_length):
+            blk = local[:, lo:lo + self.block_length]
+            for b in range(blk.shape[0]):
+                used = sorted(set(blk[b][blk[b] > 0].tolist()))
+                if used and not allow_empty_steps and used != list(range(1, used[-1] + 1)):
+                    raise ValueError(f"trajectory: steps of row {b}, block at {lo} are not contiguous from 1: {used}")
+
+
+class TrajectoryRecorder:
+    """Collects the per-step record while the loop runs; rows are original batch indices."""
+
+    def __init__(self, batch: int, width: int, origin: int, full: bool, device):
+        self.origin, self.full = origin, full
+        self.step_map = torch.zeros((batch, width), dtype=torch.int32, device=device)
+        self.frames: list = []  # full: (rows, step per row, lo, proposal, confidence)
+
+    def record(self, rows: torch.Tensor, step: torch.Tensor, lo: int, commit: torch.Tensor,
+               proposal: torch.Tensor, confidence: torch.Tensor) -> None:
+        a = lo - self.origin
+        cols = self.step_map[rows, a:a + commit.shape[1]]
+        self.step_map[rows, a:a + commit.shape[1]] = torch.where(commit, step[:, None].to(torch.int32), cols)
+        if self.full:
+            self.frames.append((rows.cpu(), step.cpu(), a, proposal.to(torch.int32).cpu(), confidence.float().cpu()))
+
+    def finish(self, tokens: torch.Tensor, response_offset: torch.Tensor, num_steps: torch.Tensor,
+               block_length: int, mask_id: int) -> Trajectory:
+        traj = Trajectory(tokens, self.step_map, response_offset, num_steps, block_length, mask_id)
+        if self.full:
+            b, w = tokens.shape
+            k = int(num_steps.max()) if num_steps.numel() else 0
+            x0 = torch.full((b, k, w), -1, dtype=torch.int32)
+            conf = torch.full((b, k, w), float("nan"))
+            for rows, step, a, prop, c in self.frames:
+                n = prop.shape[1]
+                x0[rows, step - 1, a:a + n] = prop
+                conf[rows, step - 1, a:a + n] = c
+            traj.x0_hat, traj.confidence = x0, conf
+        return traj
