@@ -26,7 +26,7 @@ from dare_core.models.transformer import KVCache
 from dare_core.sampling.cache import CachePolicy, Window, build_cache_policy
 from dare_core.sampling.params import SamplingParams
 from dare_core.sampling.trajectory import Trajectory, TrajectoryRecorder
-from dare_core.sampling.unmasking import StepContext, build_unmasker, gumbel_argmax, score_block  # noqa: F401
+from dare_core.sampling.unmasking import StepContext, build_unmasker, score_block
 
 RECORD = ("none", "steps", "full")
 
@@ -120,7 +120,7 @@ class Forward:
     unconditional rows ride in the same batch, prompt masked) and, on GPUs, a CUDA graph of the
     fixed-width one-block window."""
 
-    def __init__(self, model, canvas: Canvas, policy: CachePolicy, params: SamplingParams):
+    def __init__(self, model, canvas: Canvas, policy: CachePolicy, params: SamplingParams, graphs: bool):
         self.model, self.canvas, self.policy, self.params = model, canvas, policy, params
         self.cfg = params.cfg_scale > 0
         self.cache: Optional[KVCache] = None
@@ -130,7 +130,7 @@ class Forward:
         self.nfe = 0
         self.graphs = None
         self.static = None
-        if _graphs_wanted(model, params):
+        if graphs:
             from dare_core.sampling.graphs import graph_store
 
             self.static = graph_store(model, canvas.x.shape[0], canvas.x.shape[1], params.compile_forward)
@@ -222,7 +222,7 @@ def generate(
     if span > model.max_sequence_length:
         raise ValueError(f"prompt + gen_length needs {span} positions, more than the model's maximum length {model.max_sequence_length}")
     policy = build_cache_policy(params, 1 if model.family.shift_logits else 0, block_diffusion)
-    forward = Forward(model, canvas, policy, params)
+    forward = Forward(model, canvas, policy, params, graphs)
     unmasker = build_unmasker(params)
     stop_ids = _stop_ids(model, params).to(device)
     recorder = TrajectoryRecorder(B, S - canvas.origin, canvas.origin, record == "full", device) if record != "none" else None
@@ -326,28 +326,33 @@ def _finished(canvas: Canvas, hi: int, gen_length: int, stop_ids: torch.Tensor, 
 
 
 def _assemble(model, prompts, params, final, resp_start, origin, nfe, steps, recorder, stop_ids) -> GenerationOutput:
-    """Standard layout [left-padded prompt | response]; after the first stop token everything is EOS
-    (the trajectory keeps what was decoded there)."""
-    mask_id, eos_id, L = model.mask_token_id, model.eos_token_id, params.gen_length
-    device = final.device
-    idx = resp_start[:, None] + torch.arange(L, device=device)
+    """Each row's gen_length response columns of the canvas, in the standard layout; the trajectory
+    keeps what was decoded after a stop."""
+    mask_id, L = model.mask_token_id, params.gen_length
+    idx = resp_start[:, None] + torch.arange(L, device=final.device)
     response = final.gather(1, idx.clamp(max=final.shape[1] - 1))
-    response = response.masked_fill(idx >= final.shape[1], mask_id)
-    is_stop = torch.isin(response, stop_ids)
-    after = (is_stop.long().cumsum(-1) - is_stop.long()) > 0
-    response = response.masked_fill(after | (response == mask_id), eos_id)
-    has_stop = is_stop.any(-1)
-    lengths = torch.where(has_stop, is_stop.long().argmax(-1) + 1, torch.full_like(has_stop, L, dtype=torch.long))
-    prompt_ids, prompt_mask = left_pad(prompts, model.pad_token_id, device)
-    sequences = torch.cat([prompt_ids, response], dim=1)
-    attention_mask = torch.cat([prompt_mask, torch.ones_like(response)], dim=1)
+    response = response.masked_fill((idx >= final.shape[1]) | (response == mask_id), model.eos_token_id)
     trajectory = None
     if recorder is not None:
         trajectory = recorder.finish(final[:, origin:], resp_start - origin, steps, params.block_length, mask_id)
+    return response_output(prompts, response, model.pad_token_id, model.eos_token_id, stop_ids, nfe=nfe, steps=steps,
+                           sampler={"engine": "native", **asdict(params)}, trajectory=trajectory)
+
+
+def response_output(prompts: Sequence[Sequence[int]], response: torch.Tensor, pad_id: int, eos_id: int,
+                    stop_ids: torch.Tensor, **fields) -> GenerationOutput:
+    """The layout every engine returns: [left-padded prompt | response], everything after the first
+    stop token set to EOS, with the valid lengths and stop reasons (ALGORITHMS.md 6.5)."""
+    L = response.shape[1]
+    is_stop = torch.isin(response, stop_ids.to(response.device))
+    after = (is_stop.long().cumsum(-1) - is_stop.long()) > 0
+    response = response.masked_fill(after, eos_id)
+    has_stop = is_stop.any(-1)
+    lengths = torch.where(has_stop, is_stop.long().argmax(-1) + 1, torch.full_like(has_stop, L, dtype=torch.long))
+    prompt_ids, prompt_mask = left_pad(prompts, pad_id, response.device)
     return GenerationOutput(
-        sequences=sequences, attention_mask=attention_mask, prompt_len=prompt_ids.shape[1], nfe=nfe,
-        lengths=lengths, stop_reason=["eos" if s else "length" for s in has_stop.tolist()], steps=steps,
-        sampler={"engine": "native", **asdict(params)}, trajectory=trajectory,
+        sequences=torch.cat([prompt_ids, response], dim=1), attention_mask=torch.cat([prompt_mask, torch.ones_like(response)], dim=1),
+        prompt_len=prompt_ids.shape[1], lengths=lengths, stop_reason=["eos" if s else "length" for s in has_stop.tolist()], **fields,
     )
 
 

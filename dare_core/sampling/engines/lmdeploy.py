@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from dare_core.sampling.decode import GenerationOutput, left_pad
+from dare_core.sampling.decode import GenerationOutput, response_output
 from dare_core.sampling.engines import ENGINES
 from dare_core.sampling.params import SamplingParams
 
@@ -155,27 +155,19 @@ def assemble_output(prompts: Sequence[Sequence[int]], responses: Sequence[Sequen
     EOS after the first stop token and as padding of a response that stopped early."""
     L = params.gen_length
     stop_ids = {int(eos_token_id), *params.stop_token_ids}
-    rows, lengths, reasons = [], [], []
+    rows = []
     for i, ids in enumerate(responses):
         ids = [int(t) for t in ids]
         first = next((j for j, t in enumerate(ids) if t in stop_ids), None)
         if len(ids) > L or (first is None and len(ids) < L):
             raise ValueError(f"response {i} has {len(ids)} tokens and {'a' if first is not None else 'no'} stop token "
                              f"for gen_length {L}: the engine cut or overran it (session_len, max_new_tokens)")
-        kept = ids if first is None else ids[: first + 1]
-        rows.append(kept + [eos_token_id] * (L - len(kept)))
-        lengths.append(len(kept))
-        reasons.append("length" if first is None else "eos")
-    prompt_ids, prompt_mask = left_pad(prompts, pad_token_id)
+        rows.append(ids + [eos_token_id] * (L - len(ids)))
     response = torch.tensor(rows, dtype=torch.long).reshape(len(rows), L)
-    return GenerationOutput(
-        sequences=torch.cat([prompt_ids, response], dim=1),
-        attention_mask=torch.cat([prompt_mask, torch.ones_like(response)], dim=1),
-        prompt_len=prompt_ids.shape[1], nfe=0,  # lmdeploy does not report forwards
-        lengths=torch.tensor(lengths, dtype=torch.long), stop_reason=reasons,
-        steps=torch.zeros(len(rows), dtype=torch.long),  # nor denoising steps
-        sampler={"engine": "lmdeploy", **asdict(params), "seeds": list(seeds) if seeds is not None else None},
-    )
+    # lmdeploy reports neither forwards nor denoising steps
+    return response_output(prompts, response, pad_token_id, eos_token_id, torch.tensor(sorted(stop_ids)), nfe=0,
+                           steps=torch.zeros(len(rows), dtype=torch.long),
+                           sampler={"engine": "lmdeploy", **asdict(params), "seeds": list(seeds) if seeds is not None else None})
 
 
 def weight_chunks(state: dict[str, torch.Tensor], max_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:

@@ -133,3 +133,13 @@ def test_every_policy_decodes_every_position_and_never_changes_a_commit(model, u
             # what step k+1 committed is the proposal recorded at that step
             new = known.logical_not() & (after != model.mask_token_id)
             assert torch.equal(traj.x0_hat[b, k][new].long(), after[new])
+
+
+def test_config_names_are_exactly_the_registered_policies():
+    """params.py lists the names (the config schema cannot import torch); the registries implement them."""
+    from dare_core.sampling.cache import CACHE_POLICIES
+    from dare_core.sampling.params import CACHES, UNMASKING
+    from dare_core.sampling.unmasking import UNMASKERS
+
+    assert set(UNMASKING) == set(UNMASKERS)
+    assert set(CACHES) == set(CACHE_POLICIES)
