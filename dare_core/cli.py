@@ -18,6 +18,7 @@ STAGES = {
     # name: (worker module, needs the distributed launcher)
     "prepare": ("dare_core.workers.prepare", False),
     "sft": ("dare_core.workers.sft", True),
+    "preference": ("dare_core.workers.preference", True),
     "rl": ("dare_core.workers.rl", True),
     "convert": ("dare_core.workers.convert", False),
     "eval": ("dare_core.workers.eval", False),
@@ -124,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dare", description="DARE: post-training and evaluation of diffusion LLMs.")
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("stage", help="run one pipeline stage (prepare, sft, rl, convert, eval)")
+    s = sub.add_parser("stage", help="run one pipeline stage (prepare, sft, preference, rl, convert, eval)")
     s.add_argument("name", choices=list(STAGES))
     s.add_argument("--params", default="params.yaml")
     s.add_argument("--set", "-S", action="append", default=[], metavar="KEY=VALUE", help="override a config key")

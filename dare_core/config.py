@@ -40,9 +40,15 @@ class DataConfig:
     task_args: dict = field(default_factory=dict)
     # raw input instead of a synthetic task: a JSONL or parquet file with prompt/answer columns
     source: Optional[str] = None
+    # preference pairs: a JSONL or parquet file with prompt/chosen/rejected columns (task, uid
+    # optional), used whole; null derives up to num_preference pairs from the training problems
+    # (chosen = the correct answer, rejected = the task's own demonstration error where it made
+    # one, else the answer with one digit off by one)
+    preference_source: Optional[str] = None
     num_sft: int = 20000
     num_rl: int = 2000
     num_eval: int = 500
+    num_preference: int = 2000  # derived pairs (never on eval problems)
     seed: int = 1234
     prepared_dir: str = "data/prepared"
     tokenizer_dir: str = "data/tokenizer"
@@ -107,6 +113,8 @@ class SFTConfig:
 @dataclass
 class RLConfig:
     algorithm: str = "d1"
+    # options per algorithm, e.g. {d1: {p_mask_prompt: 0.0}, bgpo: {mc_num: 8}}: switching
+    # `algorithm` picks that algorithm's entry (defaults where it has none)
     algorithm_args: dict = field(default_factory=dict)
     # reward function name; "auto" takes the reward of each row's task
     reward: str = "auto"
@@ -122,11 +130,38 @@ class RLConfig:
     dual_clip: float = 3.0
     kl_beta: float = 0.0
     kl_estimator: str = "k3"
-    loss_agg: str = "token-mean"
+    # Monte-Carlo rows / trajectory steps per forward: estimators forward and backpropagate this
+    # many rows at a time, so memory is flat in the number of rows (mc_num, steps, positions)
+    rows_per_forward: int = 8
     sampler: SamplerConfig = field(default_factory=lambda: SamplerConfig(temperature=1.0))
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     log_every: int = 1
     save_every: int = 20
+    keep_last: int = 2
+
+
+@dataclass
+class PreferenceConfig:
+    """The `preference` stage (ALGORITHMS.md 4): ELBO-DPO / VRPO on preference pairs, starting
+    from the SFT model. A micro-batch holds `micro_batch_size` pairs (2x as many sequences)."""
+
+    algorithm: str = "vrpo"  # vrpo (stratified, reference under the policy's masks) | elbo_dpo
+    beta: float = 0.2  # the reference recipe's beta, which assumes elbo_norm: fixed
+    mc_num: int = 4  # n: Monte-Carlo rows per ELBO (VRPO: n timesteps, one mask each)
+    elbo_norm: str = "fixed"  # fixed: B = ELBO / pad_to (beta means the same in every batch) | none
+    tail_policy: str = "mask"  # the EOS tail after the first EOS: mask (never scored) | keep
+    # ablations; null takes the algorithm's own setting (vrpo: true / true, elbo_dpo: false / false)
+    shared_masks: Optional[bool] = None  # the reference scores the policy's masks (antithetic)
+    stratified: Optional[bool] = None  # stratified timesteps over the mc_num rows
+    rows_per_forward: int = 4  # MC rows per forward: memory stays flat in mc_num
+    max_steps: int = 100
+    micro_batch_size: int = 16
+    grad_accum: int = 1
+    # response canvas, as in SFT: chosen and rejected are right-padded with EOS to this length
+    pad_to: int = 8
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=5e-7))
+    log_every: int = 10
+    save_every: int = 50
     keep_last: int = 2
 
 
@@ -144,6 +179,7 @@ class DareConfig:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     # ---- derived artifact locations (one place, so stages and dvc.yaml agree)

@@ -1,6 +1,6 @@
 """The DARE pipeline as one Prefect flow: each DVC stage in order, then the eval table.
 
-    python -m flows.pipeline                          # prepare, sft, rl, convert, eval
+    python -m flows.pipeline                          # prepare, sft, preference, rl, convert, eval
     python -m flows.pipeline --stages sft,rl --repo /path/to/project --force
 
 Each stage is a Prefect task (`tasks.dvc_stage`) that runs `dvc repro --single-item <stage>` when
@@ -50,7 +50,8 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact  #
 
 from tasks.dvc_stage import StageResult, dvc_stage  # noqa: E402
 
-DEFAULT_STAGES = ["prepare", "sft", "rl", "convert", "eval"]
+# preference is a side branch: it trains from the SFT model (as RL does) and exports its own folder
+DEFAULT_STAGES = ["prepare", "sft", "preference", "rl", "convert", "eval"]
 EVAL_METRICS = "metrics/eval.json"
 
 
@@ -141,7 +142,7 @@ def dare_pipeline(
     retries: int = 1,
     retry_delay_seconds: float = 2.0,
 ) -> PipelineResult:
-    """Run the DVC stages in order (default: prepare, sft, rl, convert, eval), each as a Prefect
+    """Run the DVC stages in order (default: prepare, sft, preference, rl, convert, eval), each as a Prefect
     task with `retries` retries; then read metrics/eval.json, print and publish the eval table.
 
     Param overrides: use `dvc exp run -S key=value` (DVC tracks params); this flow takes none.

@@ -20,7 +20,7 @@ def _has(tree: dict, dotted: str) -> bool:
 def test_every_stage_param_is_in_params_yaml_and_it_loads():
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
-    assert list(stages) == ["prepare", "sft", "rl", "convert", "eval"]
+    assert list(stages) == ["prepare", "sft", "preference", "rl", "convert", "eval"]
     for name, stage in stages.items():
         assert stage["cmd"] == f"dare stage {name}"
         for p in stage.get("params", []):

@@ -12,7 +12,6 @@ from typing import ClassVar, Optional
 
 import torch
 
-from dare_core.diffusion.masking import Corruption
 
 
 @dataclass
@@ -57,24 +56,76 @@ class Algorithm(ABC):
 
 
 class RLAlgorithm(Algorithm):
-    #: rollout records the algorithm needs beyond token ids: "step_map" (CJ-GRPO, d-TreeRPO), or
+    """One RL objective. The loop calls, per rollout batch: `prepare` (after rewards), `corrupt` per
+    inner iteration, `score` under the old and reference policies (no grad, same corruptions), then
+    per micro-batch `update`, which computes the loss and calls `backward` (once, or once per chunk
+    of Monte-Carlo rows so memory stays flat); `denominator` gives the global normalisers that make
+    the gradient independent of the micro-batch split (5.1.3)."""
+
+    #: rollout records the algorithm needs beyond token ids: "step_map" and "decoded" (CJ-GRPO), or
     #: "x0_hat" / "confidence" (MDPO), which make the sampler record every step in full
     requires: ClassVar[frozenset] = frozenset()
+    #: model kinds the estimator is defined for: "masked" (LLaDA, Dream), "block" (SDAR, LLaDA2)
+    families: ClassVar[frozenset] = frozenset({"masked", "block"})
+    #: token-level estimators have an entropy and a token count; sequence-level ones do not
+    token_level: ClassVar[bool] = True
+    #: may the objective carry a KL term to the reference (SPG forbids it)
+    allows_kl: ClassVar[bool] = True
 
-    def __init__(self, options, rl_cfg, mask_id: int, eos_id: int):
+    def __init__(self, options, rl_cfg, model):
         super().__init__(options)
         self.rl = rl_cfg
-        self.mask_id = mask_id
-        self.eos_id = eos_id
+        self.mask_id = model.mask_token_id
+        self.eos_id = model.eos_token_id
+        self.block_size = model.block_size
+        kind = "block" if model.block_size is not None else "masked"
+        if kind not in self.families:
+            raise ValueError(f"rl.algorithm '{self.name}' is not defined for {kind}-diffusion models "
+                             f"(it supports: {', '.join(sorted(self.families))})")
+        if rl_cfg.kl_beta > 0 and not self.allows_kl:
+            raise ValueError(f"rl.algorithm '{self.name}' has no KL term: set rl.kl_beta: 0")
+        self.check_sampler(rl_cfg.sampler)
+
+    def check_sampler(self, sampler) -> None:
+        """Refuse a rollout sampler the estimator cannot be exact for (configuration time)."""
+
+    @property
+    def rows_per_forward(self) -> int:
+        return self.rl.rows_per_forward
+
+    @property
+    def rows_per_prompt(self) -> int:
+        """Training-batch rows one prompt yields: its G rollouts, or (d-TreeRPO) its tree's
+        transitions. The loop sizes mini- and micro-batches from it."""
+        return self.rl.group_size
+
+    def rollout(self, sampler, model, tokenizer, rows: list, cfg, step: int) -> tuple[Batch, dict]:
+        """Rollouts of `rows` (G per prompt), rewarded, as a training batch with advantages. The
+        default is the loop's sampler; tree-structured rollouts (d-TreeRPO) override it."""
+        from dare_core.training.rl_loop import rollout
+
+        return rollout(sampler, model, tokenizer, rows, cfg, step, self.requires)
+
+    def prepare(self, batch: Batch, context) -> dict:
+        """After the rollout is rewarded: e.g. per-step rewards and advantages (MDPO). Metrics."""
+        return {}
 
     @abstractmethod
-    def corrupt(self, batch: Batch, seed_base: tuple) -> Corruption:
-        """The corruption of one inner iteration (seed_base = (run_seed, step, iteration))."""
+    def corrupt(self, batch: Batch, seed_base: tuple):
+        """The corruption of one inner iteration (seed_base = (run_seed, step, iteration)): a
+        `Corruption` or `CorruptionSet` (anything with `select(idx)`)."""
 
     @abstractmethod
-    def score(self, model, batch: Batch, corruption: Corruption) -> torch.Tensor:
-        """Per-token scores [B, P+L] (float32) under `model` for this corruption."""
+    def score(self, model, batch: Batch, corruption) -> torch.Tensor:
+        """Scores under `model` (float32, batch dim first) that old / reference evaluations store."""
+
+    def denominator(self, batch: Batch, corruption) -> torch.Tensor:
+        """This part's share of the global normalisers (summed over micro-batches and ranks before
+        any backward): by default the number of scored tokens (token-mean)."""
+        return torch.tensor([float(corruption.scored.sum())], dtype=torch.float64)
 
     @abstractmethod
-    def loss(self, model, batch: Batch, corruption: Corruption, old: torch.Tensor, ref: Optional[torch.Tensor], denom: float) -> LossOutput:
-        """The loss of a micro-batch; `denom` is the global normaliser of the whole mini-batch."""
+    def update(self, model, batch: Batch, corruption, old: Optional[torch.Tensor], ref: Optional[torch.Tensor],
+               denom: torch.Tensor, backward) -> LossOutput:
+        """Loss of a micro-batch, backpropagated through `backward` (old None: one update per
+        rollout batch, pi_old is the current policy). Returns the (detached) loss and metrics."""

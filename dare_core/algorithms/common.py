@@ -2,11 +2,16 @@
 aggregation (ALGORITHMS.md 5.1)."""
 from __future__ import annotations
 
+import math
+from typing import Optional
+
 import torch
 
 from dare_core.registry import Registry
 
 ADVANTAGES = Registry("adv_estimator")
+# the largest sequence log-ratio exp ever sees (e^50 ~ 5e21 is finite in float32)
+MAX_LOG_RATIO = 50.0
 
 
 @ADVANTAGES.register("grpo")
@@ -37,9 +42,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, estimator: str = "g
     return adv.reshape(-1), {"zero_std_ratio": zero_std.float().mean().item(), "reward_std": r.std(-1).mean().item()}
 
 
-def ppo_clip(logratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float, dual_clip: float = 0.0) -> tuple[torch.Tensor, dict]:
-    """Per-element clipped surrogate loss max(-A r, -A clip(r)), capped at -A c for A < 0 (dual clip)."""
-    ratio = torch.exp(logratio)
+def ppo_clip_ratio(ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float, dual_clip: float = 0.0) -> tuple[torch.Tensor, dict]:
+    """Per-element clipped surrogate max(-A r, -A clip(r)), capped at -A c for A < 0 (dual clip)."""
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
     loss = torch.maximum(-adv * ratio, -adv * clipped)
     dual_hit = torch.zeros_like(loss, dtype=torch.bool)
@@ -54,6 +58,36 @@ def ppo_clip(logratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high
         "clipfrac_lo": ((ratio < 1 - eps_low) & (adv < 0)).float(),
         "dual_clipfrac": dual_hit.float(),
         "ratio": ratio.detach(),
+    }
+    return loss, metrics
+
+
+def ppo_clip(logratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float, dual_clip: float = 0.0) -> tuple[torch.Tensor, dict]:
+    """The clipped surrogate of r = exp(logratio)."""
+    return ppo_clip_ratio(torch.exp(logratio), adv, eps_low, eps_high, dual_clip)
+
+
+def ppo_clip_log_space(logratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float, dual_clip: float = 0.0) -> tuple[torch.Tensor, dict]:
+    """The same surrogate for sequence-level log-ratios that overflow exp (5.1.2): clip in log
+    space, -A exp(min(D, log(1+eps_hi))) for A >= 0, -A exp(max(D, log(1-eps_lo))) for A < 0
+    (capped at log c under the dual clip), so exp never sees a large argument."""
+    hi = math.log1p(eps_high)
+    lo = math.log(1 - eps_low) if eps_low < 1 else -math.inf
+    pos = torch.clamp(logratio, max=hi)
+    # without the dual clip the A < 0 side is unbounded: cap its exponent so exp stays finite
+    neg = torch.clamp(logratio, min=lo, max=MAX_LOG_RATIO)
+    if dual_clip > 0:
+        if dual_clip <= 1:
+            raise ValueError("dual_clip must be > 1 (or 0 to disable)")
+        neg = torch.clamp(neg, max=math.log(dual_clip))
+    # pick the exponent before exp: exp of the unselected branch could be inf, and where's zero
+    # gradient times inf is NaN
+    loss = -adv * torch.exp(torch.where(adv >= 0, pos, neg))
+    metrics = {
+        "clipfrac_hi": ((logratio > hi) & (adv > 0)).float(),
+        "clipfrac_lo": ((logratio < lo) & (adv < 0)).float(),
+        "dual_clipfrac": ((adv < 0) & (logratio > math.log(dual_clip))).float() if dual_clip > 0 else torch.zeros_like(loss),
+        "ratio": torch.exp(logratio.detach().clamp(max=MAX_LOG_RATIO)),
     }
     return loss, metrics
 
@@ -74,3 +108,89 @@ def masked_sum_over(x: torch.Tensor, mask: torch.Tensor, denom: float) -> torch.
     """Token-mean with a global denominator: sum(mask * x) / denom, so micro-batch splits do not
     change the gradient (denom counts the whole mini-batch, computed before the backward pass)."""
     return (x * mask).sum() / max(denom, 1.0)
+
+
+def weighted_mean_metrics(metrics: dict, weight: torch.Tensor) -> dict:
+    """Metric tensors averaged with `weight` (a mask or aggregation weights) into floats."""
+    total = float(weight.sum())
+    return {k: float((v.float() * weight).sum()) / max(total, 1e-12) for k, v in metrics.items()}
+
+
+def token_policy_loss(s: torch.Tensor, old: Optional[torch.Tensor], ref: Optional[torch.Tensor], adv: torch.Tensor,
+                      weight: torch.Tensor, denom: float, rl) -> tuple[torch.Tensor, dict]:
+    """The token-level PPO objective shared by d1, coupled-GRPO, CJ-GRPO, MDPO, d-TreeRPO and
+    JustGRPO: sum(weight * clip-loss(s - s_old, A)) / denom, plus kl_beta times the same
+    aggregation of the KL estimator (which never looks at A). `weight` [B, S] is 0 off the scored
+    positions and carries the algorithm's aggregation (1 for token-mean)."""
+    if old is None:  # one update per rollout batch: pi_old is the current policy
+        old = s.detach()
+    per_token, clip = ppo_clip(s - old, adv, rl.clip_eps_low, rl.clip_eps_high, rl.dual_clip)
+    loss = (per_token * weight).sum() / max(denom, 1e-12)
+    mask = (weight != 0).float()
+    metrics = weighted_mean_metrics(clip, mask)
+    metrics["approx_kl"] = weighted_mean_metrics({"d": (old - s).detach()}, mask)["d"]
+    if rl.kl_beta > 0 and ref is not None:
+        kl = kl_estimate(s, ref, rl.kl_estimator)
+        loss = loss + rl.kl_beta * (kl * weight).sum() / max(denom, 1e-12)
+        metrics["kl"] = weighted_mean_metrics({"kl": kl.detach()}, mask)["kl"]
+    return loss, metrics
+
+
+def sequence_kl(score: torch.Tensor, ref: Optional[torch.Tensor], rl) -> Optional[torch.Tensor]:
+    """Per-sequence KL estimator on the sequence-score difference (5.1.4), or None when off."""
+    if rl.kl_beta <= 0 or ref is None:
+        return None
+    return kl_estimate(score, ref, rl.kl_estimator)
+
+
+def sequence_policy_loss(score: torch.Tensor, old: Optional[torch.Tensor], ref: Optional[torch.Tensor], adv: torch.Tensor,
+                         denom: float, rl, ratio_scale: float = 1.0, kl_scale: float = 1.0) -> tuple[torch.Tensor, dict]:
+    """One clipped ratio per sequence (EBPO, ESPO): log-ratio (S - S_old) * ratio_scale clipped in
+    log space against the sequence advantage, summed over sequences / denom (seq-mean), plus
+    kl_beta * kl_scale * KL estimator of (S - S_ref) on the unscaled scores."""
+    if old is None:
+        old = score.detach()
+    per_seq, clip = ppo_clip_log_space((score - old) * ratio_scale, adv, rl.clip_eps_low, rl.clip_eps_high, rl.dual_clip)
+    loss = per_seq.sum() / max(denom, 1e-12)
+    metrics = weighted_mean_metrics(clip, torch.ones_like(per_seq))
+    metrics["approx_kl"] = float(((old - score) * ratio_scale).detach().mean())
+    kl = sequence_kl(score, ref, rl)
+    if kl is not None:
+        loss = loss + rl.kl_beta * kl_scale * kl.sum() / max(denom, 1e-12)
+        metrics["kl"] = float(kl.detach().mean())
+    return loss, metrics
+
+
+class SequenceELBOMixin:
+    """score / denominator / update of the sequence-ratio ELBO algorithms (EBPO, ESPO): the rows
+    of a `CorruptionSet` are raw ELBO samples, S = their mean, one clipped ratio per sequence,
+    gradients by proxy-gradient replay. Subclasses set `ratio_scale` (1/L_max for ESPO)."""
+
+    token_level = False
+    ratio_scale: float = 1.0
+
+    def score(self, model, batch, corruption) -> torch.Tensor:
+        """Raw per-row ELBO samples [B, R]."""
+        from dare_core.diffusion.likelihood import elbo_rows
+
+        return elbo_rows(model, corruption.rows, batch.input_ids, batch.attention_mask)
+
+    def denominator(self, batch, corruption) -> torch.Tensor:
+        return torch.tensor([float(len(batch))], dtype=torch.float64)
+
+    def update(self, model, batch, corruption, old, ref, denom, backward):
+        from dare_core.algorithms.base import LossOutput
+        from dare_core.diffusion.likelihood import elbo_rows, proxy_backward
+
+        adv = batch.advantages.float().to(batch.input_ids.device)
+
+        def rows_of(idx):
+            return elbo_rows(model, [corruption.rows[i] for i in idx], batch.input_ids, batch.attention_mask)
+
+        def loss_of(e):
+            mean = lambda t: None if t is None else t.to(e).mean(1)  # noqa: E731
+            return sequence_policy_loss(e.mean(1), mean(old), mean(ref), adv, float(denom[0]), self.rl,
+                                        ratio_scale=self.ratio_scale, kl_scale=self.ratio_scale)
+
+        loss, metrics = proxy_backward(corruption, self.rows_per_forward, rows_of, loss_of, backward)
+        return LossOutput(loss, metrics)

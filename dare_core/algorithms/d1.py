@@ -1,5 +1,5 @@
 """d1 / diffu-GRPO (ALGORITHMS.md 5.2): the one-step mean-field estimator with a fresh prompt mask
-per inner iteration, token-level PPO clip over the valid region V, token-mean, optional k3 KL."""
+per inner iteration, token-level PPO clip over the valid region V, token-mean, optional KL."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from dare_core.algorithms.base import Batch, LossOutput, RLAlgorithm
-from dare_core.algorithms.common import kl_estimate, masked_sum_over, ppo_clip
+from dare_core.algorithms.common import token_policy_loss
 from dare_core.algorithms.registry import register
 from dare_core.diffusion.likelihood import mean_field_corruption, token_logprobs
 from dare_core.diffusion.masking import Corruption
@@ -17,6 +17,9 @@ from dare_core.diffusion.seeding import sample_generators
 
 @register("d1")
 class D1(RLAlgorithm):
+    """Masked families as in the paper; on block diffusion the same estimator is the per-block
+    mean field (every noisy block fully masked, given the clean earlier blocks)."""
+
     @dataclass
     class Options:
         p_mask_prompt: float = 0.15
@@ -31,18 +34,9 @@ class D1(RLAlgorithm):
     def score(self, model, batch: Batch, corruption: Corruption) -> torch.Tensor:
         return token_logprobs(model, corruption, batch.input_ids, batch.attention_mask)
 
-    def loss(self, model, batch: Batch, corruption: Corruption, old: Optional[torch.Tensor], ref: Optional[torch.Tensor], denom: float) -> LossOutput:
+    def update(self, model, batch: Batch, corruption: Corruption, old: Optional[torch.Tensor], ref: Optional[torch.Tensor],
+               denom: torch.Tensor, backward) -> LossOutput:
         s = self.score(model, batch, corruption)
-        if old is None:  # one update per rollout batch: pi_old is the current policy
-            old = s.detach()
-        mask = corruption.scored.float()
-        adv = batch.advantages[:, None].to(s)
-        per_token, clip = ppo_clip(s - old, adv, self.rl.clip_eps_low, self.rl.clip_eps_high, self.rl.dual_clip)
-        loss = masked_sum_over(per_token, mask, denom)
-        metrics = {k: masked_sum_over(v, mask, mask.sum().item()).item() for k, v in clip.items()}
-        metrics["approx_kl"] = masked_sum_over((old - s).detach(), mask, mask.sum().item()).item()
-        if self.rl.kl_beta > 0 and ref is not None:
-            kl = kl_estimate(s, ref, self.rl.kl_estimator)
-            loss = loss + self.rl.kl_beta * masked_sum_over(kl, mask, denom)
-            metrics["kl"] = masked_sum_over(kl.detach(), mask, mask.sum().item()).item()
-        return LossOutput(loss, metrics)
+        loss, metrics = token_policy_loss(s, old, ref, batch.advantages[:, None].to(s), corruption.scored.float(), float(denom[0]), self.rl)
+        backward(loss)
+        return LossOutput(loss.detach(), metrics)

@@ -15,9 +15,26 @@ def register(name: str) -> Callable[[type], type]:
 
 
 def get_algorithm(name: str) -> type:
-    from dare_core.algorithms import d1, sft  # noqa: F401  (register themselves)
+    import dare_core.algorithms  # noqa: F401  (imports every algorithm module, which register themselves)
 
     return ALGORITHMS.lookup(name)
+
+
+def build_algorithm(rl_cfg, model):
+    """The configured RL algorithm for `model`. `rl.algorithm_args` maps algorithm names to their
+    options, so switching `rl.algorithm` (e.g. `dvc exp run -S rl.algorithm=spg`) never feeds one
+    algorithm's keys to another; every entry is validated, not only the selected one."""
+    args = rl_cfg.algorithm_args or {}
+    options = None
+    for name, opts in args.items():
+        cls = get_algorithm(name)
+        built = build_options(cls, opts, f"rl.algorithm_args.{name}")
+        if name == rl_cfg.algorithm:
+            options = built
+    cls = get_algorithm(rl_cfg.algorithm)
+    if options is None:
+        options = build_options(cls, {}, f"rl.algorithm_args.{rl_cfg.algorithm}")
+    return cls(options, rl_cfg, model)
 
 
 def build_options(cls: type, args: dict, where: str):

@@ -1,6 +1,7 @@
-"""Raw or synthetic data -> `<prepared_dir>/{sft,rl,eval}.parquet` + `summary.json`.
+"""Raw or synthetic data -> `<prepared_dir>/{sft,rl,eval,preference}.parquet` + `summary.json`.
 
-Eval problems never appear in sft or rl (sft and rl may share problems when the pool is small).
+Eval problems never appear in sft, rl or preference (sft and rl may share problems when the pool is
+small; preference pairs are built on training problems).
 Every row is validated, including that prompt + generation canvas fit the model, before anything is
 written; the prepared folder is then replaced in one rename, so an error leaves no partial output.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +17,10 @@ from dare_core.config import DareConfig
 from dare_core.data.schema import DataError, read_rows, validate_rows, write_rows
 from dare_core.data.tasks import get_task
 from dare_core.models.tokenizer import Tokenizer, char_tokenizer, load_tokenizer
+from dare_core.rewards.instructions import add_instruction, check_rows
 from dare_core.storage import atomic_dir, atomic_write_json
 
-SPLITS = ("sft", "rl", "eval")
+SPLITS = ("sft", "rl", "eval", "preference")
 # Sequence length of a from-scratch model whose init config does not say.
 DEFAULT_MAX_LENGTH = 128
 # Synthetic pools are drawn with doubling sizes until enough distinct problems appear; this bounds it.
@@ -77,9 +80,14 @@ def _synthetic_pool(cfg: DareConfig, need: int, need_min: int) -> list[dict]:
 def _source_pool(cfg: DareConfig) -> list[dict]:
     path = cfg.data.source
     rows = read_rows(path, "source")
+    # Raw math/gsm8k prompts rarely ask for the format the reward parses (\boxed{}): append it, unless
+    # task_args.append_instruction is false (prompts already templated; then they are only checked).
+    append = cfg.data.task_args.get("append_instruction", True)
     for index, row in enumerate(rows):
         if not row.get("task"):
             row["task"] = cfg.data.task
+        if append and isinstance(row.get("prompt"), str):
+            row["prompt"] = add_instruction(row["task"], row["prompt"])
         row["_where"] = f"{path}: row {index}"
     rows = _dedupe(rows)
     # A file may be ordered (by source, by difficulty); eval must be a fair sample of it.
@@ -100,6 +108,74 @@ def _split(pool: list[dict], cfg: DareConfig, origin: str) -> dict[str, list[dic
         for index, row in enumerate(rows):
             row.setdefault("_where", f"{origin}: {split} row {index}")
     return splits
+
+
+def _wrong_digit(text: str, rng: random.Random) -> str | None:
+    """`text` with one of its digits moved up or down by one (mod 10), never a leading zero of a
+    zero-padded number (an implausible mistake); None without digits."""
+    positions = []
+    for number in re.finditer(r"\d+", text):
+        digits = number.group()
+        lead = len(digits) - len(digits.lstrip("0"))
+        positions += range(number.start() + min(lead, len(digits) - 1), number.end())
+    if not positions:
+        return None
+    i = rng.choice(positions)
+    return text[:i] + str((int(text[i]) + rng.choice((1, 9))) % 10) + text[i + 1:]
+
+
+def _derived_pairs(train: list[dict], cfg: DareConfig, origin: str) -> list[dict]:
+    """Preference pairs from training problems, in pool order, at most data.num_preference:
+
+    - a demonstration that is a bare number other than the ground truth (arithmetic: the task's
+      own forgotten-carry error): chosen = the ground truth, rejected = that demonstration;
+    - else, when the ground truth appears in the response (the answer itself, or a worked solution
+      ending in it): chosen = the response, rejected = the response with one digit of (the last
+      occurrence of) the answer off by one;
+    - other rows (e.g. a ground truth that is a checker's spec, not an answer) give no pair."""
+    from dare_core.diffusion.seeding import derive_seed
+
+    number = re.compile(r"-?\d+")
+    rng = random.Random(derive_seed(cfg.data.seed, "preference-pairs"))
+    pairs = []
+    for row in train:
+        if len(pairs) >= cfg.data.num_preference:
+            break
+        response, truth = row["response"], row["ground_truth"]
+        if response != truth and number.fullmatch(response) and number.fullmatch(truth):
+            chosen, rejected = truth, response
+        elif truth in response:
+            wrong = _wrong_digit(truth, rng)
+            if wrong is None:
+                continue
+            k = response.rfind(truth)
+            chosen, rejected = response, response[:k] + wrong + response[k + len(truth):]
+        else:
+            continue
+        pairs.append({"prompt": row["prompt"], "chosen": chosen, "rejected": rejected, "task": row["task"],
+                      "_where": f"{origin}: preference row {len(pairs)}"})
+    return pairs
+
+
+def _preference_rows(cfg: DareConfig, train: list[dict], eval_rows: list[dict], origin: str) -> tuple[list[dict], dict]:
+    """The preference split: data.preference_source as given, or pairs derived from `train`.
+    Pairs on an eval prompt are dropped (counted in the summary): eval stays unseen."""
+    path = cfg.data.preference_source
+    if path:
+        rows = read_rows(path, "preference_source")
+        for index, row in enumerate(rows):
+            if row["chosen"] == row["rejected"]:
+                raise DataError(f"{path}: row {index}: columns 'chosen' and 'rejected' are identical")
+            row.setdefault("task", cfg.data.task)
+            row["_where"] = f"{path}: row {index}"
+            if cfg.data.task_args.get("append_instruction", True):  # the same prompt format as sft/rl
+                row["prompt"] = add_instruction(row["task"], row["prompt"])
+        origin = str(path)
+    else:
+        rows = _derived_pairs(train, cfg, origin)
+    held_out = {r["prompt"] for r in eval_rows}
+    kept = [r for r in rows if r["prompt"] not in held_out]
+    return kept, {"origin": origin if path else f"derived from {origin}", "dropped_eval_prompts": len(rows) - len(kept)}
 
 
 def _finish(split: str, rows: list[dict], tokenizer: Tokenizer) -> list[dict]:
@@ -127,12 +203,13 @@ def _check_lengths(split: str, rows: list[dict], tokenizer: Tokenizer, canvas: i
         if n + canvas > limit:
             raise DataError(f"{row['_where']}: prompt is {n} tokens (with chat template) + {canvas} "
                             f"{split} generation tokens = {n + canvas} > max sequence length {limit}")
-        if split == "sft":
-            # The canvas must hold the response and at least one EOS (how the model learns to stop);
-            # a longer response would be silently truncated.
-            r = len(_encode(tokenizer, row["response"], row["_where"], "response"))
+        # The canvas must hold the response and at least one EOS (how the model learns to stop);
+        # a longer response would be silently truncated.
+        for column in {"sft": ("response",), "preference": ("chosen", "rejected")}.get(split, ()):
+            r = len(_encode(tokenizer, row[column], row["_where"], column))
             if r + 1 > canvas:
-                raise DataError(f"{row['_where']}: response is {r} tokens + 1 EOS > sft.pad_to {canvas}")
+                name = "response is" if column == "response" else f"column '{column}' is"
+                raise DataError(f"{row['_where']}: {name} {r} tokens + 1 EOS > {split}.pad_to {canvas}")
         longest = max(longest, n)
     return longest
 
@@ -148,11 +225,19 @@ def prepare(cfg: DareConfig) -> dict[str, Any]:
     else:
         need_min = cfg.data.num_eval + max(cfg.data.num_sft, cfg.data.num_rl)
         origin, pool = f"task {cfg.data.task}", _synthetic_pool(cfg, sum(counts), need_min)
-    canvas = {"sft": cfg.sft.pad_to, "rl": cfg.rl.sampler.gen_length, "eval": cfg.eval.sampler.gen_length}
+    canvas = {"sft": cfg.sft.pad_to, "rl": cfg.rl.sampler.gen_length, "eval": cfg.eval.sampler.gen_length,
+              "preference": cfg.preference.pad_to}
+    splits = _split(pool, cfg, origin)
+    splits["preference"], preference_info = _preference_rows(cfg, pool[cfg.data.num_eval:], splits["eval"], origin)
     prepared, longest = {}, 0
-    for split, rows in _split(pool, cfg, origin).items():
+    for split, rows in splits.items():
         rows = _finish(split, rows, tokenizer)
         validate_rows(rows, split, f"{origin} ({split})")
+        if split in ("rl", "eval"):  # the splits a reward grades
+            try:
+                check_rows(rows, split)
+            except ValueError as exc:
+                raise DataError(str(exc)) from None
         longest = max(longest, _check_lengths(split, rows, tokenizer, canvas[split], limit))
         prepared[split] = rows
 
@@ -163,6 +248,7 @@ def prepare(cfg: DareConfig) -> dict[str, Any]:
         "source": cfg.data.source,
         "seed": cfg.data.seed,
         "counts": {split: len(rows) for split, rows in prepared.items()},
+        "preference": preference_info,
         "max_prompt_tokens": longest,
         "max_length": limit,
         "vocab_size": tokenizer.vocab_size,

@@ -1,39 +1,73 @@
-"""Likelihood estimators shared by every algorithm.
+"""Likelihood estimators shared by every algorithm (ALGORITHMS.md 2).
 
-Algorithms never call the model for likelihoods themselves: they hand a `Corruption` (from
-`masking`) to these functions, so the same corrupted inputs serve old, reference and current
-policy. Logits are computed only at scored rows and log-softmax is taken there in float32.
+Algorithms never call the model for likelihoods themselves: they hand a `Corruption` (or a
+`CorruptionSet` of Monte-Carlo rows / trajectory steps) to these functions, so the same corrupted
+inputs serve old, reference and current policy. Logits are computed only at scored rows and
+log-softmax is taken there in float32.
+
+Memory stays flat in the number of rows: `separable_backward` runs forward + backward one chunk of
+rows at a time for losses that are sums over rows, and `proxy_backward` does the exact
+proxy-gradient replay (2.3) for losses that depend on the rows' statistics non-linearly.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from dare_core.diffusion.block import two_stream_hidden
-from dare_core.diffusion.masking import Corruption, full_response_corruption, valid_region
+from dare_core.diffusion.masking import Corruption, CorruptionSet, full_response_corruption, valid_region
 
 
-def token_logprobs(model, corruption: Corruption, targets: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """log p_theta(targets_i | noisy) at every scored position, 0 elsewhere; float32 [B, S].
+def token_logprobs(model, corruption: Corruption, targets: torch.Tensor, attention_mask: torch.Tensor,
+                   temperature: float = 1.0, exclude: Sequence[int] = ()) -> torch.Tensor:
+    """log softmax(f(noisy)/temperature)[target_i] at every scored position, 0 elsewhere; float32 [B, S].
+
+    `exclude`: token ids whose logits are -inf before the softmax. Trajectory scores pass the MASK
+    id, because the sampler never draws MASK (its logit is -inf there), so that a replayed score is
+    the log-probability the rollout actually sampled with.
 
     Block-diffusion models score all blocks in one pass of the two-stream layout [x_t ; x_0],
     each noisy block seeing only the clean blocks before it."""
+    if corruption.targets is not None:
+        targets = corruption.targets
     if model.block_size is not None:
         hidden = two_stream_hidden(model, corruption.noisy_ids, targets, attention_mask)
     else:
         hidden = model.hidden_states(corruption.noisy_ids, attention_mask)
     rows = corruption.scored
     logits = model.logits_at(hidden, rows, attention_mask).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    if len(exclude):
+        logits = logits.index_fill(-1, torch.tensor(list(exclude), device=logits.device), float("-inf"))
     logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[rows][:, None]).squeeze(-1)
     out = torch.zeros(rows.shape, dtype=torch.float32, device=hidden.device)
     return out.masked_scatter(rows, logp)
 
 
+def rows_logprobs(model, rows: Sequence[Corruption], targets: torch.Tensor, attention_mask: torch.Tensor,
+                  temperature: float = 1.0, exclude: Sequence[int] = ()) -> torch.Tensor:
+    """token_logprobs of several corruptions of the same batch in one forward: [R, B, S]."""
+    if len(rows) == 1:
+        return token_logprobs(model, rows[0], targets, attention_mask, temperature, exclude)[None]
+    tg = [r.targets if r.targets is not None else targets for r in rows]
+    stacked = Corruption(torch.cat([r.noisy_ids for r in rows]), torch.cat([r.scored for r in rows]),
+                         torch.cat([r.p for r in rows]), None, torch.cat(tg))
+    logp = token_logprobs(model, stacked, targets.repeat(len(rows), 1), attention_mask.repeat(len(rows), 1), temperature, exclude)
+    return logp.view(len(rows), *targets.shape)
+
+
+def elbo_rows(model, rows: Sequence[Corruption], targets: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Per-row ELBO samples E_r = sum_i w_ri log p(y_i | z_r) (w = 1/p of the row's law): [B, R]."""
+    logp = rows_logprobs(model, rows, targets, attention_mask)
+    weight = torch.stack([r.elbo_weight() for r in rows]).to(logp.device)
+    return (logp * weight).sum(-1).transpose(0, 1)
+
+
 def weighted_masked_nll(model, corruption: Corruption, targets: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Per-sample sum over masked positions of CE_i / p  ([B]): an unbiased negative-ELBO estimate."""
-    logp = token_logprobs(model, corruption, targets, attention_mask)
-    return -(logp.sum(dim=1) / corruption.p.to(logp.device))
+    return -elbo_rows(model, [corruption], targets, attention_mask)[:, 0]
 
 
 def mean_field_corruption(
@@ -50,3 +84,54 @@ def mean_field_corruption(
     response = input_ids[:, prompt_len:]
     valid = valid_region(response, eos_id, attention_mask[:, prompt_len:])
     return full_response_corruption(input_ids, attention_mask, prompt_len, valid, mask_id, p_mask_prompt, generators)
+
+
+# --------------------------------------------------------------------------- constant-memory backward
+
+
+def chunks(n: int, size: int) -> list[list[int]]:
+    size = max(1, size)
+    return [list(range(i, min(n, i + size))) for i in range(0, n, size)]
+
+
+def separable_backward(corruptions: CorruptionSet, rows_per_forward: int,
+                       chunk_loss: Callable[[list], tuple[torch.Tensor, dict]],
+                       backward: Callable[[torch.Tensor], None]) -> tuple[float, dict]:
+    """For a loss that is a sum of per-row terms: forward and backward one chunk of rows at a time,
+    so activation memory is that of one chunk whatever the number of rows. Returns the summed loss
+    value and the metrics of every chunk, summed."""
+    total, metrics = 0.0, {}
+    for idx in chunks(len(corruptions), rows_per_forward):
+        loss, m = chunk_loss(idx)
+        backward(loss)
+        total += float(loss.detach())
+        for k, v in m.items():
+            metrics[k] = metrics.get(k, 0.0) + v
+    return total, metrics
+
+
+def proxy_backward(corruptions: CorruptionSet, rows_per_forward: int,
+                   chunk_stats: Callable[[list], torch.Tensor],
+                   loss_of_stats: Callable[[torch.Tensor], tuple[torch.Tensor, dict]],
+                   backward: Callable[[torch.Tensor], None]) -> tuple[torch.Tensor, dict]:
+    """Exact constant-memory gradient of loss(T) where T = [B, R, ...] stacks per-row statistics
+    (ALGORITHMS.md 2.3): T is computed without a graph, g = dloss/dT on a detached leaf, then each
+    chunk of rows is recomputed with a graph and backpropagated as <g_rows, T_rows>. Exact because
+    the loss reaches the parameters only through T. With all rows in one chunk it is one pass."""
+    groups = chunks(len(corruptions), rows_per_forward)
+    if len(groups) == 1:
+        loss, metrics = loss_of_stats(chunk_stats(groups[0]))
+        backward(loss)
+        return loss.detach(), metrics
+    with torch.no_grad():
+        stats = torch.cat([chunk_stats(idx) for idx in groups], dim=1)
+    leaf = stats.detach().requires_grad_(True)
+    with torch.enable_grad():
+        loss, metrics = loss_of_stats(leaf)
+        (grad,) = torch.autograd.grad(loss, leaf, allow_unused=True)
+    if grad is None:
+        return loss.detach(), metrics
+    for idx in groups:
+        part = chunk_stats(idx)
+        backward((grad[:, idx[0]:idx[-1] + 1] * part).sum())
+    return loss.detach(), metrics

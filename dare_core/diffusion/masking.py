@@ -6,8 +6,8 @@ the explicit prompt-noise regulariser of d1/SPG, and those positions are never s
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
 
 import torch
 
@@ -21,14 +21,50 @@ class Corruption:
     noisy_ids: [B, S] input with MASK at corrupted positions.
     scored:    [B, S] bool, positions whose clean token is scored.
     p:         [B] masking probability of the response (1.0 for full-response masks).
+    weight:    [B, S] optional per-position ELBO weight (1/p of the position's own law, e.g. a
+               per-block p or coupled-GRPO's 1/t and 1/(1-t)); None means 1/p of the row.
+    targets:   [B, S] optional clean tokens to score instead of the batch's (trajectory replay of
+               tokens that the batch's layout overwrote, e.g. block diffusion's post-EOS latents).
     """
 
     noisy_ids: torch.Tensor
     scored: torch.Tensor
     p: torch.Tensor
+    weight: Optional[torch.Tensor] = None
+    targets: Optional[torch.Tensor] = None
 
     def select(self, idx: torch.Tensor) -> "Corruption":
-        return Corruption(self.noisy_ids[idx], self.scored[idx], self.p[idx])
+        pick = lambda t: None if t is None else t[idx.to(t.device)]  # noqa: E731
+        return Corruption(pick(self.noisy_ids), pick(self.scored), pick(self.p), pick(self.weight), pick(self.targets))
+
+    def elbo_weight(self) -> torch.Tensor:
+        """[B, S] weight of each scored position in an ELBO sum (0 where not scored)."""
+        w = self.weight if self.weight is not None else (1.0 / self.p.clamp_min(1e-12)).to(self.noisy_ids.device)[:, None].expand_as(self.scored)
+        return torch.where(self.scored, w.float(), torch.zeros((), device=self.scored.device))
+
+
+@dataclass
+class CorruptionSet:
+    """Several corrupted copies of one batch (Monte-Carlo rows, trajectory steps, AR positions),
+    each a `Corruption` over the same B samples, plus per-sample tensors an estimator needs
+    (`info`, batch dim first). Old, reference and current policy all see the same set."""
+
+    rows: list
+    info: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def select(self, idx: torch.Tensor) -> "CorruptionSet":
+        return CorruptionSet([r.select(idx) for r in self.rows], {k: v[idx.to(v.device)] for k, v in self.info.items()})
+
+    @property
+    def scored(self) -> torch.Tensor:
+        """[B, S] positions scored by any row."""
+        out = self.rows[0].scored.clone()
+        for r in self.rows[1:]:
+            out |= r.scored
+        return out
 
 
 def valid_region(response: torch.Tensor, eos_id: int, canvas: torch.Tensor | None = None) -> torch.Tensor:
@@ -62,6 +98,17 @@ def bernoulli_mask(maskable: torch.Tensor, p: torch.Tensor, generators: Sequence
     return mask
 
 
+def prompt_noise_mask(real: torch.Tensor, p: float, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """The prompt-noise regulariser (d1, SPG): each real prompt token MASK with probability p. One
+    draw per real token, in order, so the pattern does not depend on how much left padding the
+    batch gave the prompt (ALGORITHMS.md 1.6)."""
+    out = torch.zeros_like(real, dtype=torch.bool)
+    for row, g in enumerate(generators):
+        idx = real[row].nonzero().squeeze(-1)
+        out[row, idx] = (torch.rand(idx.numel(), generator=g) < p).to(out.device)
+    return out
+
+
 def count_mask(maskable: torch.Tensor, generators: Sequence[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
     """Law (b) of ALGORITHMS.md 1.3: l ~ U{1..n}, then a uniform random l-subset of the n maskable
     positions; returns the mask and p = l/n. Same ELBO as the Bernoulli law, but the weight 1/p is
@@ -83,12 +130,22 @@ def count_mask(maskable: torch.Tensor, generators: Sequence[torch.Generator]) ->
     return torch.stack(rows), torch.stack(probs).float()
 
 
-def masked_corruption(input_ids: torch.Tensor, prompt_len: int, masked_resp: torch.Tensor, mask_id: int, p: torch.Tensor) -> Corruption:
-    """MASK the chosen response positions; they are the scored ones."""
+def masked_corruption(input_ids: torch.Tensor, prompt_len: int, masked_resp: torch.Tensor, mask_id: int, p: torch.Tensor,
+                      weight: Optional[torch.Tensor] = None, hidden: Optional[torch.Tensor] = None) -> Corruption:
+    """MASK the chosen response positions; they are the scored ones. `hidden` [B, L]: response
+    positions also MASK but never scored (the EOS tail under tail_policy = mask, ALGORITHMS.md 1.1).
+    `weight` [B, L]: per-position ELBO weight."""
     scored = torch.zeros_like(input_ids, dtype=torch.bool)
     scored[:, prompt_len:] = masked_resp
-    noisy = torch.where(scored, torch.full_like(input_ids, mask_id), input_ids)
-    return Corruption(noisy, scored, p)
+    masked = scored.clone()
+    if hidden is not None:
+        masked[:, prompt_len:] |= hidden.bool()
+    noisy = torch.where(masked, torch.full_like(input_ids, mask_id), input_ids)
+    full_weight = None
+    if weight is not None:
+        full_weight = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
+        full_weight[:, prompt_len:] = weight.float()
+    return Corruption(noisy, scored, p, full_weight)
 
 
 def response_corruption(
@@ -119,7 +176,7 @@ def full_response_corruption(
     Only valid response positions are scored; noised prompt tokens never are."""
     prompt_real = attention_mask[:, :prompt_len].bool()
     if p_mask_prompt > 0:
-        prompt_noise = bernoulli_mask(prompt_real, torch.full((len(generators),), p_mask_prompt), generators)
+        prompt_noise = prompt_noise_mask(prompt_real, p_mask_prompt, generators)
     else:
         prompt_noise = torch.zeros_like(prompt_real)
     noisy = input_ids.clone()

@@ -1,56 +1,35 @@
-"""GSM8K reward (ALGORITHMS.md section 7): numeric match of the final answer, tolerance 1e-6.
+"""GSM8K rewards (ALGORITHMS.md section 7).
 
-The prediction is taken in the format the prompt asked for: the last `\\boxed{}`/`\\fbox{}`, else the
-last `<answer>...</answer>` (d1 format), else the last number in the text.
+`gsm8k`: numeric match of the final answer, tolerance 1e-6. The ground truth is the text after `####`
+with commas removed. The prediction is taken in the format the prompt asked for: the last
+`\\boxed{}`/`\\fbox{}` (a box that is not a plain number, e.g. `\\frac{24}{2}`, is graded by the math
+path), else the last `<answer>...</answer>` (d1 format), else the last number in the text.
+
+`gsm8k_d1`: the d1 reward set for the `<reasoning>...</reasoning><answer>...</answer>` format, the sum of
+- correctness 2.0: the `<answer>` content equals the ground-truth answer string exactly;
+- integer 0.5: the `<answer>` content is a non-negative integer (ASCII digits);
+- strict format 0.5: the whole text is `<reasoning>\\n...\\n</reasoning>\\n<answer>\\n...\\n</answer>`,
+  optionally followed by one newline;
+- soft format 0.5: the text starts with a `<reasoning>...</reasoning>` block followed (after
+  whitespace) by an `<answer>...</answer>` block;
+- XML count up to 0.5: 0.125 for each of `<reasoning>\\n`, `\\n</reasoning>\\n`, `\\n<answer>\\n`,
+  `\\n</answer>` occurring exactly once, minus 0.001 per character after the last `</answer>` (one
+  newline right after it is free).
+`acc` is 1 when the correctness term is earned. "." in the format patterns matches newlines too, so
+multi-line reasoning is well-formed.
 """
 from __future__ import annotations
 
 import re
 from typing import Optional
 
+from dare_core.rewards.extract import last_answer_tag, last_boxed
 from dare_core.rewards.registry import RewardResult, register_reward
 
-_BOX_COMMAND = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+__all__ = ["gsm8k_reward", "gsm8k_d1_reward", "last_boxed"]
+
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
 TOLERANCE = 1e-6
-
-
-def _braced(text: str, start: int) -> Optional[tuple[str, int]]:
-    """Content of the brace group opening at text[start] and the index after it; None if unbalanced."""
-    depth = 0
-    for i in range(start, len(text)):
-        if text[i] == "{":
-            depth += 1
-        elif text[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start + 1:i], i + 1
-    return None
-
-
-def last_boxed(text: str) -> Optional[str]:
-    """Content of the last top-level `\\boxed{...}` or `\\fbox{...}`, nested braces kept; None if none.
-
-    Also accepts the brace-less `\\boxed 5` form. An unbalanced box is skipped.
-    """
-    found, pos = None, 0
-    while (match := _BOX_COMMAND.search(text, pos)) is not None:
-        rest = match.end()
-        while rest < len(text) and text[rest] == " ":
-            rest += 1
-        if rest < len(text) and text[rest] == "{":
-            group = _braced(text, rest)
-            if group is None:
-                pos = match.end()
-                continue
-            found, pos = group
-            continue
-        token = re.match(r"[^\s$]+", text[rest:])
-        if rest > match.end() and token:
-            found = token.group(0)
-        pos = match.end()
-    return found
 
 
 def _to_number(text: str) -> Optional[float]:
@@ -73,9 +52,9 @@ def _extract(text: str) -> tuple[Optional[str], Optional[str]]:
     boxed = last_boxed(text)
     if boxed is not None:
         return boxed.strip(), "boxed"
-    tags = _ANSWER_TAG.findall(text)
-    if tags:
-        return tags[-1].strip(), "answer_tag"
+    tag = last_answer_tag(text)
+    if tag is not None:
+        return tag.strip(), "answer_tag"
     numbers = _NUMBER.findall(text)
     if numbers:
         return numbers[-1], "last_number"
@@ -89,5 +68,61 @@ def gsm8k_reward(response_text: str, ground_truth: str, extra: Optional[dict] = 
     if pred is None:
         return RewardResult(0.0, 0.0, None, {"extraction_failed": True})
     value = _to_number(pred)
+    if value is None and method == "boxed":
+        from dare_core.rewards.math import math_equal
+
+        timeout = (extra or {}).get("timeout")
+        equal, how = math_equal(pred, _ground_truth_answer(ground_truth), timeout=timeout)
+        correct = float(equal)
+        return RewardResult(correct, correct, pred, {"method": method, "equivalence": how})
     correct = float(value is not None and abs(value - target) <= TOLERANCE)
     return RewardResult(correct, correct, pred, {"method": method})
+
+
+# ---- d1 reward set ---------------------------------------------------------------------------------
+
+_D1_STRICT = re.compile(r"<reasoning>\n.*?\n</reasoning>\n<answer>\n.*?\n</answer>\n?", re.DOTALL)
+_D1_SOFT = re.compile(r"<reasoning>.*?</reasoning>\s*<answer>.*?</answer>", re.DOTALL)
+_D1_TAGS = ("<reasoning>\n", "\n</reasoning>\n", "\n<answer>\n", "\n</answer>")
+
+
+def _ground_truth_answer(ground_truth: str) -> str:
+    return ground_truth.split("####")[-1].replace(",", "").strip()
+
+
+def _d1_answer(text: str) -> Optional[str]:
+    """Text after the last `<answer>`, up to the next `</answer>` (or the end), stripped; None if no tag."""
+    if "<answer>" not in text:
+        return None
+    return text.rsplit("<answer>", 1)[1].split("</answer>", 1)[0].strip()
+
+
+def _d1_xml_count(text: str) -> float:
+    score = sum(0.125 for tag in _D1_TAGS if text.count(tag) == 1)
+    if "</answer>" in text:
+        tail = text.rsplit("</answer>", 1)[1]
+        score -= 0.001 * len(tail[1:] if tail.startswith("\n") else tail)
+    return score
+
+
+def d1_components(text: str, ground_truth: str) -> dict[str, float]:
+    """The five d1 terms for one response (their sum is the `gsm8k_d1` score)."""
+    answer = _d1_answer(text)
+    return {
+        "correctness": 2.0 if answer is not None and answer == _ground_truth_answer(ground_truth) else 0.0,
+        "integer": 0.5 if answer is not None and re.fullmatch(r"[0-9]+", answer) else 0.0,
+        "strict_format": 0.5 if _D1_STRICT.fullmatch(text) else 0.0,
+        "soft_format": 0.5 if _D1_SOFT.match(text) else 0.0,
+        "xml_count": _d1_xml_count(text),
+    }
+
+
+@register_reward("gsm8k_d1")
+def gsm8k_d1_reward(response_text: str, ground_truth: str, extra: Optional[dict] = None) -> RewardResult:
+    parts = d1_components(response_text, ground_truth)
+    answer = _d1_answer(response_text)
+    info: dict = dict(parts)
+    if answer is None:
+        info["extraction_failed"] = True
+    correct = 1.0 if parts["correctness"] > 0 else 0.0
+    return RewardResult(sum(parts.values()), correct, answer, info)

@@ -198,15 +198,33 @@ def generate(
     generators: Optional[Sequence[torch.Generator]] = None,
     record: str = "none",
     max_blocks: Optional[int] = None,
+    init_response: Optional[torch.Tensor] = None,
+    step_range: Optional[tuple[int, int]] = None,
 ) -> GenerationOutput:
     """Decode `params.gen_length` tokens after each prompt. `record`: "steps" keeps the step map
     (CJ-GRPO, d-TreeRPO), "full" also every step's proposals and confidences (MDPO). `max_blocks`
-    decodes only the first blocks (benchmarks, previews); the rest of the response is EOS."""
+    decodes only the first blocks (benchmarks, previews); the rest of the response is EOS.
+
+    Resuming (d-TreeRPO's tree, masked diffusion with a count schedule and no cache):
+    `init_response` [B, gen_length] is the state to start from (MASK where undecoded) and
+    `step_range = (j0, j1)` runs only the steps j0 <= j < j1 of the whole schedule (steps are
+    numbered over all blocks, `steps_per_block` per block). Per-block counts are those of decoding
+    from the start, so running [0, j) and then [j, steps) from the first run's state commits what one
+    uninterrupted run does with the same random draws. The state a partial run ends in is
+    `trajectory.tokens` (`record="steps"`; MASK where still undecoded); `response` fills those with EOS."""
     if record not in RECORD:
         raise ValueError(f"record must be one of {RECORD}, got '{record}'")
     device = next(model.parameters()).device
     mask_id, eos_id = model.mask_token_id, model.eos_token_id
     block_diffusion = model.block_size is not None
+    resuming = init_response is not None or step_range is not None
+    if resuming:
+        if block_diffusion or params.cache != "none" or params.unmasking not in ("topk", "sequential"):
+            raise ValueError("init_response / step_range need a masked-diffusion model, cache: none and a count "
+                             "schedule (unmasking: topk or sequential)")
+        j_from, j_to = step_range if step_range is not None else (0, params.steps)
+        if not 0 <= j_from <= j_to <= params.steps:
+            raise ValueError(f"step_range {step_range} must lie within [0, {params.steps}]")
     if block_diffusion and params.block_length != model.block_size:
         raise ValueError(f"this model was trained with blocks of {model.block_size}; set block_length: {model.block_size}")
     if params.stochastic and (generators is None or len(generators) != len(prompts)):
@@ -218,6 +236,12 @@ def generate(
     # attended), so that rollouts with different prompt lengths replay the same captured graphs
     canvas = Canvas.build(prompts, params, mask_id, model.pad_token_id, block_diffusion, device, bucket=64 if graphs else 1)
     B, S, L = canvas.x.shape[0], canvas.x.shape[1], params.gen_length
+    # what a block's count schedule starts from: its masked positions before any decoding (original rows)
+    undecoded = canvas.x == mask_id
+    if init_response is not None:
+        if tuple(init_response.shape) != (B, L):
+            raise ValueError(f"init_response must be [{B}, {L}], got {list(init_response.shape)}")
+        canvas.x[:, canvas.origin:canvas.origin + L] = init_response.to(device)
     span = int((S - (canvas.attn == 0).sum(-1)).max())
     if span > model.max_sequence_length:
         raise ValueError(f"prompt + gen_length needs {span} positions, more than the model's maximum length {model.max_sequence_length}")
@@ -259,12 +283,27 @@ def generate(
 
     if (w := policy.prefill(canvas.origin)) is not None:
         forward(w)
-    for bi, (lo, hi) in enumerate(canvas.blocks[:max_blocks]):
-        masked_at_start = ((canvas.x[:, lo:hi] == mask_id) & ~frozen[:, None]).sum(-1)
+    spb = params.steps_per_block
+    alive = True
+    if resuming and j_from // spb < len(canvas.blocks):
+        # rows that stopped in a block finished before the range left an uninterrupted run there
+        alive = retire(_finished(canvas, canvas.blocks[j_from // spb][0], L, stop_ids, params.stop_at_eos))
+    for bi, (lo, hi) in enumerate(canvas.blocks[:max_blocks] if alive else []):
         j = 0
+        if resuming:
+            if bi * spb >= j_to:
+                break
+            if (bi + 1) * spb <= j_from:
+                continue
+            j = max(j_from - bi * spb, 0)
+        masked_at_start = (undecoded[active, lo:hi] & ~frozen[:, None]).sum(-1)
+        range_end = False
         while True:
             is_masked = (canvas.x[:, lo:hi] == mask_id) & ~frozen[:, None]
             if not is_masked.any():
+                break
+            if resuming and bi * spb + j >= j_to:
+                range_end = True
                 break
             if j >= limit:
                 raise RuntimeError(f"unmasking '{params.unmasking}' left block {bi} unfinished after {j} steps")
@@ -306,6 +345,8 @@ def generate(
                     if forward.static is None:
                         masked_at_start = masked_at_start[(~done).nonzero().squeeze(-1)]
                     retire(done)
+        if range_end:
+            break
         if bi + 1 < len(canvas.blocks) and (w := policy.commit(lo, hi)) is not None:
             forward(w)
         if not retire(_finished(canvas, hi, L, stop_ids, params.stop_at_eos)):

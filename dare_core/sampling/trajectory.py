@@ -29,6 +29,13 @@ class Trajectory:
         idx = self.response_offset[:, None] + torch.arange(gen_length, device=self.step_map.device)
         return self.step_map.gather(1, idx.clamp(max=self.step_map.shape[1] - 1)).masked_fill(idx >= self.step_map.shape[1], 0)
 
+    def response_tokens(self, gen_length: int) -> torch.Tensor:
+        """[B, gen_length] what the sampler decoded at each response position, including tokens
+        after a stop (MASK where never decoded): the targets of a trajectory replay."""
+        idx = self.response_offset[:, None] + torch.arange(gen_length, device=self.tokens.device)
+        out = self.tokens.gather(1, idx.clamp(max=self.tokens.shape[1] - 1))
+        return out.masked_fill(idx >= self.tokens.shape[1], self.mask_token_id)
+
     def block_local_steps(self) -> torch.Tensor:
         """Steps counted from 1 inside each block (the BDLM form of CJ-GRPO's step map)."""
         out = torch.zeros_like(self.step_map)

@@ -75,13 +75,15 @@ def world_size() -> int:
     return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
 
-def all_reduce_sum(value: float) -> float:
-    """Global sums (e.g. loss denominators) must be known on every rank before the backward pass."""
+def all_reduce_sum(value):
+    """Global sums (e.g. loss denominators) must be known on every rank before the backward pass.
+    A float gives a float; a tensor a float64 tensor on the CPU."""
+    scalar = not isinstance(value, torch.Tensor)
     if world_size() == 1:
         return value
-    t = torch.tensor([value], dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu")
+    t = torch.as_tensor(value, dtype=torch.float64).reshape(-1).to("cuda" if torch.cuda.is_available() else "cpu")
     torch.distributed.all_reduce(t)
-    return t.item()
+    return t.item() if scalar else t.cpu()
 
 
 def device() -> torch.device:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -13,11 +15,10 @@ from tqdm.auto import tqdm
 
 from dare_core.algorithms.base import Batch
 from dare_core.algorithms.common import group_advantages
-from dare_core.algorithms.registry import build_options, get_algorithm
+from dare_core.algorithms.registry import build_algorithm
 from dare_core.config import DareConfig, to_dict
 from dare_core.data.batching import global_batch_indices
 from dare_core.data.schema import read_rows
-from dare_core.diffusion.masking import valid_region
 from dare_core.diffusion.seeding import sample_generators
 from dare_core.eval.quick import score_texts
 from dare_core.models.registry import load_model
@@ -38,13 +39,17 @@ def rl_start_folder(cfg: DareConfig) -> Path:
     return cfg.stage_dir("sft") / "model"
 
 
-def check_rl_config(cfg: DareConfig) -> None:
+def check_rl_config(cfg: DareConfig, rows_per_prompt: Optional[int] = None) -> None:
+    """`rows_per_prompt`: training rows the algorithm makes of one prompt (`RLAlgorithm.rows_per_prompt`;
+    rl.group_size unless, like d-TreeRPO's transitions, they are not the rollouts)."""
     rl = cfg.rl
-    rollouts = rl.prompts_per_step * rl.group_size
+    per_prompt = rows_per_prompt or rl.group_size
+    rollouts = rl.prompts_per_step * per_prompt
     if rl.group_size < 2:
         raise ValueError("rl.group_size must be >= 2 (group advantages need a group)")
     if rollouts % rl.mini_batches:
-        raise ValueError(f"rl.prompts_per_step * rl.group_size = {rollouts} must be divisible by rl.mini_batches = {rl.mini_batches}")
+        what = "rl.group_size" if per_prompt == rl.group_size else f"{per_prompt} rows per prompt ({rl.algorithm})"
+        raise ValueError(f"rl.prompts_per_step * {what} = {rollouts} must be divisible by rl.mini_batches = {rl.mini_batches}")
     mini = rollouts // rl.mini_batches
     if rl.micro_batch_size < mini and mini % rl.micro_batch_size:
         raise ValueError(f"rl.micro_batch_size = {rl.micro_batch_size} must divide the mini-batch size {mini}")
@@ -54,14 +59,14 @@ def record_level(requires: frozenset) -> str:
     """How much of the denoising trajectory the sampler must keep for an algorithm."""
     if requires & {"x0_hat", "confidence"}:
         return "full"
-    return "steps" if "step_map" in requires else "none"
+    return "steps" if requires & {"step_map", "decoded"} else "none"
 
 
 def rollout(sampler: RolloutEngine, model, tokenizer, rows: list[dict], cfg: DareConfig, step: int,
             requires: frozenset = frozenset()) -> tuple[Batch, dict]:
     """G samples per prompt, rewarded and turned into a training batch with group advantages."""
     rl = cfg.rl
-    expanded = [r for r in rows for _ in range(rl.group_size)]
+    expanded = prompt_rows_expanded(rows, rl.group_size)
     uids = [f"{r['uid']}/{g}" for r in rows for g in range(rl.group_size)]
     prompts = [tokenizer.encode(r["prompt_text"]) for r in expanded]
     device = next(model.parameters()).device
@@ -87,7 +92,9 @@ def rollout(sampler: RolloutEngine, model, tokenizer, rows: list[dict], cfg: Dar
     rewards = torch.tensor([r.score for r in results])
     adv, adv_metrics = group_advantages(rewards, rl.group_size, rl.adv_estimator)
     response = input_ids[:, width:]
-    valid = valid_region(response, model.eos_token_id, attention_mask[:, width:])
+    # V: up to and including the first stop token (EOS or any of stop_token_ids), as the engine reports
+    lengths = torch.cat([o.lengths.cpu() for o in outs]).to(response.device)
+    valid = (torch.arange(response.shape[1], device=response.device) < lengths[:, None]) & attention_mask[:, width:].bool()
     batch = Batch(input_ids, attention_mask, width, valid, uids, adv, _records(outs, requires))
     steps = torch.cat([o.steps.float().cpu() for o in outs])
     metrics = {
@@ -109,12 +116,40 @@ def _records(outs: list, requires: frozenset) -> dict:
     records = {}
     if "step_map" in requires:
         records["step_map"] = torch.cat([o.step_map for o in outs])
+    if "decoded" in requires:
+        records["decoded"] = torch.cat([o.trajectory.response_tokens(o.response.shape[1]) for o in outs])
     for key, fill in (("x0_hat", -1), ("confidence", float("nan"))):
         if key in requires:
             parts = [getattr(o.trajectory, key) for o in outs]
             k = max(p.shape[1] for p in parts)
             records[key] = torch.cat([torch.nn.functional.pad(p, (0, 0, 0, k - p.shape[1]), value=fill) for p in parts])
     return records
+
+
+def prompt_rows_expanded(rows: list[dict], group_size: int) -> list[dict]:
+    """The prompt row of every rollout, in rollout order."""
+    return [r for r in rows for _ in range(group_size)]
+
+
+@dataclass
+class RolloutContext:
+    """What `RLAlgorithm.prepare` may use beyond the batch: rewarding other token sequences than the
+    final responses (MDPO rewards every step's predicted completion)."""
+
+    tokenizer: object
+    rows: list  # the prompt row of every rollout
+    reward: str
+
+    def rewards(self, rollout_index: list, responses: torch.Tensor) -> torch.Tensor:
+        """Rewards of response ids [N, L] (cut at the first EOS) for the given rollouts' prompts."""
+        eos = self.tokenizer.eos_token_id
+        texts = []
+        for row in responses.tolist():
+            if eos in row:
+                row = row[: row.index(eos)]
+            texts.append(self.tokenizer.decode(row, skip_special_tokens=True))
+        results = score_texts([self.rows[i] for i in rollout_index], texts, self.reward)
+        return torch.tensor([r.score for r in results], dtype=torch.float32)
 
 
 def reference_scores(algo, policy, ref, batch: Batch, corruptions: list) -> list:
@@ -134,7 +169,6 @@ def reference_scores(algo, policy, ref, batch: Batch, corruptions: list) -> list
 
 def run_rl(cfg: DareConfig, progress: bool = True) -> dict:
     rl = cfg.rl
-    check_rl_config(cfg)
     out_dir = cfg.stage_dir("rl")
     data_path = Path(cfg.data.prepared_dir) / "rl.parquet"
     rows = read_rows(data_path, "rl")
@@ -145,13 +179,18 @@ def run_rl(cfg: DareConfig, progress: bool = True) -> dict:
     if rl.kl_beta > 0 and cfg.model.lora is None:
         ref = copy.deepcopy(policy).eval().requires_grad_(False)
 
-    algo_cls = get_algorithm(rl.algorithm)
-    algo = algo_cls(build_options(algo_cls, rl.algorithm_args, "rl.algorithm_args"), rl, policy.mask_token_id, policy.eos_token_id)
-    rollouts = rl.prompts_per_step * rl.group_size
+    algo = build_algorithm(rl, policy)
+    check_rl_config(cfg, algo.rows_per_prompt)
+    rollouts = rl.prompts_per_step * algo.rows_per_prompt
     mini = rollouts // rl.mini_batches
-    micro = min(rl.micro_batch_size, mini)
+    # each rank walks its own share of every mini-batch: DeepSpeed must step after that many micro-batches
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    if rl.prompts_per_step % ranks or mini % ranks:
+        raise ValueError(f"rl.prompts_per_step = {rl.prompts_per_step} (mini-batch {mini}) must be divisible by the {ranks} ranks")
+    local_mini = mini // ranks
+    micro = min(rl.micro_batch_size, local_mini)
     updates = rl.num_steps * rl.num_iterations * rl.mini_batches
-    engine = eng.build_engine(policy, rl.optim, updates, micro, mini // micro, cfg.launch.zero_stage)
+    engine = eng.build_engine(policy, rl.optim, updates, micro, -(-local_mini // micro), cfg.launch.zero_stage)
     world, rank = eng.world_size(), eng.rank()
     sampler = build_engine(rl.sampler.engine, engine.module, **rl.sampler.engine_args)
 
@@ -171,31 +210,33 @@ def run_rl(cfg: DareConfig, progress: bool = True) -> dict:
         idx = global_batch_indices(step, rl.prompts_per_step, len(rows), cfg.run.seed)
         prompt_rows = [rows[i] for i in idx]
         mine = prompt_rows[rank::world]
-        batch, metrics = rollout(sampler, engine.module, tokenizer, mine, cfg, step, algo.requires)
+        batch, metrics = algo.rollout(sampler, engine.module, tokenizer, mine, cfg, step)
         t_rollout = time.time() - t0
 
+        metrics.update(algo.prepare(batch, RolloutContext(tokenizer, prompt_rows_expanded(mine, rl.group_size), rl.reward)))
         corruptions = [algo.corrupt(batch, (cfg.run.seed, step, it)) for it in range(rl.num_iterations)]
         with torch.no_grad():
             old = None if trivial_ratio else [algo.score(engine.module, batch, c) for c in corruptions]
             ref_scores = reference_scores(algo, engine.module, ref, batch, corruptions) if rl.kl_beta > 0 else None
-        order = torch.arange(len(batch))
         update_metrics: dict[str, float] = {}
         n_updates = 0
         local_mini = len(batch) // rl.mini_batches
+
+        def backward(loss: torch.Tensor) -> None:
+            engine.backward(loss, scale_wrt_gas=False)
+
         for it in range(rl.num_iterations):
-            for mb in order.split(local_mini):
-                # token-mean over the whole mini-batch (all micro-batches, all ranks)
-                denom = eng.all_reduce_sum(corruptions[it].scored[mb].sum().item())
+            for mb in torch.arange(len(batch)).split(local_mini):
+                # normalisers over the whole mini-batch (all micro-batches, all ranks) before any backward
+                denom = eng.all_reduce_sum(algo.denominator(batch.select(mb), corruptions[it].select(mb)))
                 for mc in mb.split(micro):
-                    part = batch.select(mc)
-                    c = corruptions[it].select(mc)
                     o = old[it][mc] if old is not None else None
                     r = ref_scores[it][mc] if ref_scores is not None else None
-                    out = algo.loss(engine.module, part, c, o, r, denom)
-                    engine.backward(out.loss, scale_wrt_gas=False)
+                    out = algo.update(engine.module, batch.select(mc), corruptions[it].select(mc), o, r, denom, backward)
                     engine.step()
                     for k, v in out.metrics.items():
                         update_metrics[k] = update_metrics.get(k, 0.0) + v
+                    update_metrics["loss"] = update_metrics.get("loss", 0.0) + float(out.loss)
                     n_updates += 1
         metrics.update({k: v / max(n_updates, 1) for k, v in update_metrics.items()})
         sampler.update_weights(engine.module)  # the next rollout must see this step's weights

@@ -47,6 +47,10 @@ def test_flow_runs_every_stage_then_skips(tmp_path):
     assert (repo / "runs" / "t" / "sft" / "loss.csv").read_text().startswith("step,loss")
     assert (repo / "runs" / "t" / "rl" / "reward.csv").exists() and (repo / "runs" / "t" / "eval" / "accuracy.png").exists()
     assert (repo / "dvc.lock").exists()
+    # the preference side branch exported its own loadable model and finite metrics
+    pref = json.loads((repo / "metrics" / "preference.json").read_text())
+    assert pref["algorithm"] == "vrpo" and pref["final_loss"] == pref["final_loss"]
+    assert load_model(repo / "runs" / "t" / "preference" / "model").mask_token_id == tok.mask_token_id
 
     again = subprocess.run([sys.executable, "-m", "dvc", "status"], cwd=repo, env=env, capture_output=True, text=True)
     assert "up to date" in again.stdout.lower(), again.stdout

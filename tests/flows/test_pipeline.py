@@ -39,6 +39,10 @@ stages:
     cmd: echo sft >> log.txt && cat prepare.out > sft.out
     deps: [prepare.out]
     outs: [sft.out]
+  preference:
+    cmd: echo preference >> log.txt && cat sft.out > preference.out
+    deps: [sft.out]
+    outs: [preference.out]
   rl:
     cmd: echo rl >> log.txt && cat sft.out params.yaml > rl.out
     deps: [sft.out]
@@ -109,9 +113,9 @@ def test_pipeline_runs_skips_retries_and_reports(tmp_path, prefect_env, capsys):
     from tasks.dvc_stage import StageFailed
 
     _make_repo(tmp_path)
-    stages = ["prepare", "sft", "rl", "convert", "eval"]
+    stages = ["prepare", "sft", "preference", "rl", "convert", "eval"]
 
-    # (1) + (3): all five run in order; convert fails once (exit 3) and is retried.
+    # (1) + (3): all six run in order; convert fails once (exit 3) and is retried.
     res = dare_pipeline(repo=str(tmp_path), retry_delay_seconds=0)
     assert _log(tmp_path) == stages
     assert [r.stage for r in res.stages] == stages
@@ -137,11 +141,11 @@ def test_pipeline_runs_skips_retries_and_reports(tmp_path, prefect_env, capsys):
     assert res.table is not None
     assert "| prepare | skipped |" in capsys.readouterr().out
 
-    # (4): a param only rl reads: rl, convert and eval rerun, prepare and sft do not.
+    # (4): a param only rl reads: rl, convert and eval rerun, prepare, sft and preference do not.
     (tmp_path / "params.yaml").write_text("prepare:\n  n: 10\nrl:\n  lr: 0.2\n")
     res = dare_pipeline(repo=str(tmp_path))
     assert _log(tmp_path) == stages + ["rl", "convert", "eval"]
-    assert res.skipped == ["prepare", "sft"] and res.ran == ["rl", "convert", "eval"]
+    assert res.skipped == ["prepare", "sft", "preference"] and res.ran == ["rl", "convert", "eval"]
 
     # A stage that keeps failing: a clear error naming the stage and its cmd's exit code.
     with pytest.raises(StageFailed, match=r"stage 'boom' failed with exit code 7") as err:

@@ -26,4 +26,4 @@ def get_task(name: str) -> Any:
 
 
 # Imported for registration; after register_task exists so the module can use it.
-from dare_core.data.tasks import arithmetic  # noqa: E402,F401
+from dare_core.data.tasks import arithmetic, countdown, sudoku  # noqa: E402,F401

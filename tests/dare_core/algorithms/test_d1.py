@@ -3,9 +3,9 @@ import copy
 
 import torch
 
+from algo_helpers import make_algo, run_update
 from conftest import make_tiny_llada
 from dare_core.algorithms.base import Batch
-from dare_core.algorithms.registry import build_options, get_algorithm
 from dare_core.config import RLConfig
 from dare_core.diffusion.masking import valid_region
 
@@ -13,8 +13,7 @@ EOS, MASK = 38, 39
 
 
 def _algo(model, rl=None, **opts):
-    cls = get_algorithm("d1")
-    return cls(build_options(cls, opts, "rl.algorithm_args"), rl or RLConfig(), model.mask_token_id, model.eos_token_id)
+    return make_algo("d1", model, rl, **opts)
 
 
 def _rollout_batch(n=6, P=8, L=12, seed=0):
@@ -60,7 +59,7 @@ def test_loss_by_hand_only_valid_tokens():
         old = algo.score(model, batch, c) - 0.3 * c.scored.float()  # pretend pi_old differs
         ref = algo.score(model, batch, c) + 0.1 * c.scored.float()
     denom = float(c.scored.sum())
-    out = algo.loss(model, batch, c, old, ref, denom)
+    out = run_update(algo, model, batch, c, old, ref, denom, backward=False)
     # by hand
     logits = model(c.noisy_ids, batch.attention_mask).double()
     s = torch.log_softmax(logits, -1).gather(-1, batch.input_ids[..., None]).squeeze(-1)
@@ -86,22 +85,20 @@ def test_gradients_only_through_valid_response_scores():
     batch = _rollout_batch()
     c = algo.corrupt(batch, (0, 0, 0))
     emb = model.net.embed.weight
-    out = algo.loss(model, batch, c, None, None, float(c.scored.sum()))
-    out.loss.backward()
+    run_update(algo, model, batch, c, None, None, float(c.scored.sum()))
     # tokens after the first EOS of sample 1 are not targets: zeroing their advantage changes nothing
     g_full = emb.grad.clone()
     model.zero_grad()
     b2 = copy.deepcopy(batch)
     b2.advantages[1] = 0.0
     b2.advantages[1] = batch.advantages[1]
-    out2 = algo.loss(model, b2, c, None, None, float(c.scored.sum()))
-    out2.loss.backward()
+    run_update(algo, model, b2, c, None, None, float(c.scored.sum()))
     torch.testing.assert_close(g_full, emb.grad)
     # a sample with zero advantage contributes no gradient
     model.zero_grad()
     only = batch.select(torch.tensor([2]))
     only.advantages[:] = 0
-    algo.loss(model, only, c.select(torch.tensor([2])), None, None, 5.0).loss.backward()
+    run_update(algo, model, only, c.select(torch.tensor([2])), None, None, 5.0)
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())
 
 
@@ -116,10 +113,9 @@ def test_ratio_is_one_first_update_and_not_second():
     opt = torch.optim.SGD(model.parameters(), lr=5.0)
     ratios = []
     for it in range(2):
-        out = algo.loss(model, batch, corr[it], old[it], None, float(corr[it].scored.sum()))
-        ratios.append((out.metrics["ratio"], out.metrics["clipfrac_hi"] + out.metrics["clipfrac_lo"]))
         opt.zero_grad()
-        out.loss.backward()
+        out = run_update(algo, model, batch, corr[it], old[it], None, float(corr[it].scored.sum()))
+        ratios.append((out.metrics["ratio"], out.metrics["clipfrac_hi"] + out.metrics["clipfrac_lo"]))
         opt.step()
     assert abs(ratios[0][0] - 1.0) < 1e-6 and ratios[0][1] == 0.0
     assert abs(ratios[1][0] - 1.0) > 1e-3 and ratios[1][1] > 0.0

@@ -26,7 +26,7 @@ def read(cfg, split):
 def test_synthetic_splits(tmp_path):
     cfg = make_cfg(tmp_path)
     summary = prepare(cfg)
-    assert summary["counts"] == {"sft": 60, "rl": 20, "eval": 20} and summary["task"] == "arithmetic"
+    assert summary["counts"] == {"sft": 60, "rl": 20, "eval": 20, "preference": 80} and summary["task"] == "arithmetic"
     sft, rl, ev = read(cfg, "sft"), read(cfg, "rl"), read(cfg, "eval")
     assert not {r["prompt"] for r in ev} & {r["prompt"] for r in sft + rl}
     tok = load_tokenizer(cfg.data.tokenizer_dir)
@@ -86,7 +86,7 @@ def test_source_file(tmp_path):
     source.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = make_cfg(tmp_path, source=str(source), num_sft=8, num_rl=8, num_eval=4)
     summary = prepare(cfg)
-    assert summary["counts"] == {"sft": 8, "rl": 8, "eval": 4}
+    assert summary["counts"] == {"sft": 8, "rl": 8, "eval": 4, "preference": 8}
     ev = read(cfg, "eval")
     assert {r["uid"] for r in ev} <= {f"u{i}" for i in range(12)}
     assert not {r["prompt"] for r in ev} & {r["prompt"] for r in read(cfg, "sft") + read(cfg, "rl")}

@@ -1,0 +1,116 @@
+"""CJ-GRPO (ALGORITHMS.md 5.4): replay the rollout's own trajectory (2.6) and score the tokens each
+denoising step committed, given the state before that step, at the rollout temperature.
+
+Masked diffusion: L = (1/K) sum_k L_k, L_k a PPO (dual) clip token-mean over U_k ∩ V across the
+whole mini-batch. Block diffusion: one forward per block-local step with all blocks replayed at once
+in the two-stream layout; Eq. 11's reduction (token-mean inside each (sample, block, step)
+transition, mean over the sample's transitions, mean over samples); the tokens decoded after EOS in
+the terminal block were sampled and conditioned on, so they are replayed and scored as latent
+actions. Each step is its own forward and backward, so memory does not grow with K."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from dare_core.algorithms.base import Batch, LossOutput, RLAlgorithm
+from dare_core.algorithms.common import token_policy_loss
+from dare_core.algorithms.just_grpo import replay_temperature
+from dare_core.algorithms.registry import register
+from dare_core.diffusion.likelihood import rows_logprobs, separable_backward
+from dare_core.diffusion.masking import CorruptionSet
+from dare_core.diffusion.mc_laws import response_blocks
+from dare_core.diffusion.replay import block_local, replay_rows
+
+log = logging.getLogger(__name__)
+
+
+@register("cj_grpo")
+class CJGRPO(RLAlgorithm):
+    requires = frozenset({"step_map", "decoded"})
+
+    @dataclass
+    class Options:
+        # collapse each block's steps into one transition (K = number of blocks): cheaper, coarser
+        step_merge: bool = False
+        # null: the rollout's temperature (1 for greedy rollouts); 1.0 reproduces the reference
+        score_temperature: Optional[float] = None
+
+    def check_sampler(self, sampler) -> None:
+        if sampler.cache != "none":
+            log.warning("cj_grpo with a %s cache: the rollout's behaviour policy differs slightly from the replayed pi_old", sampler.cache)
+        self.temperature = replay_temperature(sampler, self.options.score_temperature)
+        self.block_length = sampler.block_length
+        # a fixed number of step slots, so that every micro-batch and rank sums the same normalisers
+        self.max_steps = max(sampler.steps, sampler.gen_length)
+
+    def _steps(self, batch: Batch) -> torch.Tensor:
+        steps = batch.records["step_map"].to(batch.input_ids.device).long()
+        if self.block_size is not None:
+            blocks = response_blocks(batch.attention_mask, batch.prompt_len, self.block_size, "global")
+            steps = block_local(steps, blocks)
+        elif self.options.step_merge:
+            blocks = response_blocks(batch.attention_mask, batch.prompt_len, self.block_length, "response")
+            steps = torch.where(steps > 0, blocks + 1, steps)
+        return steps
+
+    def corrupt(self, batch: Batch, seed_base: tuple) -> CorruptionSet:
+        P = batch.prompt_len
+        targets = batch.input_ids.clone()
+        targets[:, P:] = batch.records["decoded"].to(targets.device)
+        steps = self._steps(batch)
+        # masked diffusion scores V; block diffusion every decoded token (terminal-block latents too)
+        scored = batch.response_mask.bool() if self.block_size is None else steps > 0
+        cs = replay_rows(batch.input_ids, P, steps, scored, self.mask_id, targets)
+        if self.block_size is not None:
+            # Eq. 11 weights: 1 / (|transition| * transitions of the sample)
+            B = steps.shape[0]
+            blocks = response_blocks(batch.attention_mask, P, self.block_size, "global")
+            weight = torch.zeros(B, steps.shape[1])
+            for b in range(B):
+                keys = {}
+                for i in scored[b].nonzero().squeeze(-1).tolist():
+                    keys.setdefault((int(blocks[b, i]), int(steps[b, i])), []).append(i)
+                for members in keys.values():
+                    weight[b, members] = 1.0 / (len(members) * len(keys))
+            cs.info["weight"] = weight
+        return cs
+
+    def score(self, model, batch: Batch, corruption: CorruptionSet) -> torch.Tensor:
+        return rows_logprobs(model, corruption.rows, batch.input_ids, batch.attention_mask, self.temperature, (self.mask_id,)).sum(0)
+
+    def denominator(self, batch: Batch, corruption: CorruptionSet) -> torch.Tensor:
+        if self.block_size is not None:
+            return torch.tensor([float(len(batch))], dtype=torch.float64)
+        counts = torch.zeros(self.max_steps, dtype=torch.float64)
+        for k, row in enumerate(corruption.rows):
+            counts[k] = float(row.scored.sum())
+        return counts
+
+    def update(self, model, batch: Batch, corruption: CorruptionSet, old: Optional[torch.Tensor], ref: Optional[torch.Tensor],
+               denom: torch.Tensor, backward) -> LossOutput:
+        adv = batch.advantages[:, None].float()
+        P = batch.prompt_len
+        if self.block_size is not None:
+            token_weight = torch.zeros_like(batch.input_ids, dtype=torch.float32)
+            token_weight[:, P:] = corruption.info["weight"].to(token_weight.device) / float(denom[0])
+        else:
+            steps_used = int((denom > 0).sum())
+
+        def chunk_loss(idx):
+            rows = [corruption.rows[i] for i in idx]
+            s = rows_logprobs(model, rows, batch.input_ids, batch.attention_mask, self.temperature, (self.mask_id,)).sum(0)
+            if self.block_size is not None:
+                mask = torch.stack([r.scored for r in rows]).any(0)
+                weight = token_weight.to(s) * mask
+            else:  # (1/K) * token-mean over each step's tokens in the whole mini-batch
+                weight = sum(r.scored.float() / max(float(denom[i]), 1.0) for i, r in zip(idx, rows)) / max(steps_used, 1)
+                mask = weight > 0
+            pick = lambda t: None if t is None else t * mask  # noqa: E731
+            return token_policy_loss(s, pick(old), pick(ref), adv.to(s), weight.to(s), 1.0, self.rl)
+
+        loss, metrics = separable_backward(corruption, self.rows_per_forward, chunk_loss, backward)
+        n = max(1, -(-len(corruption) // max(1, self.rows_per_forward)))
+        return LossOutput(torch.tensor(loss), {k: v / n for k, v in metrics.items()})

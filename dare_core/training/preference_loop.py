@@ -1,0 +1,176 @@
+"""The preference loop (ALGORITHMS.md 4): ELBO-DPO / VRPO from the SFT model on
+`preference.parquet`, with deterministic data order, DeepSpeed steps, atomic resumable checkpoints,
+metrics, and the final Hugging Face export (`runs/<name>/preference/model`).
+
+One step: the global batch of pairs is split into micro-batches of whole pairs; for each, the masks
+are drawn from (run_seed, step, pair uid), the reference ELBOs are computed once on the stored masks
+(before any update of the step), then the policy recomputes its ELBOs on the same masks, and the
+loss, divided by the global number of pairs, is backpropagated row chunk by row chunk.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+from tqdm.auto import tqdm
+
+from dare_core.algorithms.preference import build_preference, get_preference, reference_model
+from dare_core.config import DareConfig, to_dict
+from dare_core.data.batching import global_batch_indices, pair_batch
+from dare_core.data.schema import DataError, read_rows
+from dare_core.models.registry import load_model, save_model
+from dare_core.storage import atomic_write_json
+from dare_core.training import engine as eng
+from dare_core.training.checkpoint import CheckpointManager, config_fingerprint, input_fingerprint
+from dare_core.training.engine import resolve_dtype
+from dare_core.training.metrics import MetricsLogger
+from dare_core.training.setup import prepare_for_training, sampler_dict, stage_tokenizer, tokenizer_folder
+
+log = logging.getLogger(__name__)
+
+PLOT_KEYS = ("loss", "reward_margin", "reward_accuracy")
+
+
+def preference_start_folder(cfg: DareConfig) -> Path:
+    """Preference optimisation starts from the SFT stage's exported model (a side branch: RL
+    starts from the same folder)."""
+    return cfg.stage_dir("sft") / "model"
+
+
+def encode_pairs(rows: list[dict], tokenizer) -> tuple[list, list, list]:
+    return ([tokenizer.encode(r["prompt_text"]) for r in rows], [tokenizer.encode(r["chosen"]) for r in rows],
+            [tokenizer.encode(r["rejected"]) for r in rows])
+
+
+def check_pairs(path: Path, prompts: list, chosen: list, rejected: list, pad_to: int, max_len: int) -> None:
+    """Prompt + canvas must fit the model, and each response + one EOS the canvas (never truncated)."""
+    for i, (p, w, lo) in enumerate(zip(prompts, chosen, rejected)):
+        if len(p) + pad_to > max_len:
+            raise ValueError(f"{path}: row {i}: prompt of {len(p)} tokens + preference.pad_to {pad_to} exceeds the model maximum {max_len}")
+        for column, r in (("chosen", w), ("rejected", lo)):
+            if len(r) + 1 > pad_to:
+                raise ValueError(f"{path}: row {i}: column '{column}' is {len(r)} tokens + 1 EOS > preference.pad_to {pad_to}")
+
+
+def check_preference_config(cfg: DareConfig) -> None:
+    """Configuration errors before any data or model is read."""
+    get_preference(cfg.preference.algorithm)
+    lora = cfg.model.lora or {}
+    if float(lora.get("dropout", 0.0)) > 0:
+        # the proxy-gradient replay needs the value pass and the replay pass to be identical
+        raise ValueError("preference needs model.lora.dropout: 0 (its proxy-gradient replay recomputes the ELBO rows exactly)")
+
+
+def run_preference(cfg: DareConfig, progress: bool = True) -> dict:
+    pcfg = cfg.preference
+    check_preference_config(cfg)
+    out_dir = cfg.stage_dir("preference")
+    data_path = Path(cfg.data.prepared_dir) / "preference.parquet"
+    rows = read_rows(data_path, "preference")
+    if not rows:
+        raise DataError(f"{data_path}: no preference pairs (with data.source, set data.preference_source to a file "
+                        f"with prompt/chosen/rejected columns)")
+    start_folder = preference_start_folder(cfg)
+    if not (start_folder / "config.json").is_file():
+        raise FileNotFoundError(f"{start_folder}: no SFT model to start from (run the sft stage first)")
+    tokenizer = stage_tokenizer(cfg)
+    prompts, chosen, rejected = encode_pairs(rows, tokenizer)
+
+    device = eng.device()
+    policy = prepare_for_training(load_model(start_folder, dtype=resolve_dtype(cfg.model.dtype), device=device), cfg)
+    check_pairs(data_path, prompts, chosen, rejected, pcfg.pad_to, policy.max_sequence_length)
+    # the reference: a frozen copy, or with LoRA the policy with its adapter disabled (no copy)
+    frozen: Optional[torch.nn.Module] = None
+    if cfg.model.lora is None:
+        frozen = copy.deepcopy(policy).eval().requires_grad_(False)
+    objective = build_preference(pcfg, policy)
+
+    engine = eng.build_engine(policy, pcfg.optim, pcfg.max_steps, pcfg.micro_batch_size, pcfg.grad_accum, cfg.launch.zero_stage)
+    world, rank = eng.world_size(), eng.rank()
+    global_pairs = pcfg.micro_batch_size * pcfg.grad_accum * world
+
+    fingerprint = config_fingerprint(to_dict(cfg.model), to_dict(pcfg), cfg.run.seed, world, input_fingerprint(data_path),
+                                     input_fingerprint(start_folder))
+    ckpt = CheckpointManager(out_dir / "checkpoints", pcfg.keep_last, fingerprint)
+    start = ckpt.resume(engine, "preference")
+    logger = MetricsLogger(out_dir, resume_step=start, plot_keys=PLOT_KEYS, enabled=rank == 0)
+
+    def backward(loss: torch.Tensor) -> None:
+        engine.backward(loss, scale_wrt_gas=False)
+
+    engine.train()
+    bar = tqdm(range(start, pcfg.max_steps), initial=start, total=pcfg.max_steps, desc=f"preference[{pcfg.algorithm}]",
+               disable=not progress or rank != 0, dynamic_ncols=True)
+    t0 = time.time()
+    metrics: dict = {}
+    for step in bar:
+        idx = global_batch_indices(step, global_pairs, len(rows), cfg.run.seed)
+        micro = [idx[o:o + pcfg.micro_batch_size] for o in range(0, global_pairs, pcfg.micro_batch_size)]
+        batches, corruptions = [], []
+        for m in micro[rank::world]:
+            b = _to(pair_batch([prompts[i] for i in m], [chosen[i] for i in m], [rejected[i] for i in m],
+                               [rows[i]["uid"] for i in m], pcfg.pad_to, policy.eos_token_id, policy.pad_token_id,
+                               eos_padding=policy.block_size is None), engine.device)
+            batches.append(b)
+            corruptions.append(objective.corrupt(b, (cfg.run.seed, step)))
+        # reference ELBOs once per batch, on the stored masks, before this step's updates
+        with reference_model(engine.module, frozen) as ref:
+            ref_elbos = [objective.reference_elbos(ref, b, c) for b, c in zip(batches, corruptions)]
+        sums = torch.zeros(4, dtype=torch.float64)
+        for b, c, r in zip(batches, corruptions, ref_elbos):
+            out = objective.update(engine.module, b, c, r, global_pairs, backward)
+            engine.step()
+            sums += torch.tensor([float(out.loss), out.metrics["reward_margin"], out.metrics["reward_accuracy"], out.metrics["pairs"]],
+                                 dtype=torch.float64)
+        sums = eng.all_reduce_sum(sums)
+        loss, margin, correct, n = (float(v) for v in sums)
+        metrics = {"loss": loss, "reward_margin": margin / max(n, 1.0), "reward_accuracy": correct / max(n, 1.0)}
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"preference step {step + 1}: the loss is {loss}")
+        if (step + 1) % pcfg.log_every == 0 or step + 1 == pcfg.max_steps:
+            logger.log(step + 1, {**metrics, "lr": engine.get_lr()[0],
+                                  "pairs_per_s": (step + 1 - start) * global_pairs / max(time.time() - t0, 1e-9)})
+            bar.set_postfix(loss=f"{loss:.3f}", acc=f"{metrics['reward_accuracy']:.2f}")
+        if (step + 1) % pcfg.save_every == 0 or step + 1 == pcfg.max_steps:
+            ckpt.save(engine, step + 1, {"step": step + 1}, engine.module.hf_config)
+    bar.close()
+    logger.close()
+
+    summary = {
+        "algorithm": pcfg.algorithm,
+        "shared_masks": objective.shared_masks,
+        "stratified": objective.stratified,
+        "steps": pcfg.max_steps,
+        "global_pairs": global_pairs,
+        "final_loss": metrics.get("loss", _last_logged(out_dir, "loss")),
+        "reward_margin": metrics.get("reward_margin", _last_logged(out_dir, "reward_margin")),
+        "reward_accuracy": metrics.get("reward_accuracy", _last_logged(out_dir, "reward_accuracy")),
+        "wall_s": round(time.time() - t0, 1),
+    }
+    if rank == 0:
+        save_model(engine.module, out_dir / "model", extra_files={"tokenizer": tokenizer_folder(cfg)}, sampler=sampler_dict(cfg))
+        atomic_write_json(Path(cfg.run.metrics_dir) / "preference.json", summary)
+    return summary
+
+
+def _last_logged(out_dir: Path, key: str) -> Optional[float]:
+    """A run resumed at its last step trains nothing: its summary repeats the logged values."""
+    import json
+
+    path = out_dir / "metrics.jsonl"
+    if not path.exists():
+        return None
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return next((r[key] for r in reversed(rows) if key in r), None)
+
+
+def _to(batch, device: torch.device):
+    if device.type == "cpu":
+        return batch
+    batch.input_ids, batch.attention_mask, batch.response_mask = batch.input_ids.to(device), batch.attention_mask.to(device), batch.response_mask.to(device)
+    return batch
