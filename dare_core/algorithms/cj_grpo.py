@@ -16,10 +16,9 @@ from typing import Optional
 import torch
 
 from dare_core.algorithms.base import Batch, LossOutput, RLAlgorithm
-from dare_core.algorithms.common import token_policy_loss
-from dare_core.algorithms.just_grpo import replay_temperature
+from dare_core.algorithms.common import replay_temperature, replayed_token_update
 from dare_core.algorithms.registry import register
-from dare_core.diffusion.likelihood import rows_logprobs, separable_backward
+from dare_core.diffusion.likelihood import rows_logprobs
 from dare_core.diffusion.masking import CorruptionSet
 from dare_core.diffusion.mc_laws import response_blocks
 from dare_core.diffusion.replay import block_local, replay_rows
@@ -91,26 +90,16 @@ class CJGRPO(RLAlgorithm):
 
     def update(self, model, batch: Batch, corruption: CorruptionSet, old: Optional[torch.Tensor], ref: Optional[torch.Tensor],
                denom: torch.Tensor, backward) -> LossOutput:
-        adv = batch.advantages[:, None].float()
         P = batch.prompt_len
-        if self.block_size is not None:
+        if self.block_size is not None:  # Eq. 11 weights, over the number of sequences
             token_weight = torch.zeros_like(batch.input_ids, dtype=torch.float32)
             token_weight[:, P:] = corruption.info["weight"].to(token_weight.device) / float(denom[0])
-        else:
-            steps_used = int((denom > 0).sum())
+        steps_used = max(int((denom > 0).sum()), 1)
 
-        def chunk_loss(idx):
-            rows = [corruption.rows[i] for i in idx]
-            s = rows_logprobs(model, rows, batch.input_ids, batch.attention_mask, self.temperature, (self.mask_id,)).sum(0)
+        def weight_of(idx, rows):
             if self.block_size is not None:
-                mask = torch.stack([r.scored for r in rows]).any(0)
-                weight = token_weight.to(s) * mask
-            else:  # (1/K) * token-mean over each step's tokens in the whole mini-batch
-                weight = sum(r.scored.float() / max(float(denom[i]), 1.0) for i, r in zip(idx, rows)) / max(steps_used, 1)
-                mask = weight > 0
-            pick = lambda t: None if t is None else t * mask  # noqa: E731
-            return token_policy_loss(s, pick(old), pick(ref), adv.to(s), weight.to(s), 1.0, self.rl)
+                return token_weight * torch.stack([r.scored for r in rows]).any(0)
+            # (1/K) * token-mean over each step's tokens in the whole mini-batch
+            return sum(r.scored.float() / max(float(denom[i]), 1.0) for i, r in zip(idx, rows)) / steps_used
 
-        loss, metrics = separable_backward(corruption, self.rows_per_forward, chunk_loss, backward)
-        n = max(1, -(-len(corruption) // max(1, self.rows_per_forward)))
-        return LossOutput(torch.tensor(loss), {k: v / n for k, v in metrics.items()})
+        return replayed_token_update(self, model, batch, corruption, old, ref, backward, weight_of)

@@ -194,3 +194,34 @@ class SequenceELBOMixin:
 
         loss, metrics = proxy_backward(corruption, self.rows_per_forward, rows_of, loss_of, backward)
         return LossOutput(loss, metrics)
+
+
+def replay_temperature(sampler, override: Optional[float]) -> float:
+    """The temperature trajectory scores use: the rollout's, so the ratio compares the
+    distributions that actually sampled (a greedy rollout has none: score untempered)."""
+    if override is not None:
+        return override
+    return sampler.temperature if sampler.temperature > 0 else 1.0
+
+
+def replayed_token_update(algo, model, batch, corruption, old, ref, backward, weight_of):
+    """The update of the trajectory algorithms whose rows score disjoint tokens (CJ-GRPO steps,
+    JustGRPO positions): each chunk of rows is scored at the replay temperature (MASK excluded, as
+    the sampler excludes it), its token PPO loss weighted by `weight_of(idx, rows) -> [B, S]` (which
+    carries the global normalisers; 0 off the chunk's positions) and backpropagated on its own."""
+    from dare_core.algorithms.base import LossOutput
+    from dare_core.diffusion.likelihood import chunks, rows_logprobs, separable_backward
+
+    adv = batch.advantages[:, None].float()
+
+    def chunk_loss(idx):
+        rows = [corruption.rows[i] for i in idx]
+        s = rows_logprobs(model, rows, batch.input_ids, batch.attention_mask, algo.temperature, (algo.mask_id,)).sum(0)
+        weight = weight_of(idx, rows).to(s)
+        here = weight != 0
+        pick = lambda t: None if t is None else t * here  # noqa: E731  (this chunk's positions only)
+        return token_policy_loss(s, pick(old), pick(ref), adv.to(s), weight, 1.0, algo.rl)
+
+    loss, metrics = separable_backward(corruption, algo.rows_per_forward, chunk_loss, backward)
+    n = len(chunks(len(corruption), algo.rows_per_forward))
+    return LossOutput(torch.tensor(loss), {k: v / max(n, 1) for k, v in metrics.items()})

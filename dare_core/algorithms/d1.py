@@ -10,8 +10,8 @@ import torch
 from dare_core.algorithms.base import Batch, LossOutput, RLAlgorithm
 from dare_core.algorithms.common import token_policy_loss
 from dare_core.algorithms.registry import register
-from dare_core.diffusion.likelihood import mean_field_corruption, token_logprobs
-from dare_core.diffusion.masking import Corruption
+from dare_core.diffusion.likelihood import token_logprobs
+from dare_core.diffusion.masking import Corruption, full_response_corruption
 from dare_core.diffusion.seeding import sample_generators
 
 
@@ -26,10 +26,9 @@ class D1(RLAlgorithm):
 
     def corrupt(self, batch: Batch, seed_base: tuple) -> Corruption:
         gens = sample_generators((*seed_base, "d1_prompt_mask"), batch.uids)
-        return mean_field_corruption(
-            batch.input_ids, batch.attention_mask, batch.prompt_len, self.eos_id, self.mask_id,
-            self.options.p_mask_prompt, gens,
-        )
+        # every response position MASK, V scored (the batch's V: up to the engine's stop token)
+        return full_response_corruption(batch.input_ids, batch.attention_mask, batch.prompt_len, batch.response_mask,
+                                        self.mask_id, self.options.p_mask_prompt, gens)
 
     def score(self, model, batch: Batch, corruption: Corruption) -> torch.Tensor:
         return token_logprobs(model, corruption, batch.input_ids, batch.attention_mask)

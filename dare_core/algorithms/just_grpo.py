@@ -9,19 +9,11 @@ from typing import Optional
 import torch
 
 from dare_core.algorithms.base import Batch, LossOutput, RLAlgorithm
-from dare_core.algorithms.common import token_policy_loss
+from dare_core.algorithms.common import replayed_token_update
 from dare_core.algorithms.registry import register
-from dare_core.diffusion.likelihood import rows_logprobs, separable_backward
+from dare_core.diffusion.likelihood import rows_logprobs
 from dare_core.diffusion.masking import CorruptionSet
 from dare_core.diffusion.replay import ar_rows
-
-
-def replay_temperature(sampler, override: Optional[float]) -> float:
-    """The temperature trajectory scores use: the rollout's, so the ratio compares the
-    distributions that actually sampled (a greedy rollout has none: score untempered)."""
-    if override is not None:
-        return override
-    return sampler.temperature if sampler.temperature > 0 else 1.0
 
 
 @register("just_grpo")
@@ -60,15 +52,7 @@ class JustGRPO(RLAlgorithm):
 
     def update(self, model, batch: Batch, corruption: CorruptionSet, old: Optional[torch.Tensor], ref: Optional[torch.Tensor],
                denom: torch.Tensor, backward) -> LossOutput:
-        adv = batch.advantages[:, None].float()
+        def weight_of(idx, rows):  # token-mean over V of the whole mini-batch
+            return torch.stack([r.scored for r in rows]).any(0).float() / float(denom[0])
 
-        def chunk_loss(idx):
-            rows = [corruption.rows[i] for i in idx]
-            s = rows_logprobs(model, rows, batch.input_ids, batch.attention_mask, self.temperature, (self.mask_id,)).sum(0)
-            mask = torch.stack([r.scored for r in rows]).any(0).float()
-            pick = lambda t: None if t is None else t * mask  # noqa: E731  (this chunk's positions only)
-            return token_policy_loss(s, pick(old), pick(ref), adv.to(s), mask, float(denom[0]), self.rl)
-
-        loss, metrics = separable_backward(corruption, self.rows_per_forward, chunk_loss, backward)
-        n = len(range(0, len(corruption), max(1, self.rows_per_forward)))
-        return LossOutput(torch.tensor(loss), {k: v / max(n, 1) for k, v in metrics.items()})
+        return replayed_token_update(self, model, batch, corruption, old, ref, backward, weight_of)

@@ -18,8 +18,7 @@ from typing import Optional
 import torch
 
 from dare_core.algorithms.base import Batch, LossOutput, RLAlgorithm
-from dare_core.algorithms.common import ADVANTAGES, kl_estimate, ppo_clip, weighted_mean_metrics
-from dare_core.algorithms.just_grpo import replay_temperature
+from dare_core.algorithms.common import ADVANTAGES, kl_estimate, ppo_clip, replay_temperature, weighted_mean_metrics
 from dare_core.algorithms.registry import register
 from dare_core.diffusion.likelihood import rows_logprobs, separable_backward
 from dare_core.diffusion.masking import Corruption, CorruptionSet

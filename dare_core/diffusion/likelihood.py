@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import torch
 
 from dare_core.diffusion.block import two_stream_hidden
-from dare_core.diffusion.masking import Corruption, CorruptionSet, full_response_corruption, valid_region
+from dare_core.diffusion.masking import Corruption, CorruptionSet
 
 
 def token_logprobs(model, corruption: Corruption, targets: torch.Tensor, attention_mask: torch.Tensor,
@@ -68,22 +68,6 @@ def elbo_rows(model, rows: Sequence[Corruption], targets: torch.Tensor, attentio
 def weighted_masked_nll(model, corruption: Corruption, targets: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Per-sample sum over masked positions of CE_i / p  ([B]): an unbiased negative-ELBO estimate."""
     return -elbo_rows(model, [corruption], targets, attention_mask)[:, 0]
-
-
-def mean_field_corruption(
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    prompt_len: int,
-    eos_id: int,
-    mask_id: int,
-    p_mask_prompt: float,
-    generators: Sequence[torch.Generator],
-) -> Corruption:
-    """The d1 one-step estimator's input (ALGORITHMS.md 2.1): scores every valid response token
-    given a fully masked response and a lightly noised prompt."""
-    response = input_ids[:, prompt_len:]
-    valid = valid_region(response, eos_id, attention_mask[:, prompt_len:])
-    return full_response_corruption(input_ids, attention_mask, prompt_len, valid, mask_id, p_mask_prompt, generators)
 
 
 # --------------------------------------------------------------------------- constant-memory backward

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from dare_core.diffusion.masking import Corruption, CorruptionSet, masked_corruption, prompt_noise_mask
+from dare_core.diffusion.masking import Corruption, CorruptionSet, masked_corruption
 
 TAIL_POLICIES = ("mask", "keep")
 
@@ -198,10 +198,3 @@ def blockwise_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt
     return CorruptionSet([Corruption(nz, sc.to(dev), torch.ones(B)) for nz, sc in zip(out_noisy, out_scored)],
                          {"mask_fraction": frac})
 
-
-def prompt_noise(attention_mask: torch.Tensor, prompt_len: int, p: float, generators: Sequence[torch.Generator]) -> torch.Tensor:
-    """[B, P] real prompt positions hit by the prompt-noise regulariser."""
-    real = attention_mask[:, :prompt_len].bool()
-    if p <= 0:
-        return torch.zeros_like(real)
-    return prompt_noise_mask(real, p, generators)

@@ -3,8 +3,7 @@ import random
 
 import torch
 
-from dare_core.diffusion.masking import bernoulli_mask, response_corruption, sample_mask_prob, valid_region
-from dare_core.diffusion.likelihood import mean_field_corruption
+from dare_core.diffusion.masking import bernoulli_mask, full_response_corruption, response_corruption, sample_mask_prob, valid_region
 from dare_core.diffusion.seeding import derive_seed, sample_generators
 
 MASK, EOS, PAD = 99, 98, 98
@@ -61,7 +60,7 @@ def test_no_global_rng_is_touched():
     torch_state, py_state = torch.random.get_rng_state(), random.getstate()
     gens = sample_generators((0, 0), list("abcd"))
     sample_mask_prob(gens)
-    mean_field_corruption(ids, attn, P, EOS, MASK, 0.15, gens)
+    full_response_corruption(ids, attn, P, valid_region(ids[:, P:], EOS), MASK, 0.15, gens)
     assert torch.equal(torch.random.get_rng_state(), torch_state)
     assert random.getstate() == py_state
 
