@@ -93,8 +93,9 @@ def run_algorithm(algo: str, kind: str, sft_run: str, base_sets: list[str], para
     stage("eval", sets, params)
     acc = json.loads((runs_dir / run / "metrics" / "eval.json").read_text())
     log = [json.loads(line) for line in (runs_dir / run / "rl" / "metrics.jsonl").read_text().splitlines()]
+    log = [m for m in log if "reward" in m]  # training steps only (step 0 holds only validation)
     row = {
-        "algorithm": algo, "kind": kind, "sft": acc["sft"]["accuracy"], "rl": acc["rl"]["accuracy"],
+        "algorithm": algo, "kind": kind, "sft": acc["sft"]["arithmetic"] / 100, "rl": acc["rl"]["arithmetic"] / 100,
         "step_s": statistics.mean(m["step_time_s"] for m in log), "rollout_s": statistics.mean(m["rollout_time_s"] for m in log),
         "wall_s": wall, "reward": [(m["step"], m["reward"]) for m in log], "sets": base_sets + ALGORITHM_SETTINGS.get(algo, []),
         "steps": len(log),

@@ -46,7 +46,7 @@ def run_seed(seed: int, params: str) -> dict:
         subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
         timings[stage] = round(time.time() - t0, 1)
     metrics = json.loads((REPO / "runs" / name / "metrics" / "eval.json").read_text())
-    return {"seed": seed, "timings": timings, **{k: metrics[k]["accuracy"] for k in ("base", "sft", "rl")}}
+    return {"seed": seed, "timings": timings, **{k: metrics[k]["arithmetic"] / 100 for k in ("base", "sft", "rl")}}
 
 
 def table(rows: list[dict]) -> str:

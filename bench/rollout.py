@@ -184,7 +184,7 @@ def speed_table(rows: list[dict], args) -> list[str]:
 
 def threshold(args) -> list[str]:
     from dare_core.data.schema import read_rows
-    from dare_core.eval.quick import score_texts
+    from dare_core.eval.scoring import score_texts
     from dare_core.models.registry import load_model
     from dare_core.models.tokenizer import load_tokenizer
     from dare_core.sampling.decode import decode_responses

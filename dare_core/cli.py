@@ -3,7 +3,7 @@
   dare stage <name>      run one pipeline stage by hand (what each dvc.yaml stage calls)
   dare run               the whole pipeline through the Prefect flow (same as `make run`)
   dare generate          sample from a model folder
-  dare eval              held-out accuracy of any model folder on a prepared eval file
+  dare eval              OpenCompass benchmarks (or a prepared eval file) on any model folder
 """
 from __future__ import annotations
 
@@ -86,23 +86,63 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from dare_core.data.schema import read_rows
-    from dare_core.eval.quick import evaluate
-    from dare_core.models.registry import load_model
-    from dare_core.models.tokenizer import load_tokenizer
+    """OpenCompass on any checkpoint folder(s): the same path as the pipeline's eval stage."""
+    import time
+    from pathlib import Path
 
-    rows = read_rows(args.data, "eval")[: args.max_samples or None]
-    params = _sampling_params(args)
-    res = evaluate(load_model(args.model).eval(), load_tokenizer(args.model), rows, params, args.batch_size, args.seed)
-    print(f"| model | accuracy | samples |\n|---|---|---|\n| {args.model} | {res['accuracy']:.3f} | {res['num_samples']} |")
+    from dare_core.eval.report import results_table
+    from dare_core.eval.runner import EvalRunError, benchmark_specs, evaluate_folders
+
+    data = Path(args.data)
+    benchmarks = args.benchmarks or "task"
+    overrides = _sampler_overrides(args)
+    bench_args = {}
+    from dare_core.eval.configs import get_benchmark
+
+    for name in benchmarks.split(","):
+        mode = args.mode
+        if mode not in get_benchmark(name.strip()).modes:
+            print(f"note: {name.strip()} has no '{mode}' mode; it runs as gen", file=sys.stderr)
+            mode = "gen"
+        entry = {"mode": mode, "shots": args.shots}
+        if overrides:
+            entry["sampler"] = overrides
+        bench_args[name.strip()] = entry
+    models: dict = {}
+    for folder in args.model:
+        abbr = Path(folder).resolve().name or "model"
+        while abbr in models:
+            abbr += "_"
+        models[abbr] = Path(folder)
+    try:
+        specs = benchmark_specs(benchmarks, data, bench_args, args.max_samples)
+        options = {"seed": args.seed, "chat": not args.no_chat, "ll_mc_num": args.ll_mc_num}
+        run_name = time.strftime("%Y%m%d_%H%M%S")
+        results = evaluate_folders(models, specs, Path(args.work_dir), options, args.batch_size, run_name=run_name)
+    except (ValueError, FileNotFoundError, EvalRunError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(results_table(results))
+    print(f"\npredictions and OpenCompass summary: {Path(args.work_dir) / run_name}")
     return 0
 
 
-def _sampler_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("--model", required=True, help="a Hugging Face model folder")
-    for flag, kind in (("--gen-length", int), ("--steps", int), ("--block-length", int), ("--temperature", float),
-                       ("--unmasking", str), ("--threshold", float), ("--cache", str)):
-        p.add_argument(flag, type=kind, default=None, help="default: the folder's generation_config.json")
+SAMPLER_FLAGS = (("--gen-length", int), ("--steps", int), ("--block-length", int), ("--temperature", float),
+                 ("--unmasking", str), ("--threshold", float), ("--cache", str))
+
+
+def _sampler_overrides(args: argparse.Namespace) -> dict:
+    return {f[2:].replace("-", "_"): getattr(args, f[2:].replace("-", "_")) for f, _ in SAMPLER_FLAGS
+            if getattr(args, f[2:].replace("-", "_")) is not None}
+
+
+def _sampler_args(p: argparse.ArgumentParser, many: bool = False) -> argparse.ArgumentParser:
+    if many:
+        p.add_argument("--model", required=True, action="append", help="a Hugging Face model folder (repeat for several)")
+    else:
+        p.add_argument("--model", required=True, help="a Hugging Face model folder")
+    for flag, kind in SAMPLER_FLAGS:
+        p.add_argument(flag, type=kind, default=None, help="default: the benchmark's, else the folder's generation_config.json")
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -141,11 +181,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     _sampler_args(g).set_defaults(func=cmd_generate)
 
-    e = sub.add_parser("eval", help="held-out accuracy of a model folder on an eval parquet/jsonl file")
-    e.add_argument("--data", default="data/prepared/eval.parquet")
-    e.add_argument("--max-samples", type=int, default=0)
-    e.add_argument("--batch-size", type=int, default=64)
-    _sampler_args(e).set_defaults(func=cmd_eval)
+    e = sub.add_parser("eval", help="evaluate model folders on benchmarks through OpenCompass (a table per benchmark)")
+    e.add_argument("--benchmarks", default=None,
+                   help="comma-separated: mmlu, mmlu_pro, hellaswag, arc_c, gsm8k, math, gpqa, aime24, aime25, olympiadbench, "
+                        "humaneval, mbpp, or task (a prepared eval file; the default)")
+    e.add_argument("--data", default="data/prepared/eval.parquet",
+                   help="the folder holding the benchmarks' files in their public layouts (for task: the eval file)")
+    e.add_argument("--mode", default="gen", choices=["gen", "ll"], help="ll: multiple choice by ELBO log-likelihood")
+    e.add_argument("--shots", type=int, default=0, help="few-shot examples from each benchmark's dev/train split")
+    e.add_argument("--max-samples", type=int, default=0, help="items per benchmark (0: all)")
+    e.add_argument("--batch-size", type=int, default=16)
+    e.add_argument("--ll-mc-num", type=int, default=32, help="Monte-Carlo rows per option in ll mode")
+    e.add_argument("--no-chat", action="store_true", help="do not apply the chat template (base models)")
+    e.add_argument("--work-dir", default="runs/dare-eval", help="where the OpenCompass run is written")
+    _sampler_args(e, many=True).set_defaults(func=cmd_eval)
     return p
 
 

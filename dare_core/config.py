@@ -49,6 +49,8 @@ class DataConfig:
     num_rl: int = 2000
     num_eval: int = 500
     num_preference: int = 2000  # derived pairs (never on eval problems)
+    # held out for in-loop RL validation (rl.validate_every): disjoint from sft, rl and eval
+    num_val: int = 64
     seed: int = 1234
     prepared_dir: str = "data/prepared"
     tokenizer_dir: str = "data/tokenizer"
@@ -138,6 +140,14 @@ class RLConfig:
     log_every: int = 1
     save_every: int = 20
     keep_last: int = 2
+    # in-loop validation on data/prepared/val.parquet: validate_k samples per prompt, mean@k /
+    # best@k / maj@k at step 0 (the SFT model), every validate_every steps and at the last step
+    # (0 = off); validate_prompts: the first that many val prompts (0 = all); decoding is
+    # rl.sampler's at validate_temperature (k samples need a stochastic sampler)
+    validate_every: int = 0
+    validate_k: int = 4
+    validate_prompts: int = 0
+    validate_temperature: float = 1.0
 
 
 @dataclass
@@ -165,10 +175,35 @@ class PreferenceConfig:
     keep_last: int = 2
 
 
+EVAL_CHECKPOINTS = ("base", "sft", "preference", "rl")
+
+
 @dataclass
 class EvalConfig:
+    """The `eval` stage: OpenCompass on the pipeline's checkpoints (docs/evaluation.md)."""
+
+    # every benchmark's defaults (the prepared task uses them as they are; public benchmarks
+    # bring their own gen_length/steps, see dare_core/eval/configs); batch_size = prompts per batch
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
-    max_samples: Optional[int] = None
+    max_samples: Optional[int] = None  # cap on items per benchmark (null: all)
+    # names from dare_core/eval/configs: task (this pipeline's prepared eval split), mmlu, mmlu_pro,
+    # hellaswag, arc_c, gsm8k, math, gpqa, aime24, aime25, olympiadbench, humaneval, mbpp
+    benchmarks: list = field(default_factory=lambda: ["task"])
+    # the folder holding the public benchmark files, in each benchmark's own layout (never downloaded)
+    data_dir: Optional[str] = None
+    # per benchmark: {mode: gen | ll, shots: N, max_samples: N, sampler: {gen_length: ..., ...}}
+    benchmark_args: dict = field(default_factory=dict)
+    # which of the pipeline's models to evaluate: base, sft, preference, rl
+    checkpoints: list = field(default_factory=lambda: ["base", "sft", "rl"])
+    chat: bool = True  # render public benchmarks' questions with the checkpoint's chat template
+    ll_mc_num: int = 32  # Monte-Carlo rows per option in log-likelihood (ll) mode
+
+    def __post_init__(self) -> None:
+        unknown = [c for c in self.checkpoints if c not in EVAL_CHECKPOINTS]
+        if unknown or not self.checkpoints:
+            raise ValueError(f"checkpoints must be a non-empty subset of {list(EVAL_CHECKPOINTS)}, got {self.checkpoints}")
+        if not self.benchmarks:
+            raise ValueError("benchmarks must name at least one benchmark")
 
 
 @dataclass

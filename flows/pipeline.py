@@ -94,30 +94,28 @@ def read_eval_metrics(repo: str | Path, path: str = EVAL_METRICS) -> dict | None
 
 
 def eval_rows(metrics: dict) -> list[dict]:
-    """One row per checkpoint (every key but "artifacts", in file order)."""
+    """One row per checkpoint (every key but "artifacts", in file order): its score (0-100) on
+    every benchmark, then the artifact path."""
     artifacts = metrics.get("artifacts") or {}
     rows = []
-    for name, value in metrics.items():
-        if name == "artifacts" or not isinstance(value, dict):
+    for name, scores in metrics.items():
+        if name == "artifacts" or not isinstance(scores, dict):
             continue
-        rows.append({
-            "checkpoint": name,
-            "accuracy": value.get("accuracy"),
-            "num_samples": value.get("num_samples"),
-            "artifact": artifacts.get(name, ""),
-        })
+        rows.append({"checkpoint": name, **scores, "artifact": artifacts.get(name, "")})
     return rows
 
 
 def eval_table(metrics: dict) -> str:
-    """Markdown: checkpoint | held-out accuracy | samples | artifact path."""
-    lines = ["| checkpoint | held-out accuracy | samples | artifact path |", "|---|---|---|---|"]
-    for row in eval_rows(metrics):
-        acc = row["accuracy"]
-        acc_s = f"{acc:.1%}" if isinstance(acc, (int, float)) else "n/a"
-        n = row["num_samples"]
+    """Markdown: checkpoint | one column per benchmark (accuracy %) | artifact path."""
+    rows = eval_rows(metrics)
+    benches: list[str] = []
+    for row in rows:
+        benches += [k for k in row if k not in ("checkpoint", "artifact") and k not in benches]
+    lines = ["| checkpoint | " + " | ".join(benches) + " | artifact path |", "|---|" + "---|" * (len(benches) + 1)]
+    for row in rows:
+        cells = [f"{row[b]:.1f}" if isinstance(row.get(b), (int, float)) else "n/a" for b in benches]
         path = f"`{row['artifact']}`" if row["artifact"] else ""
-        lines.append(f"| {row['checkpoint']} | {acc_s} | {n if n is not None else 'n/a'} | {path} |")
+        lines.append(f"| {row['checkpoint']} | " + " | ".join(cells) + f" | {path} |")
     return "\n".join(lines)
 
 
@@ -179,7 +177,7 @@ def dare_pipeline(
         result.table = eval_table(result.metrics)
         create_markdown_artifact(
             key="dare-eval-table",
-            markdown="## DARE held-out evaluation\n\n" + result.table + "\n",
+            markdown="## DARE evaluation (accuracy %, OpenCompass)\n\n" + result.table + "\n",
             description=f"{EVAL_METRICS} in {root}",
         )
         create_table_artifact(
@@ -192,7 +190,7 @@ def dare_pipeline(
 
     out = [f"\nDARE pipeline ({root})", summary]
     if result.table:
-        out += ["", "Held-out evaluation", result.table]
+        out += ["", "Evaluation (accuracy %)", result.table]
     print("\n".join(out), flush=True)
     return result
 

@@ -20,7 +20,7 @@ def _merge(base: dict, over: dict) -> dict:
 TINY = {
     "run": {"name": "t", "seed": 0},
     "data": {"task_args": {"min_digits": 1, "max_digits": 2, "ops": "+", "zero_pad": True, "demo_error_rate": 0.5},
-             "num_sft": 400, "num_rl": 64, "num_eval": 40, "num_preference": 64, "seed": 1},
+             "num_sft": 400, "num_rl": 64, "num_eval": 40, "num_preference": 64, "num_val": 16, "seed": 1},
     "model": {"init": {"d_model": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "mlp_hidden_size": 64, "max_sequence_length": 24}},
     "sft": {"max_steps": 20, "micro_batch_size": 16, "pad_to": 4, "log_every": 5, "save_every": 10, "optim": {"lr": 3.0e-3}},
     "rl": {"num_steps": 3, "prompts_per_step": 4, "group_size": 4, "num_iterations": 2, "save_every": 2,

@@ -189,7 +189,7 @@ class DTreeRPO(RLAlgorithm):
     # ------------------------------------------------------------------ rollout
 
     def rollout(self, sampler, model, tokenizer, rows: list, cfg, step: int) -> tuple[Batch, dict]:
-        from dare_core.eval.quick import score_texts
+        from dare_core.eval.scoring import score_texts
 
         rl = cfg.rl
         prompts = [tokenizer.encode(r["prompt_text"]) for r in rows]

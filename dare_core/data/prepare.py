@@ -1,7 +1,8 @@
-"""Raw or synthetic data -> `<prepared_dir>/{sft,rl,eval,preference}.parquet` + `summary.json`.
+"""Raw or synthetic data -> `<prepared_dir>/{sft,rl,eval,val,preference}.parquet` + `summary.json`.
 
-Eval problems never appear in sft, rl or preference (sft and rl may share problems when the pool is
-small; preference pairs are built on training problems).
+Eval problems never appear in sft, rl or preference; val problems (in-loop RL validation) never in
+sft, rl, eval or derived preference pairs (sft and rl may share problems when the pool is small;
+preference pairs are built on training problems).
 Every row is validated, including that prompt + generation canvas fit the model, before anything is
 written; the prepared folder is then replaced in one rename, so an error leaves no partial output.
 """
@@ -20,7 +21,7 @@ from dare_core.models.tokenizer import Tokenizer, char_tokenizer, load_tokenizer
 from dare_core.rewards.instructions import add_instruction, check_rows
 from dare_core.storage import atomic_dir, atomic_write_json
 
-SPLITS = ("sft", "rl", "eval", "preference")
+SPLITS = ("sft", "rl", "eval", "val", "preference")
 # Sequence length of a from-scratch model whose init config does not say.
 DEFAULT_MAX_LENGTH = 128
 # Synthetic pools are drawn with doubling sizes until enough distinct problems appear; this bounds it.
@@ -56,14 +57,23 @@ def _max_length(cfg: DareConfig) -> int:
     raise ValueError(f"{path}: has neither max_sequence_length nor max_position_embeddings")
 
 
+def _need_min(cfg: DareConfig) -> int:
+    """The fewest distinct problems that keep eval and val disjoint from each other and from training."""
+    data = cfg.data
+    return data.num_eval + data.num_val + max(data.num_sft, data.num_rl)
+
+
+_NEED_MIN = "num_eval + num_val + max(num_sft, num_rl)"
+
+
 def _synthetic_pool(cfg: DareConfig, need: int, need_min: int) -> list[dict]:
     data = cfg.data
     task = get_task(data.task)
     possible = task.num_distinct(**data.task_args) if hasattr(task, "num_distinct") else None
     if possible is not None and possible < need_min:
         raise DataError(f"task {data.task} with task_args {data.task_args} can produce only {possible} "
-                        f"distinct problems; eval must be disjoint from sft and rl, which needs "
-                        f"num_eval + max(num_sft, num_rl) = {need_min}")
+                        f"distinct problems; eval and val must be disjoint from sft, rl and each "
+                        f"other, which needs {_NEED_MIN} = {need_min}")
     target = need if possible is None else min(need, possible)
     draws = max(target, 1)
     for _ in range(_MAX_DOUBLINGS):
@@ -74,7 +84,7 @@ def _synthetic_pool(cfg: DareConfig, need: int, need_min: int) -> list[dict]:
     if len(unique) >= need_min:
         return unique
     raise DataError(f"task {data.task} with task_args {data.task_args}: only {len(unique)} distinct problems "
-                    f"in {draws // 2} draws; need num_eval + max(num_sft, num_rl) = {need_min}")
+                    f"in {draws // 2} draws; need {_NEED_MIN} = {need_min}")
 
 
 def _source_pool(cfg: DareConfig) -> list[dict]:
@@ -96,18 +106,26 @@ def _source_pool(cfg: DareConfig) -> list[dict]:
 
 
 def _split(pool: list[dict], cfg: DareConfig, origin: str) -> dict[str, list[dict]]:
-    n_sft, n_rl, n_eval = cfg.data.num_sft, cfg.data.num_rl, cfg.data.num_eval
-    need_min = n_eval + max(n_sft, n_rl)
+    n_sft, n_rl, n_eval, n_val = cfg.data.num_sft, cfg.data.num_rl, cfg.data.num_eval, cfg.data.num_val
+    need_min = _need_min(cfg)
     if len(pool) < need_min:
-        raise DataError(f"{origin}: {len(pool)} distinct prompts, need num_eval + max(num_sft, num_rl) = "
-                        f"{need_min} (eval is disjoint from sft and rl)")
-    train = pool[n_eval:]
+        raise DataError(f"{origin}: {len(pool)} distinct prompts, need {_NEED_MIN} = {need_min} "
+                        f"(eval and val are disjoint from sft, rl and each other)")
+    # Eval at the head, val at the tail: a synthetic pool only grows at its end (a task's draws do not
+    # depend on how many are asked for), so adding val leaves sft, rl and eval as they were.
+    train = _train(pool, cfg)
     # Disjoint sft/rl when the pool allows; otherwise rl takes the tail and overlaps sft.
-    splits = {"sft": train[:n_sft], "rl": train[len(train) - n_rl:], "eval": pool[:n_eval]}
+    splits = {"sft": train[:n_sft], "rl": train[len(train) - n_rl:], "eval": pool[:n_eval],
+              "val": pool[len(pool) - n_val:]}
     for split, rows in splits.items():
         for index, row in enumerate(rows):
             row.setdefault("_where", f"{origin}: {split} row {index}")
     return splits
+
+
+def _train(pool: list[dict], cfg: DareConfig) -> list[dict]:
+    """The training problems of the pool: neither eval (the head) nor val (the tail)."""
+    return pool[cfg.data.num_eval:len(pool) - cfg.data.num_val]
 
 
 def _wrong_digit(text: str, rng: random.Random) -> str | None:
@@ -219,21 +237,23 @@ def prepare(cfg: DareConfig) -> dict[str, Any]:
     from_scratch = cfg.model.path is None
     tokenizer = char_tokenizer() if from_scratch else load_tokenizer(cfg.model.path)
     limit = _max_length(cfg)
-    counts = (cfg.data.num_sft, cfg.data.num_rl, cfg.data.num_eval)
+    counts = (cfg.data.num_sft, cfg.data.num_rl, cfg.data.num_eval, cfg.data.num_val)
+    if min(counts) < 0:
+        raise DataError(f"data.num_sft, num_rl, num_eval and num_val must be >= 0, got {counts}")
     if cfg.data.source:
         origin, pool = str(cfg.data.source), _source_pool(cfg)
     else:
-        need_min = cfg.data.num_eval + max(cfg.data.num_sft, cfg.data.num_rl)
-        origin, pool = f"task {cfg.data.task}", _synthetic_pool(cfg, sum(counts), need_min)
+        origin, pool = f"task {cfg.data.task}", _synthetic_pool(cfg, sum(counts), _need_min(cfg))
+    # val is decoded by in-loop RL validation, with rl.sampler's canvas
     canvas = {"sft": cfg.sft.pad_to, "rl": cfg.rl.sampler.gen_length, "eval": cfg.eval.sampler.gen_length,
-              "preference": cfg.preference.pad_to}
+              "val": cfg.rl.sampler.gen_length, "preference": cfg.preference.pad_to}
     splits = _split(pool, cfg, origin)
-    splits["preference"], preference_info = _preference_rows(cfg, pool[cfg.data.num_eval:], splits["eval"], origin)
+    splits["preference"], preference_info = _preference_rows(cfg, _train(pool, cfg), splits["eval"], origin)
     prepared, longest = {}, 0
     for split, rows in splits.items():
         rows = _finish(split, rows, tokenizer)
         validate_rows(rows, split, f"{origin} ({split})")
-        if split in ("rl", "eval"):  # the splits a reward grades
+        if split in ("rl", "eval", "val"):  # the splits a reward grades
             try:
                 check_rows(rows, split)
             except ValueError as exc:

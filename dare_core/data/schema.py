@@ -3,7 +3,7 @@
 Kinds:
 - `source`: raw input of data preparation (prompt, response, ground_truth; task and uid optional);
 - `preference_source`: raw preference pairs (prompt, chosen, rejected; task and uid optional);
-- `sft`, `rl`, `eval`, `preference`: the prepared parquet files, which all carry `prompt_text`, the prompt rendered
+- `sft`, `rl`, `eval`, `val`, `preference`: the prepared parquet files, which all carry `prompt_text`, the prompt rendered
   with the chat template (so every stage feeds the model exactly the same prompt string).
 Every column is a non-empty string. Columns outside a schema are ignored on read and not written.
 """
@@ -43,6 +43,8 @@ SCHEMAS: dict[str, Schema] = {
     "sft": Schema(("prompt", "response", "task", "uid", "prompt_text"), ("ground_truth",)),
     "rl": Schema(("prompt", "ground_truth", "task", "uid", "prompt_text")),
     "eval": Schema(("prompt", "ground_truth", "task", "uid", "prompt_text")),
+    # held-out prompts of in-loop RL validation: graded like eval, never trained or evaluated on
+    "val": Schema(("prompt", "ground_truth", "task", "uid", "prompt_text")),
     "preference_source": Schema(("prompt", "chosen", "rejected"), ("task", "uid")),
     # a pair: one prompt, the preferred response y_w and the dispreferred y_l (ALGORITHMS.md 4)
     "preference": Schema(("prompt", "chosen", "rejected", "task", "uid", "prompt_text")),

@@ -6,6 +6,15 @@ import json
 from pathlib import Path
 
 
+def rows_upto(path: Path, resume_step: int) -> list[dict]:
+    """The JSON-lines rows of `path` a run resumed at `resume_step` keeps: those logged at or before
+    it (later ones are redone); none for a fresh run (resume_step 0) or a missing file."""
+    if resume_step <= 0 or not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if r.get("step", 0) <= resume_step]
+
+
 class MetricsLogger:
     """Append-only per-step metrics that survive a resume: rows after the resumed step are dropped."""
 
@@ -18,10 +27,7 @@ class MetricsLogger:
         if not enabled:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
-        rows = []
-        if self.jsonl.exists() and resume_step > 0:
-            rows = [json.loads(line) for line in self.jsonl.read_text().splitlines() if line.strip()]
-            rows = [r for r in rows if r.get("step", 0) <= resume_step]
+        rows = rows_upto(self.jsonl, resume_step)
         self.jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
         self._rewrite_plots(rows)
 

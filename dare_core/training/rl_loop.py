@@ -20,7 +20,7 @@ from dare_core.config import DareConfig, to_dict
 from dare_core.data.batching import global_batch_indices
 from dare_core.data.schema import read_rows
 from dare_core.diffusion.seeding import sample_generators
-from dare_core.eval.quick import score_texts
+from dare_core.eval.scoring import score_texts
 from dare_core.models.registry import load_model
 from dare_core.sampling.decode import decode_responses
 from dare_core.sampling.engines import RolloutEngine, build_engine
@@ -29,6 +29,7 @@ from dare_core.training import engine as eng
 from dare_core.training.checkpoint import CheckpointManager, config_fingerprint, input_fingerprint
 from dare_core.training.engine import resolve_dtype
 from dare_core.training.metrics import MetricsLogger
+from dare_core.training.rl_validation import RLValidator
 from dare_core.training.setup import prepare_for_training, stage_tokenizer
 
 log = logging.getLogger(__name__)
@@ -167,11 +168,18 @@ def reference_scores(algo, policy, ref, batch: Batch, corruptions: list) -> list
     return scores
 
 
+def _val_postfix(val_metrics: dict) -> dict:
+    """The progress bar's view of the last validation: its maj@k."""
+    return {key.split("/")[1]: f"{v:.3f}" for key, v in val_metrics.items() if key.startswith("val/maj@")}
+
+
 def run_rl(cfg: DareConfig, progress: bool = True) -> dict:
     rl = cfg.rl
     out_dir = cfg.stage_dir("rl")
     data_path = Path(cfg.data.prepared_dir) / "rl.parquet"
     rows = read_rows(data_path, "rl")
+    # reads the val split now: a missing one fails before the model loads
+    validator = RLValidator(cfg, out_dir)
     tokenizer = stage_tokenizer(cfg)
     device = eng.device()
     policy = prepare_for_training(load_model(rl_start_folder(cfg), dtype=resolve_dtype(cfg.model.dtype), device=device), cfg)
@@ -187,6 +195,9 @@ def run_rl(cfg: DareConfig, progress: bool = True) -> dict:
     ranks = int(os.environ.get("WORLD_SIZE", "1"))
     if rl.prompts_per_step % ranks or mini % ranks:
         raise ValueError(f"rl.prompts_per_step = {rl.prompts_per_step} (mini-batch {mini}) must be divisible by the {ranks} ranks")
+    if rl.validate_every and ranks > 1 and cfg.launch.zero_stage >= 3:
+        raise ValueError("rl.validate_every: rank 0 validates alone, which ZeRO-3's sharded weights cannot do; "
+                         "use launch.zero_stage <= 2 or rl.validate_every: 0")
     local_mini = mini // ranks
     micro = min(rl.micro_batch_size, local_mini)
     updates = rl.num_steps * rl.num_iterations * rl.mini_batches
@@ -194,16 +205,26 @@ def run_rl(cfg: DareConfig, progress: bool = True) -> dict:
     world, rank = eng.world_size(), eng.rank()
     sampler = build_engine(rl.sampler.engine, engine.module, **rl.sampler.engine_args)
 
-    fingerprint = config_fingerprint(to_dict(cfg.model), to_dict(rl), cfg.run.seed, world, input_fingerprint(data_path), input_fingerprint(rl_start_folder(cfg)))
+    # validation neither draws from the training randomness nor changes the weights: its settings
+    # are left out of the fingerprint, so that changing them still resumes the run
+    trained = {k: v for k, v in to_dict(rl).items() if not k.startswith("validate_")}
+    fingerprint = config_fingerprint(to_dict(cfg.model), trained, cfg.run.seed, world, input_fingerprint(data_path), input_fingerprint(rl_start_folder(cfg)))
     ckpt = CheckpointManager(out_dir / "checkpoints", rl.keep_last, fingerprint)
     start = ckpt.resume(engine, "RL")
     logger = MetricsLogger(out_dir, resume_step=start, plot_keys=("reward", "accuracy"), enabled=rank == 0)
+    validator.open(start, writer=rank == 0)
     trivial_ratio = rl.num_iterations == 1 and rl.mini_batches == 1
     if trivial_ratio:
         log.warning("num_iterations = 1 with one mini-batch: the ratio is exactly 1 and clipping is inactive")
 
     bar = tqdm(range(start, rl.num_steps), initial=start, total=rl.num_steps, desc=f"rl[{rl.algorithm}]", disable=not progress or rank != 0, dynamic_ncols=True)
     t_start = time.time()
+    val_postfix: dict = {}
+    if start == 0:  # the SFT model, before any update (a resumed run validated it already)
+        val_metrics = validator(engine.module, tokenizer, 0)
+        if val_metrics:
+            logger.log(0, val_metrics)
+            val_postfix = _val_postfix(val_metrics)
     for step in bar:
         t0 = time.time()
         # every rank draws the same prompts and keeps its own share of the rollouts
@@ -241,14 +262,20 @@ def run_rl(cfg: DareConfig, progress: bool = True) -> dict:
         metrics.update({k: v / max(n_updates, 1) for k, v in update_metrics.items()})
         sampler.update_weights(engine.module)  # the next rollout must see this step's weights
         metrics.update(step_time_s=time.time() - t0, rollout_time_s=t_rollout, lr=engine.get_lr()[0])
-        if (step + 1) % rl.log_every == 0 or step + 1 == rl.num_steps:
+        # before the checkpoint: a run resumed from it must not validate this step again
+        val_metrics = validator(engine.module, tokenizer, step + 1)
+        metrics.update(val_metrics)
+        val_postfix = _val_postfix(val_metrics) or val_postfix
+        if (step + 1) % rl.log_every == 0 or step + 1 == rl.num_steps or val_metrics:
             logger.log(step + 1, metrics)
-        bar.set_postfix(reward=f"{metrics['reward']:.3f}", acc=f"{metrics['accuracy']:.2f}")
+        bar.set_postfix(reward=f"{metrics['reward']:.3f}", acc=f"{metrics['accuracy']:.2f}", **val_postfix)
         if (step + 1) % rl.save_every == 0 or step + 1 == rl.num_steps:
             ckpt.save(engine, step + 1, {"step": step + 1}, engine.module.hf_config)
     bar.close()
     logger.close()
     summary = {"steps": rl.num_steps, "algorithm": rl.algorithm, "wall_s": round(time.time() - t_start, 1)}
+    if validator.history:  # the last validation, beside the run's other headline numbers
+        summary["validation"] = validator.history[-1]
     if rank == 0:
         atomic_write_json(Path(cfg.run.metrics_dir) / "rl.json", summary)
     return summary

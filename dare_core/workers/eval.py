@@ -1,49 +1,90 @@
-"""Worker of the `eval` stage: held-out accuracy of the base, SFT and RL checkpoints."""
-import json
+"""Worker of the `eval` stage: OpenCompass on the pipeline's checkpoints.
+
+Writes `metrics/eval.json` = {checkpoint: {benchmark: accuracy (0-100)}, "artifacts": {...}} (DVC
+metrics, so `dvc metrics diff` compares experiments), and under runs/<name>/eval the OpenCompass
+run (predictions, per-benchmark results, its summary), `summary.md`, `manifest.json` and
+`accuracy.png`. The embedded default's benchmark is `task`: its own prepared eval split.
+"""
+from __future__ import annotations
+
+import platform
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 from dare_core.config import DareConfig
-from dare_core.data.schema import read_rows
-from dare_core.eval.quick import evaluate
-from dare_core.eval.report import accuracy_plot
-from dare_core.models.registry import load_model
-from dare_core.models.tokenizer import load_tokenizer
 from dare_core.storage import atomic_write_json, atomic_write_text
-from dare_core.training.engine import device, resolve_dtype
 from dare_core.workers.common import run_worker
 
 
 def checkpoints(cfg: DareConfig) -> dict:
-    """The checkpoints of the pipeline, in order: base (untrained or the given model), SFT, RL."""
+    """The pipeline's checkpoints, in pipeline order: base (untrained or the given model), SFT,
+    preference (the side branch), RL."""
     return {
         "base": Path(cfg.model.path) if cfg.model.path else cfg.base_model_dir,
         "sft": cfg.stage_dir("sft") / "model",
+        "preference": cfg.stage_dir("preference") / "model",
         "rl": cfg.final_model_dir,
     }
 
 
+def model_options(cfg: DareConfig) -> dict:
+    sampler = {k: v for k, v in asdict(cfg.eval.sampler).items() if k not in ("batch_size", "engine", "engine_args")}
+    return {"sampler": sampler, "seed": cfg.run.seed, "dtype": cfg.model.dtype, "chat": cfg.eval.chat,
+            "ll_mc_num": cfg.eval.ll_mc_num, "engine": cfg.eval.sampler.engine, "engine_args": cfg.eval.sampler.engine_args}
+
+
+def manifest(cfg: DareConfig, specs: list, folders: dict) -> dict:
+    """What the numbers depend on (ALGORITHMS.md 8): checkpoints, settings, software, hardware."""
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {
+        "checkpoints": {k: str(v) for k, v in folders.items()},
+        "benchmarks": [{**asdict(s), "data_dir": str(s.data_dir)} for s in specs],
+        "model_options": model_options(cfg),
+        "batch_size": cfg.eval.sampler.batch_size,
+        "hardware": {"gpu": gpu, "gpu_count": torch.cuda.device_count(), "cpu": platform.processor() or platform.machine()},
+        "software": {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+                     "opencompass": _version("opencompass")},
+    }
+
+
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
 def run_eval(cfg: DareConfig) -> dict:
-    data = Path(cfg.data.prepared_dir) / "eval.parquet"
-    rows = read_rows(data, "eval")
-    if cfg.eval.max_samples:
-        rows = rows[: cfg.eval.max_samples]
-    results, artifacts = {}, {}
-    out_dir = cfg.stage_dir("eval")
-    for name, folder in checkpoints(cfg).items():
+    from dare_core.eval.report import accuracy_plot, results_table
+    from dare_core.eval.runner import benchmark_specs, evaluate_folders
+
+    everything = checkpoints(cfg)
+    folders = {name: everything[name] for name in cfg.eval.checkpoints}
+    for name, folder in folders.items():
         if not (folder / "config.json").exists():
             raise FileNotFoundError(f"{folder}: checkpoint '{name}' not found (run the earlier stages first)")
-        model = load_model(folder, dtype=resolve_dtype(cfg.model.dtype), device=device())
-        res = evaluate(model, load_tokenizer(folder), rows, cfg.eval.sampler, cfg.eval.sampler.batch_size, cfg.run.seed, desc=f"eval[{name}]")
-        preds = res.pop("predictions")
-        atomic_write_text(out_dir / f"predictions_{name}.jsonl", "".join(json.dumps(p) + "\n" for p in preds))
-        results[name] = {k: res[k] for k in ("accuracy", "mean_reward", "num_samples")}
-        artifacts[name] = str(folder)
+    prepared = Path(cfg.data.prepared_dir) / "eval.parquet"
+    specs = benchmark_specs(cfg.eval.benchmarks, Path(cfg.eval.data_dir) if cfg.eval.data_dir else None,
+                            cfg.eval.benchmark_args, cfg.eval.max_samples or 0, data_dirs={"task": prepared})
+    out_dir = cfg.stage_dir("eval")
+    results = evaluate_folders(folders, specs, out_dir / "opencompass", model_options(cfg), cfg.eval.sampler.batch_size,
+                               run_name="run")
+    run_dir = out_dir / "opencompass" / "run"
     # checkpoint order (base, sft, rl) is meaningful: keep it in the file
-    atomic_write_json(Path(cfg.run.metrics_dir) / "eval.json", {**results, "artifacts": artifacts}, sort_keys=False)
+    atomic_write_json(Path(cfg.run.metrics_dir) / "eval.json",
+                      {**results, "artifacts": {k: str(v) for k, v in folders.items()}}, sort_keys=False)
+    table = results_table(results)
+    atomic_write_text(out_dir / "summary.md", table + "\n")
+    if (run_dir / "summary.md").exists():
+        atomic_write_text(out_dir / "opencompass_summary.md", (run_dir / "summary.md").read_text())
+    atomic_write_json(out_dir / "manifest.json", manifest(cfg, specs, folders), sort_keys=False)
     accuracy_plot(results, out_dir / "accuracy.png")
-    for name, r in results.items():
-        print(f"{name:>6}: accuracy {r['accuracy']:.3f} on {r['num_samples']} held-out problems ({artifacts[name]})")
+    print(table)
     return results
 
 

@@ -35,5 +35,9 @@ def test_generate_and_eval_use_the_folders_sampler(folder, tmp_path, capsys):
     rows = [{"prompt": "1+1=", "prompt_text": tok.apply_chat_template([{"role": "user", "content": "1+1="}]),
              "ground_truth": "2", "task": "arithmetic", "uid": "e0"}]
     write_rows(tmp_path / "eval.parquet", rows, "eval")
-    assert main(["eval", "--model", str(path), "--data", str(tmp_path / "eval.parquet")]) == 0
-    assert "| accuracy |" in capsys.readouterr().out
+    work = tmp_path / "work"
+    assert main(["eval", "--model", str(path), "--data", str(tmp_path / "eval.parquet"), "--work-dir", str(work)]) == 0
+    out = capsys.readouterr().out
+    assert "| benchmark | m |" in out and "| arithmetic |" in out  # through OpenCompass, one column per model
+    (run,) = [d for d in work.iterdir() if d.is_dir()]
+    assert (run / "summary.md").exists()

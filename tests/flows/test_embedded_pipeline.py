@@ -34,9 +34,12 @@ def test_flow_runs_every_stage_then_skips(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     metrics = json.loads((repo / "metrics" / "eval.json").read_text())
     assert list(metrics) == ["base", "sft", "rl", "artifacts"]  # the table shows them in pipeline order
-    for name in ("base", "sft", "rl"):
-        assert 0.0 <= metrics[name]["accuracy"] <= 1.0 and metrics[name]["num_samples"] == 40
-    assert "held-out" in run.stdout.lower() or "accuracy" in run.stdout.lower()
+    for name in ("base", "sft", "rl"):  # the synthetic task, scored through OpenCompass (0-100)
+        assert list(metrics[name]) == ["arithmetic"] and 0.0 <= metrics[name]["arithmetic"] <= 100.0
+    assert "| checkpoint | arithmetic | artifact path |" in run.stdout
+    oc_run = repo / "runs" / "t" / "eval" / "opencompass" / "run"
+    assert (oc_run / "summary.md").exists() and len(json.loads((oc_run / "predictions" / "rl" / "arithmetic.json").read_text())) == 40
+    assert json.loads((repo / "runs" / "t" / "eval" / "manifest.json").read_text())["benchmarks"][0]["name"] == "task"
     # the converted RL folder is a loadable checkpoint with its tokenizer
     from dare_core.models.registry import load_model
     from dare_core.models.tokenizer import load_tokenizer
@@ -54,3 +57,16 @@ def test_flow_runs_every_stage_then_skips(tmp_path):
 
     again = subprocess.run([sys.executable, "-m", "dvc", "status"], cwd=repo, env=env, capture_output=True, text=True)
     assert "up to date" in again.stdout.lower(), again.stdout
+
+    # DVC compares two evaluations: commit this one, re-evaluate on fewer problems, diff
+    subprocess.run(["git", "add", "-A"], cwd=repo, check=True, env=env)
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "run"], cwd=repo, check=True, env=env)
+    params["eval"]["max_samples"] = 10
+    write_params(repo / "params.yaml", params)
+    rerun = subprocess.run([sys.executable, "-m", "dvc", "repro", "eval"], cwd=repo, env=env, capture_output=True, text=True)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    diff = subprocess.run([sys.executable, "-m", "dvc", "metrics", "diff", "--all", "--json"], cwd=repo, env=env,
+                          capture_output=True, text=True, check=True)
+    changes = json.loads(diff.stdout)["metrics/eval.json"]
+    assert {"base.arithmetic", "sft.arithmetic", "rl.arithmetic"} <= set(changes)
+    assert changes["rl.arithmetic"]["old"] == metrics["rl"]["arithmetic"]

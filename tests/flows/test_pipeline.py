@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 EVAL_JSON = {
-    "base": {"accuracy": 0.02, "num_samples": 500},
-    "sft": {"accuracy": 0.61, "num_samples": 500},
-    "rl": {"accuracy": 0.74, "num_samples": 500},
+    "base": {"arithmetic": 2.0, "gsm8k": 0.5},
+    "sft": {"arithmetic": 61.0, "gsm8k": 10.25},
+    "rl": {"arithmetic": 74.0, "gsm8k": 12.0},
     "artifacts": {"base": "runs/embedded/base", "sft": "runs/embedded/sft/model", "rl": "models/embedded"},
 }
 
@@ -123,11 +123,11 @@ def test_pipeline_runs_skips_retries_and_reports(tmp_path, prefect_env, capsys):
     assert {r.stage: r.attempts for r in res.stages} == {s: 2 if s == "convert" else 1 for s in stages}
     assert res.metrics == EVAL_JSON
     lines = res.table.splitlines()
-    assert lines[0] == "| checkpoint | held-out accuracy | samples | artifact path |"
+    assert lines[0] == "| checkpoint | arithmetic | gsm8k | artifact path |"
     assert lines[2:] == [
-        "| base | 2.0% | 500 | `runs/embedded/base` |",
-        "| sft | 61.0% | 500 | `runs/embedded/sft/model` |",
-        "| rl | 74.0% | 500 | `models/embedded` |",
+        "| base | 2.0 | 0.5 | `runs/embedded/base` |",
+        "| sft | 61.0 | 10.2 | `runs/embedded/sft/model` |",
+        "| rl | 74.0 | 12.0 | `models/embedded` |",
     ]
     out = capsys.readouterr().out
     assert res.table in out and "| convert | ran | 2 |" in out

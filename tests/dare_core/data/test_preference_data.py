@@ -15,6 +15,7 @@ def make_cfg(root, **data) -> DareConfig:
     cfg = DareConfig()
     cfg.data.prepared_dir = str(root / "prepared")
     cfg.data.tokenizer_dir = str(root / "tokenizer")
+    cfg.data.num_val = 0  # no in-loop validation split: these pools are sized for sft, rl and eval
     cfg.data.num_sft, cfg.data.num_rl, cfg.data.num_eval = 60, 20, 20
     cfg.data.task_args = {"min_digits": 1, "max_digits": 3, "zero_pad": True, "demo_error_rate": 0.5}
     for key, value in data.items():

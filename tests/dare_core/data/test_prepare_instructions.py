@@ -14,6 +14,7 @@ def make_cfg(root, **data) -> DareConfig:
     cfg = DareConfig()
     cfg.data.prepared_dir = str(root / "prepared")
     cfg.data.tokenizer_dir = str(root / "tokenizer")
+    cfg.data.num_val = 0  # no in-loop validation split: these pools are sized for sft, rl and eval
     cfg.data.num_sft, cfg.data.num_rl, cfg.data.num_eval = 8, 8, 4
     for key, value in data.items():
         setattr(cfg.data, key, value)

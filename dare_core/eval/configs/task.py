@@ -1,0 +1,50 @@
+"""`task`: a prepared eval file of DARE's own (data/prepared/eval.parquet, or any file in the `eval`
+schema), graded by each row's task reward. The embedded default evaluates its synthetic task
+through this benchmark, on the same OpenCompass path as the public ones.
+
+The prompt is used as prepared (`prompt_text`, already rendered with the chat template the model
+was trained on), so the model sees exactly what it saw in RL."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from dare_core.eval.configs.base import Benchmark, register_benchmark
+
+
+@register_benchmark("task")
+class PreparedTask(Benchmark):
+    layout = ("a prepared eval file: <data>/eval.parquet (or eval.jsonl), or the file itself, with the columns "
+              "prompt, ground_truth, task, uid, prompt_text (what `dare stage prepare` writes)")
+    chat = False
+
+    def source(self, data_dir: Path) -> Path:
+        data_dir = Path(data_dir)
+        if data_dir.is_file():
+            return data_dir
+        for name in ("eval.parquet", "eval.jsonl"):
+            if (data_dir / name).exists():
+                return data_dir / name
+        return self.require(data_dir / "eval.parquet")
+
+    def load(self, data_dir: Path, shots: int = 0, max_samples: int = 0, **options: Any) -> list[dict]:
+        from dare_core.data.schema import read_rows
+
+        if shots:
+            raise ValueError("task: few-shot prompts are not supported (prompts are used as prepared)")
+        rows = read_rows(self.source(data_dir), "eval")
+        if max_samples:
+            rows = rows[:max_samples]
+        return [{"id": r["uid"], "question": r["prompt_text"], "answer": r["ground_truth"], "reference": r["ground_truth"],
+                 "task": r["task"]} for r in rows]
+
+    def grade(self, row: dict, response: str) -> float:
+        from dare_core.eval.scoring import reward_name_for
+        from dare_core.rewards import compute_reward
+
+        return float(compute_reward(reward_name_for(row), response, row["answer"], {"task": row["task"]}).acc)
+
+    def dataset_name(self, data_dir: Path) -> str:
+        """The name scores are reported under: the task of the rows (e.g. `arithmetic`)."""
+        rows = self.load(data_dir, max_samples=1)
+        return rows[0]["task"] if rows else self.name

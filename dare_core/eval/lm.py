@@ -1,0 +1,210 @@
+"""A checkpoint folder ready for benchmarks: chat rendering, batched generation and choice
+log-likelihoods, with no OpenCompass import (the GPU benchmark and `dare eval`'s core use it
+directly; `dare_core.eval.opencompass` wraps it for OpenCompass).
+
+Reproducibility: every prompt's sampling noise and every choice's Monte-Carlo masks come from a
+generator derived from (seed, the text itself), never from a global RNG or the batch, so the same
+checkpoint and seed give the same numbers at any batch size and in any order.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+import torch
+from tqdm.auto import tqdm
+
+from dare_core.diffusion.likelihood import elbo_rows
+from dare_core.diffusion.mc_laws import count_rows, per_block_rows, response_blocks
+from dare_core.diffusion.seeding import generator
+from dare_core.sampling.params import SamplingParams
+
+Prompt = Union[str, Sequence[dict]]  # raw text, or chat messages [{"role", "content"}]
+SAMPLER_KEYS = {f.name for f in fields(SamplingParams)}
+
+
+def sampler_settings(*layers: Optional[dict]) -> SamplingParams:
+    """SamplingParams from dicts applied in order (later wins); keys that are not sampler
+    settings (batch_size, engine, ...) are ignored, unknown ones are errors."""
+    merged: dict = {}
+    for layer in layers:
+        for key, value in (layer or {}).items():
+            if key in ("batch_size", "engine", "engine_args"):
+                continue
+            if key not in SAMPLER_KEYS:
+                raise ValueError(f"unknown sampler setting '{key}'; known: {sorted(SAMPLER_KEYS)}")
+            merged[key] = value
+    try:
+        return SamplingParams(**merged)
+    except ValueError as exc:
+        raise ValueError(f"sampler settings {merged}: {exc}") from None
+
+
+class EvalModel:
+    """One model folder evaluated with our sampler.
+
+    Sampler settings, later layers winning: the model's block size (block diffusion), the
+    family's `defaults`, the `dare_sampler` the checkpoint was exported with
+    (generation_config.json), `sampler` given here, then the per-call `overrides` (a benchmark's gen length and steps, the user's
+    per-benchmark settings). `chat`: render chat messages with the tokenizer's chat template
+    (False joins their contents, for base models).
+    """
+
+    def __init__(self, path: Union[str, Path], sampler: Optional[dict] = None, chat: bool = True, seed: int = 0,
+                 dtype: str = "auto", device: Optional[str] = None, batch_size: int = 16, ll_mc_num: int = 32,
+                 ll_norm: str = "mean", rows_per_forward: int = 8, engine: str = "native",
+                 engine_args: Optional[dict] = None, progress: bool = False, model=None, tokenizer=None,
+                 defaults: Optional[dict] = None):
+        from dare_core.models.registry import load_model
+        from dare_core.models.tokenizer import load_tokenizer
+        from dare_core.sampling.engines import build_engine
+        from dare_core.training.engine import device as default_device, resolve_dtype
+
+        self.path = Path(path)
+        if ll_norm not in ("mean", "sum"):
+            raise ValueError(f"ll_norm must be 'mean' (per token) or 'sum', got '{ll_norm}'")
+        self.chat, self.seed, self.batch_size = chat, seed, batch_size
+        self.ll_mc_num, self.ll_norm, self.rows_per_forward = ll_mc_num, ll_norm, rows_per_forward
+        self.progress = progress
+        dev = torch.device(device) if device else default_device()
+        self.model = model if model is not None else load_model(self.path, dtype=resolve_dtype(dtype), device=dev)
+        self.model.eval()
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.path)
+        self.engine = build_engine(engine, self.model, **({"model_path": str(self.path)} if engine != "native" else {}),
+                                   **(engine_args or {}))
+        self.base_sampler = {**self._family_defaults(), **(defaults or {}), **self._checkpoint_sampler(), **(sampler or {})}
+        sampler_settings(self.base_sampler)  # fail at construction, not on the first benchmark
+
+    # ---- settings
+    def _family_defaults(self) -> dict:
+        block = self.model.block_size
+        return {"block_length": block} if block else {}
+
+    def _checkpoint_sampler(self) -> dict:
+        gen_cfg = self.path / "generation_config.json"
+        if not gen_cfg.exists():
+            return {}
+        return {k: v for k, v in json.loads(gen_cfg.read_text()).get("dare_sampler", {}).items() if k in SAMPLER_KEYS}
+
+    def sampling_params(self, overrides: Optional[dict] = None) -> SamplingParams:
+        return sampler_settings(self.base_sampler, overrides)
+
+    def manifest(self, overrides: Optional[dict] = None) -> dict:
+        """What a number depends on (ALGORITHMS.md 8): model, sampler, seed, hardware, versions."""
+        dev = next(self.model.parameters()).device
+        info = {"model": str(self.path), "sampler": asdict(self.sampling_params(overrides)), "seed": self.seed,
+                "batch_size": self.batch_size, "dtype": str(next(self.model.parameters()).dtype),
+                "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
+                "cuda": torch.version.cuda, "engine": self.engine.name}
+        return info
+
+    # ---- prompts
+    def render(self, prompt: Prompt) -> str:
+        """The exact text the model sees: raw strings as they are, chat messages through the chat
+        template (with the assistant turn opened), or joined when `chat` is off."""
+        if isinstance(prompt, str):
+            return prompt
+        messages = [dict(m) for m in prompt]
+        if not self.chat:
+            return "\n\n".join(m["content"] for m in messages)
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+    def _batches(self, n: int, lengths: Sequence[int]) -> list[list[int]]:
+        # longest first, so padding is small and an out-of-memory error shows up in the first batch
+        order = sorted(range(n), key=lambda i: -lengths[i])
+        return [order[i:i + self.batch_size] for i in range(0, n, self.batch_size)]
+
+    # ---- generation
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Prompt], overrides: Optional[dict] = None, desc: str = "generate") -> list[str]:
+        from dare_core.sampling.decode import decode_responses
+
+        params = self.sampling_params(overrides)
+        texts = [self.render(p) for p in prompts]
+        ids = [self.tokenizer.encode(t) for t in texts]
+        out: list[Optional[str]] = [None] * len(texts)
+        device = next(self.model.parameters()).device
+        bar = tqdm(total=len(texts), desc=desc, disable=not self.progress, dynamic_ncols=True)
+        for batch in self._batches(len(texts), [len(x) for x in ids]):
+            gens = [generator(self.seed, "eval-generate", texts[i], device=device) for i in batch]
+            result = self.engine.generate([ids[i] for i in batch], params, generators=gens)
+            for i, text in zip(batch, decode_responses(self.tokenizer, result)):
+                out[i] = text
+            bar.update(len(batch))
+        bar.close()
+        return out  # type: ignore[return-value]
+
+    # ---- log-likelihood (multiple choice)
+    def _split(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        # tokenise the joined text and cut at the context's length, so a merge across the
+        # boundary (a leading space) is scored as the model would see it
+        ctx = self.tokenizer.encode(context)
+        full = self.tokenizer.encode(context + continuation)
+        if full[:len(ctx)] == ctx and len(full) > len(ctx):
+            return ctx, full[len(ctx):]
+        return ctx, self.tokenizer.encode(continuation)
+
+    @torch.no_grad()
+    def loglikelihood(self, contexts: Sequence[Prompt], continuations: Sequence[str], desc: str = "loglikelihood") -> list[float]:
+        """ELBO estimate of log p(continuation | context) for each pair (ALGORITHMS.md 2.3, law (b):
+        stratified counts, one uniform subset per row; 2.4 per-block for block diffusion), over
+        `ll_mc_num` rows; divided by the continuation's token count when `ll_norm` is "mean". A
+        one-token continuation under a masked model is exact: every row masks that token alone."""
+        texts = [self.render(c) for c in contexts]
+        pairs = [self._split(t, c) for t, c in zip(texts, continuations)]
+        out: list[float] = [0.0] * len(pairs)
+        bar = tqdm(total=len(pairs), desc=desc, disable=not self.progress, dynamic_ncols=True)
+        for batch in self._batches(len(pairs), [len(a) + len(b) for a, b in pairs]):
+            for i, value in zip(batch, self._elbo([pairs[i] for i in batch], [texts[i] + continuations[i] for i in batch])):
+                out[i] = value
+            bar.update(len(batch))
+        bar.close()
+        return out
+
+    def _elbo(self, pairs: list[tuple[list[int], list[int]]], keys: list[str]) -> list[float]:
+        model = self.model
+        device = next(model.parameters()).device
+        eos = model.eos_token_id
+        P = max(len(c) for c, _ in pairs)
+        L = max(len(r) for _, r in pairs)
+        ids = torch.full((len(pairs), P + L), eos, dtype=torch.long)
+        attn = torch.zeros(ids.shape, dtype=torch.long)
+        for b, (ctx, resp) in enumerate(pairs):
+            ids[b, P - len(ctx):P] = torch.tensor(ctx)
+            ids[b, P:P + len(resp)] = torch.tensor(resp)
+            attn[b, P - len(ctx):P + len(resp)] = 1
+        ids, attn = ids.to(device), attn.to(device)
+        valid = attn[:, P:].bool()
+        n_tokens = valid.sum(-1).float()
+        # a single response token under a masked model: all rows are the same exact term
+        exact = model.block_size is None and int(n_tokens.max()) == 1
+        rows = 1 if exact else self.ll_mc_num
+        gens = [generator(self.seed, "eval-ll", k) for k in keys]
+        if model.block_size is None:
+            corr = count_rows(ids, P, valid, valid, model.mask_token_id, rows, gens)
+        else:
+            blocks = response_blocks(attn, P, model.block_size, "global")
+            corr = per_block_rows(ids, P, valid, valid, model.mask_token_id, blocks, rows, gens)
+        total = torch.zeros(len(pairs), dtype=torch.float64, device=device)
+        for start in range(0, len(corr.rows), self.rows_per_forward):
+            chunk = corr.rows[start:start + self.rows_per_forward]
+            total += elbo_rows(model, chunk, ids, attn).double().sum(-1)
+        elbo = total / len(corr.rows)
+        if self.ll_norm == "mean":
+            elbo = elbo / n_tokens.clamp_min(1).double().to(device)
+        return elbo.tolist()
+
+
+def load_eval_model(path: Union[str, Path], **options: Any) -> EvalModel:
+    """Cached per process and settings: OpenCompass builds a model per task, and reloading an
+    8B checkpoint for every benchmark would dominate the run."""
+    key = (str(Path(path).resolve()), json.dumps(options, sort_keys=True, default=str))
+    if key not in _CACHE:
+        _CACHE.clear()  # one model resident at a time
+        _CACHE[key] = EvalModel(path, **options)
+    return _CACHE[key]
+
+
+_CACHE: dict = {}

@@ -1,0 +1,79 @@
+"""k samples per held-out prompt, graded by each row's task reward: mean@k, best@k and maj@k.
+
+In-loop RL validation (`rl.validate_every`) calls `validate` on the val split. Every sample's noise
+comes from a generator derived from (seed, "val", step, uid, sample index), so the numbers are
+reproducible and do not depend on the batch size or on which prompts share a batch.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from dare_core.diffusion.seeding import generator
+from dare_core.eval.scoring import score_texts
+from dare_core.rewards import RewardResult
+from dare_core.sampling.decode import SamplingParams, decode_responses, generate
+
+# one graded sample: the reward's result and the decoded response it graded
+Sample = tuple[RewardResult, str]
+
+
+def answer_of(result: RewardResult, text: str) -> str:
+    """What a sample votes for in maj@k: the answer the reward extracted, else the whole response
+    (stripped), so that samples the reward could not parse only agree when they are the same text."""
+    return result.pred if result.pred is not None else text.strip()
+
+
+def at_k_metrics(groups: Sequence[Sequence[Sample]]) -> dict[str, float]:
+    """mean@k, best@k and maj@k averaged over prompts; `groups` holds the k samples of each prompt.
+
+    mean@k: mean acc of the k samples; best@k: the best acc among them (1 if any is correct);
+    maj@k: acc of the most frequent answer (`answer_of`), ties going to the answer seen first."""
+    if not groups:
+        raise ValueError("at_k_metrics needs at least one prompt")
+    k = len(groups[0])
+    if k == 0 or any(len(g) != k for g in groups):
+        raise ValueError(f"every prompt needs the same number k >= 1 of samples, got {sorted({len(g) for g in groups})}")
+    mean = best = maj = 0.0
+    for group in groups:
+        accs = [result.acc for result, _ in group]
+        mean += sum(accs) / k
+        best += max(accs)
+        votes: dict[str, list] = {}  # answer -> [count, acc of its first sample]; dicts keep first-seen order
+        for result, text in group:
+            vote = votes.setdefault(answer_of(result, text), [0, result.acc])
+            vote[0] += 1
+        # max() returns the first maximal entry, i.e. the answer that appeared first among the tied
+        maj += max(votes.values(), key=lambda v: v[0])[1]
+    n = len(groups)
+    return {f"mean@{k}": mean / n, f"best@{k}": best / n, f"maj@{k}": maj / n}
+
+
+def validate(model, tokenizer, rows: Sequence[dict], params: SamplingParams, k: int, seed: int, step: int,
+             batch_size: int, reward: str = "auto") -> dict:
+    """Sample k responses to every row, grade them with the row's reward and return `at_k_metrics`
+    plus `k`, `prompts` and `nfe`. The model is left in the train/eval mode it came in."""
+    if k < 1:
+        raise ValueError(f"validation needs k >= 1 samples per prompt, got {k}")
+    if not rows:
+        raise ValueError("validation needs at least one prompt")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    device = next(model.parameters()).device
+    prompts = [tokenizer.encode(row["prompt_text"]) for row in rows]
+    samples = [(i, j) for i in range(len(rows)) for j in range(k)]  # a prompt's k samples are adjacent
+    was_training = model.training
+    model.eval()
+    texts, nfe = [], 0
+    try:
+        for start in range(0, len(samples), batch_size):
+            chunk = samples[start:start + batch_size]
+            gens = [generator(seed, "val", step, rows[i]["uid"], j, device=device) for i, j in chunk]
+            out = generate(model, [prompts[i] for i, _ in chunk], params, generators=gens)
+            texts += decode_responses(tokenizer, out)
+            nfe += out.nfe
+    finally:
+        model.train(was_training)
+    results = score_texts([rows[i] for i, _ in samples], texts, reward)
+    graded = list(zip(results, texts))
+    groups = [graded[i:i + k] for i in range(0, len(graded), k)]
+    return {**at_k_metrics(groups), "k": k, "prompts": len(rows), "nfe": nfe}
