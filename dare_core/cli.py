@@ -87,11 +87,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """OpenCompass on any checkpoint folder(s): the same path as the pipeline's eval stage."""
+    import json
     import time
     from pathlib import Path
 
     from dare_core.eval.report import results_table
-    from dare_core.eval.runner import EvalRunError, benchmark_specs, evaluate_folders
+    from dare_core.eval.runner import EvalRunError, benchmark_specs, evaluate_folders, run_manifest
 
     data = Path(args.data)
     benchmarks = args.benchmarks or "task"
@@ -119,6 +120,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         options = {"seed": args.seed, "chat": not args.no_chat, "ll_mc_num": args.ll_mc_num}
         run_name = time.strftime("%Y%m%d_%H%M%S")
         results = evaluate_folders(models, specs, Path(args.work_dir), options, args.batch_size, run_name=run_name)
+        manifest = run_manifest(models, specs, options, args.batch_size)
+        (Path(args.work_dir) / run_name / "manifest.json").write_text(json.dumps(manifest, indent=1))
     except (ValueError, FileNotFoundError, EvalRunError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -219,3 +220,28 @@ def evaluate_folders(models: dict, specs: list, work_dir: Path, model_options: O
     """The whole path: specs -> OpenCompass config -> run -> {model: {benchmark: score}}."""
     config = opencompass_config(models, specs, Path(work_dir), model_options, batch_size)
     return run_opencompass(config, Path(work_dir), run_name, reuse, env, quiet)
+
+
+def run_manifest(models: dict, specs: list, model_options: Optional[dict], batch_size: int) -> dict:
+    """What the numbers depend on (ALGORITHMS.md 8): checkpoints, settings per benchmark, software,
+    hardware. Written next to every evaluation's results."""
+    import torch
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(package: str) -> Optional[str]:
+        try:
+            return version(package)
+        except PackageNotFoundError:
+            return None
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {
+        "checkpoints": {k: str(v) for k, v in models.items()},
+        "benchmarks": [{**asdict(s), "data_dir": str(s.data_dir),
+                        "gen": {**get_benchmark(s.name).gen, **s.sampler}} for s in specs],
+        "model_options": model_options or {},
+        "batch_size": batch_size,
+        "hardware": {"gpu": gpu, "gpu_count": torch.cuda.device_count(), "cpu": platform.processor() or platform.machine()},
+        "software": {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+                     "opencompass": installed("opencompass")},
+    }

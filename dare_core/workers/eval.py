@@ -7,7 +7,6 @@ run (predictions, per-benchmark results, its summary), `summary.md`, `manifest.j
 """
 from __future__ import annotations
 
-import platform
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -34,34 +33,9 @@ def model_options(cfg: DareConfig) -> dict:
             "ll_mc_num": cfg.eval.ll_mc_num, "engine": cfg.eval.sampler.engine, "engine_args": cfg.eval.sampler.engine_args}
 
 
-def manifest(cfg: DareConfig, specs: list, folders: dict) -> dict:
-    """What the numbers depend on (ALGORITHMS.md 8): checkpoints, settings, software, hardware."""
-    import torch
-
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {
-        "checkpoints": {k: str(v) for k, v in folders.items()},
-        "benchmarks": [{**asdict(s), "data_dir": str(s.data_dir)} for s in specs],
-        "model_options": model_options(cfg),
-        "batch_size": cfg.eval.sampler.batch_size,
-        "hardware": {"gpu": gpu, "gpu_count": torch.cuda.device_count(), "cpu": platform.processor() or platform.machine()},
-        "software": {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-                     "opencompass": _version("opencompass")},
-    }
-
-
-def _version(package: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return None
-
-
 def run_eval(cfg: DareConfig) -> dict:
     from dare_core.eval.report import accuracy_plot, results_table
-    from dare_core.eval.runner import benchmark_specs, evaluate_folders
+    from dare_core.eval.runner import benchmark_specs, evaluate_folders, run_manifest
 
     everything = checkpoints(cfg)
     folders = {name: everything[name] for name in cfg.eval.checkpoints}
@@ -82,7 +56,8 @@ def run_eval(cfg: DareConfig) -> dict:
     atomic_write_text(out_dir / "summary.md", table + "\n")
     if (run_dir / "summary.md").exists():
         atomic_write_text(out_dir / "opencompass_summary.md", (run_dir / "summary.md").read_text())
-    atomic_write_json(out_dir / "manifest.json", manifest(cfg, specs, folders), sort_keys=False)
+    atomic_write_json(out_dir / "manifest.json", run_manifest(folders, specs, model_options(cfg), cfg.eval.sampler.batch_size),
+                      sort_keys=False)
     accuracy_plot(results, out_dir / "accuracy.png")
     print(table)
     return results

@@ -1,4 +1,6 @@
 """The `dare` command: help, and generate/eval on any checkpoint folder."""
+import json
+
 import pytest
 
 from dare_core.cli import main
@@ -41,3 +43,4 @@ def test_generate_and_eval_use_the_folders_sampler(folder, tmp_path, capsys):
     assert "| benchmark | m |" in out and "| arithmetic |" in out  # through OpenCompass, one column per model
     (run,) = [d for d in work.iterdir() if d.is_dir()]
     assert (run / "summary.md").exists()
+    assert json.loads((run / "manifest.json").read_text())["benchmarks"][0]["name"] == "task"
