@@ -68,31 +68,23 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    import torch
+    from dare_core.eval.lm import EvalModel
 
-    from dare_core.diffusion.seeding import generator
-    from dare_core.models.registry import load_model
-    from dare_core.models.tokenizer import load_tokenizer
-    from dare_core.sampling.decode import decode_responses, generate
-
-    model = load_model(args.model).eval()
-    tok = load_tokenizer(args.model)
-    text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if not args.raw else args.prompt
-    params = _sampling_params(args)
-    with torch.no_grad():
-        out = generate(model, [tok.encode(text)], params, generators=[generator(args.seed, "generate")])
-    print(decode_responses(tok, out)[0])
+    # sampler settings: the command line over what the checkpoint was trained to decode with
+    lm = EvalModel(args.model, sampler=_sampler_overrides(args), seed=args.seed)
+    prompt = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
+    print(lm.generate([prompt])[0])
     return 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """OpenCompass on any checkpoint folder(s): the same path as the pipeline's eval stage."""
-    import json
     import time
     from pathlib import Path
 
     from dare_core.eval.report import results_table
     from dare_core.eval.runner import EvalRunError, benchmark_specs, evaluate_folders, run_manifest
+    from dare_core.storage import atomic_write_json
 
     data = Path(args.data)
     benchmarks = args.benchmarks or "task"
@@ -121,7 +113,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         run_name = time.strftime("%Y%m%d_%H%M%S")
         results = evaluate_folders(models, specs, Path(args.work_dir), options, args.batch_size, run_name=run_name)
         manifest = run_manifest(models, specs, options, args.batch_size)
-        (Path(args.work_dir) / run_name / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        atomic_write_json(Path(args.work_dir) / run_name / "manifest.json", manifest, sort_keys=False)
     except (ValueError, FileNotFoundError, EvalRunError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -148,20 +140,6 @@ def _sampler_args(p: argparse.ArgumentParser, many: bool = False) -> argparse.Ar
         p.add_argument(flag, type=kind, default=None, help="default: the benchmark's, else the folder's generation_config.json")
     p.add_argument("--seed", type=int, default=0)
     return p
-
-
-def _sampling_params(args: argparse.Namespace):
-    """Sampler settings: command line first, then what the checkpoint was trained to decode with."""
-    import json
-    from pathlib import Path
-
-    from dare_core.sampling.params import SamplingParams
-
-    gen_cfg = Path(args.model) / "generation_config.json"
-    saved = json.loads(gen_cfg.read_text()).get("dare_sampler", {}) if gen_cfg.exists() else {}
-    keys = ("gen_length", "steps", "block_length", "temperature", "unmasking", "threshold", "cache")
-    chosen = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
-    return SamplingParams(**{**{k: v for k, v in saved.items() if k in SamplingParams.__dataclass_fields__}, **chosen})
 
 
 def build_parser() -> argparse.ArgumentParser:

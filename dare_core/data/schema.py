@@ -13,7 +13,7 @@ import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Union
+from typing import Iterable, Iterator, Union
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -80,20 +80,25 @@ def validate_rows(rows: list[dict], kind: str, source: str) -> None:
                 raise DataError(f"{source}: row {index}: column '{column}' {problem}")
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    rows = []
-    with path.open(encoding="utf-8") as f:
+def json_lines(path: Path, error: type = DataError, stream=None) -> Iterator[tuple[int, dict]]:
+    """(line number, object) for every non-blank line of a JSON-lines file; a line that is not a
+    JSON object raises `error` naming the file and the line. `stream`: an already opened text
+    stream (e.g. gzip) instead of opening `path`."""
+    with (stream if stream is not None else path.open(encoding="utf-8")) as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise DataError(f"{path}: line {lineno}: not valid JSON ({exc.msg})") from exc
+                raise error(f"{path}: line {lineno}: not valid JSON ({exc.msg})") from exc
             if not isinstance(obj, dict):
-                raise DataError(f"{path}: line {lineno}: expected a JSON object, got {type(obj).__name__}")
-            rows.append(obj)
-    return rows
+                raise error(f"{path}: line {lineno}: expected a JSON object, got {type(obj).__name__}")
+            yield lineno, obj
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    return [obj for _, obj in json_lines(path)]
 
 
 def _read_parquet(path: Path) -> list[dict]:

@@ -93,12 +93,9 @@ class EvalModel:
 
     def manifest(self, overrides: Optional[dict] = None) -> dict:
         """What a number depends on (ALGORITHMS.md 8): model, sampler, seed, hardware, versions."""
-        dev = next(self.model.parameters()).device
-        info = {"model": str(self.path), "sampler": asdict(self.sampling_params(overrides)), "seed": self.seed,
+        return {"model": str(self.path), "sampler": asdict(self.sampling_params(overrides)), "seed": self.seed,
                 "batch_size": self.batch_size, "dtype": str(next(self.model.parameters()).dtype),
-                "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
-                "cuda": torch.version.cuda, "engine": self.engine.name}
-        return info
+                "engine": self.engine.name, **environment(next(self.model.parameters()).device)}
 
     # ---- prompts
     def render(self, prompt: Prompt) -> str:
@@ -195,6 +192,22 @@ class EvalModel:
         if self.ll_norm == "mean":
             elbo = elbo / n_tokens.clamp_min(1).double().to(device)
         return elbo.tolist()
+
+
+def environment(device: Optional[torch.device] = None) -> dict:
+    """Hardware and software an evaluation ran on (every manifest carries it)."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        opencompass = version("opencompass")
+    except PackageNotFoundError:
+        opencompass = None
+    cuda = torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
+    return {"device": torch.cuda.get_device_name(device) if cuda else "cpu",
+            "gpu_count": torch.cuda.device_count(), "cpu": platform.processor() or platform.machine(),
+            "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "opencompass": opencompass}
 
 
 def load_eval_model(path: Union[str, Path], **options: Any) -> EvalModel:

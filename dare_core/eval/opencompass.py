@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from pathlib import Path
 from typing import Any, List, Optional
 
@@ -36,6 +35,7 @@ from opencompass.registry import ICL_EVALUATORS, ICL_INFERENCERS, LOAD_DATASET, 
 from dare_core.eval.configs import get_benchmark
 from dare_core.eval.lm import load_eval_model
 from dare_core.registry import Registry
+from dare_core.storage import atomic_write_text
 
 # model_type in config.json -> OpenCompass model class
 FAMILY_CLASSES = Registry("OpenCompass model family")
@@ -206,10 +206,7 @@ class ELBOChoiceInferencer(BaseInferencer):
             results[str(i)] = {"origin_prompt": prompt, "prediction": row["labels"][best], "gold": row["answer"],
                                "loglikelihoods": dict(zip(row["labels"], per_row[i]))}
         path = Path(output_json_filepath or self.output_json_filepath) / (output_json_filename or self.output_json_filename)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(results, indent=2, ensure_ascii=False))
-        os.replace(tmp, path)
+        atomic_write_text(path, json.dumps(results, indent=2, ensure_ascii=False))
         return [r["prediction"] for r in results.values()]
 
 

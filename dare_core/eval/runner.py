@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from dare_core.eval.configs import get_benchmark, parse_benchmarks
+from dare_core.storage import atomic_write_text
 
 
 # the OpenCompass classes, by dotted path: this module never imports OpenCompass itself (its import
@@ -53,8 +53,7 @@ class BenchmarkSpec:
 
 def report_name(spec: BenchmarkSpec) -> str:
     """The key a benchmark's score is reported under (the synthetic task's own name for `task`)."""
-    bench = get_benchmark(spec.name)
-    base = bench.dataset_name(spec.data_dir) if hasattr(bench, "dataset_name") else spec.name
+    base = get_benchmark(spec.name).report_name(spec.data_dir)
     return base if spec.mode == "gen" else f"{base}_{spec.mode}"
 
 
@@ -127,11 +126,7 @@ def opencompass_config(models: dict, specs: list, work_dir: Path, model_options:
 
 def write_config(config: dict, path: Path) -> Path:
     """An OpenCompass (mmengine) config file: one assignment per top-level key, values as literals."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = "# written by dare_core.eval.runner\n" + "".join(f"{key} = {value!r}\n" for key, value in config.items())
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    atomic_write_text(path, "# written by dare_core.eval.runner\n" + "".join(f"{key} = {value!r}\n" for key, value in config.items()))
     return path
 
 
@@ -225,23 +220,13 @@ def evaluate_folders(models: dict, specs: list, work_dir: Path, model_options: O
 def run_manifest(models: dict, specs: list, model_options: Optional[dict], batch_size: int) -> dict:
     """What the numbers depend on (ALGORITHMS.md 8): checkpoints, settings per benchmark, software,
     hardware. Written next to every evaluation's results."""
-    import torch
-    from importlib.metadata import PackageNotFoundError, version
+    from dare_core.eval.lm import environment
 
-    def installed(package: str) -> Optional[str]:
-        try:
-            return version(package)
-        except PackageNotFoundError:
-            return None
-
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {
         "checkpoints": {k: str(v) for k, v in models.items()},
         "benchmarks": [{**asdict(s), "data_dir": str(s.data_dir),
                         "gen": {**get_benchmark(s.name).gen, **s.sampler}} for s in specs],
         "model_options": model_options or {},
         "batch_size": batch_size,
-        "hardware": {"gpu": gpu, "gpu_count": torch.cuda.device_count(), "cpu": platform.processor() or platform.machine()},
-        "software": {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-                     "opencompass": installed("opencompass")},
+        **environment(),
     }

@@ -66,6 +66,10 @@ class Benchmark:
         """1.0 if `response` answers `row` correctly, else 0.0 (partial credit where defined)."""
         raise NotImplementedError
 
+    def report_name(self, data_dir: Path) -> str:
+        """The name scores are reported under (the benchmark's own, unless the data names one)."""
+        return self.name
+
 
 def get_benchmark(name: str) -> Benchmark:
     return BENCHMARKS.lookup(name)()

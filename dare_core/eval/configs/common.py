@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Optional, Sequence
 
+from dare_core.data.schema import json_lines
 from dare_core.eval.configs.base import Benchmark
 
 LETTERS = string.ascii_uppercase
@@ -74,20 +75,8 @@ def _open_text(path: Path):
 
 
 def read_jsonl(path: Path) -> list[Record]:
-    records = []
-    with _open_text(Path(path)) as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}: line {lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise BenchmarkDataError(f"{where}: not valid JSON ({exc.msg})") from exc
-            if not isinstance(obj, dict):
-                raise BenchmarkDataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            records.append(Record(obj, where))
-    return records
+    return [Record(obj, f"{path}: line {lineno}")
+            for lineno, obj in json_lines(Path(path), BenchmarkDataError, _open_text(Path(path)))]
 
 
 def _read_json(path: Path) -> Any:

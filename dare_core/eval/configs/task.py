@@ -44,7 +44,7 @@ class PreparedTask(Benchmark):
 
         return float(compute_reward(reward_name_for(row), response, row["answer"], {"task": row["task"]}).acc)
 
-    def dataset_name(self, data_dir: Path) -> str:
-        """The name scores are reported under: the task of the rows (e.g. `arithmetic`)."""
+    def report_name(self, data_dir: Path) -> str:
+        """The task of the rows (e.g. `arithmetic`): the embedded table reads as that task."""
         rows = self.load(data_dir, max_samples=1)
         return rows[0]["task"] if rows else self.name
