@@ -41,7 +41,7 @@ ifneq ($(HAVE_GPU),1)
 export DS_ACCELERATOR := cpu
 endif
 
-.PHONY: venv venv-test run test repro lock clean distclean
+.PHONY: venv venv-test sandbox run test repro lock clean distclean
 
 venv: $(VENV)/.stamp
 venv-test: $(VENV)/.stamp-test
@@ -60,11 +60,22 @@ $(VENV)/.stamp-test: $(VENV)/.stamp requirements/test.txt
 	$(PIP) install $(CONSTRAINTS) $(PIN_TORCH) -r requirements/test.txt
 	touch $@
 
+# The code reward's OS-level sandbox (dare_core/rewards/sandbox.py) runs candidate code under
+# bubblewrap; without it the code reward refuses to run. Debian/Ubuntu package, installed as root or
+# through sudo.
+sandbox:
+	@command -v bwrap >/dev/null 2>&1 || { \
+	  sudo=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  $$sudo apt-get install -y --no-install-recommends bubblewrap \
+	    || { $$sudo apt-get update -q && $$sudo apt-get install -y --no-install-recommends bubblewrap; }; \
+	} || { echo "error: could not install bubblewrap (the code sandbox needs it): install the bubblewrap package" >&2; exit 1; }
+
 run: venv
 	$(PY) -m flows.pipeline $(RUN_ARGS)
 
 # Tests marked "gpu" are skipped automatically when no CUDA device is present (tests/conftest.py).
-test: venv-test
+test: venv-test sandbox
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # stage commands call `dare`, so the venv's bin goes first on PATH

@@ -33,3 +33,21 @@ def make_tiny_llada(vocab_size: int = 40, mask_id: int = 39, eos_id: int = 38, s
 @pytest.fixture
 def tiny_llada():
     return make_tiny_llada()
+
+
+@pytest.fixture(scope="session")
+def built_project(tmp_path_factory):
+    """A tiny project after prepare, sft, preference, rl and convert (tests/bad_input.py); built once."""
+    from bad_input import build_project
+
+    root = tmp_path_factory.mktemp("built_project")
+    build_project(root)
+    return root
+
+
+@pytest.fixture
+def project(built_project, tmp_path):
+    """A fresh copy of `built_project` for one bad-input case."""
+    from bad_input import copy_project
+
+    return copy_project(built_project, tmp_path / "project")

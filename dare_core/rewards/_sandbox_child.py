@@ -1,269 +1,188 @@
-"""Trusted start-up code of a sandboxed child: `python -s -S -B -c <this file's text>`.
+"""Trusted start-up code of a jailed process: `python -I -S -B -c <this file's text> <uid> <gid>`.
 
-Read by `dare_core.rewards.sandbox` and run as the first code of the child, before any untrusted
-code. It reads the job (JSON) from stdin, points stdin at /dev/null, lowers the resource limits,
-installs an audit hook (which cannot be removed) and only then compiles and runs the program and its
-tests. The verdict goes to a dedicated pipe as one line, `<nonce><repr of a dict>`; output on fds 1/2
-is the program's own. Self-contained: no `dare_core` import.
+It runs inside the bubblewrap jail that `dare_core.rewards.sandbox` builds, before any untrusted
+code: it leaves root for the given unprivileged uid (when the jail was started by root), lowers the
+resource limits, reads its job (JSON) from stdin and plays one of three roles. Self-contained: the
+jail holds only the standard library, no `dare_core`.
 
-The hook refuses, with PermissionError (and any such refusal, even one the program catches, fails
-the run); a refused import raises ImportError instead, as if the module were not installed:
-- network: sockets of any family but AF_UNIX (socket pairs, as asyncio's self-pipe), AF_UNIX
-  addresses outside the working directory and abstract ones, name lookups, and importing `_ssl`;
-- processes: `os.fork`, `os.forkpty`, `os.exec`, `os.posix_spawn`, `os.spawn`, `os.system`,
-  `subprocess.Popen`, `pty.spawn`, signals to other processes, and importing the real
-  `_posixsubprocess` (a refusing stub stands in, so `import subprocess` works), `_multiprocessing`,
-  `_posixshmem`, sub-interpreters;
-- native code: `ctypes.*`, importing `ctypes`/`_ctypes`, the C-API test modules, and any extension
-  module from outside the Python installation (the `import` event names its file);
-- files: `open` (builtin, `io`, `os.open`) outside the private working directory, except read-only
-  opens of regular files under the Python installation and /dev/null, /dev/urandom; special files
-  (devices, FIFOs) even inside; the path/metadata events (`os.remove`, `os.rename`, `os.mkdir`,
-  `os.chmod`, `os.listdir`, `shutil.*`, ...) by the same rule; links, `..` components, and path
-  objects other than str, bytes and fd in C-level events (which receive paths already converted by
-  `os.fspath`, so pathlib works);
-- `resource.setrlimit`/`prlimit`, `mmap`, `fcntl.ioctl`, `gc.get_objects` and friends.
-`os.mkfifo`/`os.mknod` (which raise no audit event) are removed from `os` before the program runs.
+- `stdio`: run the program once per input as `__main__`, with the input on stdin and fd 1 captured
+  into a file of the private work dir; report each case's raw output. The parent compares outputs.
+- `serve`: the candidate's side of a test run. Execute the program as module `solution`, send the
+  names it defines, then answer requests (call this, get that attribute) with JSON-encoded values.
+  Everything here is under the candidate's control, so nothing it sends is trusted: it is data.
+- `tests`: the tests' side, in a jail of its own that never runs candidate code. The tests execute
+  here against proxies of the candidate's names; a call crosses to the `serve` process and comes
+  back as plain values (int, str, list, tuple, dict, ...), and objects that are not plain values
+  come back as opaque handles that compare equal only to themselves. The verdict is this
+  process's, so no object, frame or function of the candidate can decide it.
+
+Messages between `tests` and `serve`: a 4-byte big-endian length, then UTF-8 JSON.
 """
 import builtins
 import io
 import json
 import os
 import resource
-import stat
 import sys
+import types
 
-_REFUSED_EVENTS = frozenset({
-    "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "os.kill", "os.killpg",
-    "os.startfile", "os.link", "os.symlink", "subprocess.Popen", "pty.spawn", "signal.pthread_kill",
-    "resource.setrlimit", "resource.prlimit", "mmap.__new__", "fcntl.ioctl",
-    "gc.get_objects", "gc.get_referrers", "gc.get_referents", "sys.remote_exec", "sqlite3.load_extension",
-    "sqlite3.enable_load_extension", "webbrowser.open",
-})
-_REFUSED_PREFIXES = ("ctypes.", "syslog.", "winreg.", "_winapi.")
-# Name service lookups (DNS, /etc/services via libc); socket creation and addresses are checked apart.
-_REFUSED_SOCKET_EVENTS = frozenset({
-    "socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyaddr", "socket.getnameinfo",
-    "socket.getservbyname", "socket.getservbyport", "socket.sethostname",
-})
-_SOCKET_ADDRESS_EVENTS = frozenset({"socket.bind", "socket.connect", "socket.sendto", "socket.sendmsg"})
-_AF_UNIX = 1
-_REFUSED_MODULES = frozenset({
-    "ctypes", "_ctypes", "_ctypes_test", "_posixsubprocess", "_ssl", "_multiprocessing",
-    "_posixshmem", "_xxsubinterpreters", "_xxinterpchannels", "_interpreters", "_interpchannels",
-    "_interpqueues", "_testcapi", "_testinternalcapi", "_testbuffer", "_testmultiphase",
-    "_testimportmultiple", "_testclinic", "_testsinglephase", "_xxtestfuzz", "_sqlite3", "_dbm", "_gdbm",
-    "pwd", "grp", "spwd", "nis", "syslog", "readline", "_curses", "_curses_panel", "_tkinter",
-    "ossaudiodev", "termios",
-})
-# event -> ((argument index, "read" | "write"), ...); "write" paths must lie in the working directory.
-_PATH_EVENTS = {
-    "os.listdir": ((0, "read"),), "os.scandir": ((0, "read"),), "os.walk": ((0, "read"),),
-    "os.fwalk": ((0, "read"),), "os.getxattr": ((0, "read"),), "os.listxattr": ((0, "read"),),
-    "os.chdir": ((0, "write"),), "os.chmod": ((0, "write"),), "os.chown": ((0, "write"),),
-    "os.chflags": ((0, "write"),), "os.lchflags": ((0, "write"),), "os.lchmod": ((0, "write"),),
-    "os.mkdir": ((0, "write"),), "os.remove": ((0, "write"),), "os.rmdir": ((0, "write"),),
-    "os.rename": ((0, "write"), (1, "write")), "os.truncate": ((0, "write"),), "os.utime": ((0, "write"),),
-    "os.setxattr": ((0, "write"),), "os.removexattr": ((0, "write"),),
-    "shutil.rmtree": ((0, "write"),), "shutil.copyfile": ((0, "read"), (1, "write")),
-    "shutil.copymode": ((0, "read"), (1, "write")), "shutil.copystat": ((0, "read"), (1, "write")),
-    "shutil.copytree": ((0, "read"), (1, "write")), "shutil.move": ((0, "write"), (1, "write")),
-    "shutil.chown": ((0, "write"),), "shutil.make_archive": ((0, "write"), (2, "read")),
-    "shutil.unpack_archive": ((0, "read"), (1, "write")), "sqlite3.connect": ((0, "write"),),
-    "tempfile.mkstemp": ((0, "write"),), "tempfile.mkdtemp": ((0, "write"),),
-}
-# Events raised from Python code (before the C calls, which raise their own events).
-_PYTHON_LEVEL_PREFIXES = ("os.walk", "os.fwalk", "shutil.", "tempfile.")
-_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
-_DEVICES_RW = frozenset({"/dev/null"})
-_DEVICES_R = frozenset({"/dev/urandom", "/dev/random", "/dev/zero"})
+MAX_MESSAGE = 16 << 20
+MAX_DEPTH = 64
+# exceptions a candidate may raise in `tests` under their own class; the rest arrive as RemoteError
+_NOT_RELAYED = (SystemExit, KeyboardInterrupt, GeneratorExit)
 
 
-def _install_guard(work, roots, max_created, refusals):
-    """Add the audit hook. Everything it uses is bound here, in closures over immutable values."""
-    realpath, lstat, fsdecode, sep = os.path.realpath, os.lstat, os.fsdecode, os.sep
-    S_ISREG, S_ISDIR = stat.S_ISREG, stat.S_ISDIR
-    refused_events, refused_prefixes, refused_modules = _REFUSED_EVENTS, _REFUSED_PREFIXES, _REFUSED_MODULES
-    path_events, write_flags, devices_rw, devices_r = _PATH_EVENTS, _WRITE_FLAGS, _DEVICES_RW, _DEVICES_R
-    python_level = _PYTHON_LEVEL_PREFIXES
-    socket_refused, socket_addressed, af_unix = _REFUSED_SOCKET_EVENTS, _SOCKET_ADDRESS_EVENTS, _AF_UNIX
-    roots = tuple(roots)
-    created = [0]
-    note = refusals.append
-
-    def refuse(why):
-        if len(refusals) < 20:
-            note(why)
-        raise PermissionError("sandbox: " + why)
-
-    def inside(path, base):
-        return path == base or path.startswith(base + sep)
-
-    def resolve(path, event):
-        """Absolute, symlink-free form of a path argument; None for a file descriptor."""
-        kind = type(path)
-        if kind is int or path is None:
-            return None
-        if kind is str:
-            text = path
-        elif kind is bytes:
-            text = fsdecode(path)
-        elif event.startswith(python_level):
-            # raised by Python code with the caller's object (e.g. a pathlib path); the os calls
-            # that do the work raise their own events, with the converted path, and are checked
-            return None
-        else:
-            # C-level events get the path already converted by os.fspath; anything else is refused
-            # rather than converted a second time (a PathLike could answer differently)
-            refuse(f"{event}: path of type {kind.__name__}")
-        if ".." in text.split("/"):
-            refuse(f"{event}: '..' in {text!r}")
-        return realpath(text)
-
-    def readable(path):
-        return path in devices_rw or path in devices_r or any(inside(path, root) for root in roots)
-
-    def check_path(path, mode, event):
-        resolved = resolve(path, event)
-        if resolved is None or inside(resolved, work):
-            return
-        if mode == "read" and readable(resolved):
-            return
-        refuse(f"{event} {path!r} outside the working directory")
-
-    def check_open(path, mode, flags):
-        resolved = resolve(path, "open")
-        if resolved is None:
-            return
-        writing = (type(mode) is str and any(c in mode for c in "wax+")) or (
-            type(flags) is int and flags & write_flags)
-        if inside(resolved, work):
-            try:
-                info = lstat(resolved)
-            except OSError:
-                info = None
-            if info is not None and not (S_ISREG(info.st_mode) or S_ISDIR(info.st_mode)):
-                refuse(f"open {path!r}: not a regular file")
-            if writing and info is None:
-                created[0] += 1
-                if created[0] > max_created:
-                    refuse(f"open {path!r}: more than {max_created} files created")
-            return
-        if resolved in devices_rw:
-            return
-        if not writing and (resolved in devices_r or any(inside(resolved, root) for root in roots)):
-            try:
-                info = lstat(resolved)
-            except OSError:
-                return
-            if S_ISREG(info.st_mode):
-                return
-        refuse(f"open {path!r} ({'write' if writing else 'read'}) outside the working directory")
-
-    def hook(event, args):
-        if event == "open":
-            check_open(*args[:3])
-            return
-        if event in refused_events or event.startswith(refused_prefixes):
-            refuse(event)
-        if event == "import":
-            name = args[0]
-            if type(name) is str and any(part in refused_modules for part in name.split(".")):
-                # as if the module were not installed: `try: import ssl except ImportError` still works,
-                # and this alone does not fail the run
-                raise ImportError(f"sandbox: import {name} refused", name=name)
-            if len(args) > 1 and args[1] is not None:
-                origin = resolve(args[1], "import")
-                if origin is not None and not any(inside(origin, root) for root in roots):
-                    refuse(f"import {name} from {args[1]!r}: native code outside the Python installation")
-            return
-        if event.startswith("socket."):
-            if event in socket_refused:
-                refuse(event)
-            if event == "socket.__new__" and (len(args) < 2 or args[1] != af_unix):
-                refuse(f"socket of family {args[1] if len(args) > 1 else '?'} (only AF_UNIX socket pairs)")
-            if event in socket_addressed and len(args) > 1 and args[1] is not None:
-                address = args[1]
-                if type(address) not in (str, bytes) or address[:1] in ("\0", b"\0"):
-                    refuse(f"{event} to {address!r}")
-                check_path(address, "write", event)
-            return
-        spec = path_events.get(event)
-        if spec is not None:
-            for index, mode in spec:
-                if index < len(args):
-                    check_path(args[index], mode, event)
-
-    # `subprocess` (imported by asyncio, platform, ...) needs `_posixsubprocess` at import time, but its
-    # fork_exec raises no audit event: the real module is never loaded (a fresh import of it is refused
-    # above) and a stub that refuses stands in for it.
-    def fork_exec(*args, **kwargs):
-        refuse("_posixsubprocess.fork_exec")
-
-    stub = type(sys)("_posixsubprocess")
-    stub.fork_exec = fork_exec
-    sys.modules["_posixsubprocess"] = stub
-    sys.addaudithook(hook)
+class RemoteError(Exception):
+    """An exception of the candidate's process that has no builtin class of the same name here."""
 
 
-def _set_limits(limits):
-    failed = []
-
-    def cap(name, soft, hard=None):
-        which = getattr(resource, name, None)
-        if which is None:
-            failed.append(name)
-            return
-        try:
-            resource.setrlimit(which, (soft, soft if hard is None else hard))
-        except (ValueError, OSError):
-            failed.append(name)
-
-    cap("RLIMIT_CORE", 0)
-    cap("RLIMIT_CPU", limits["cpu_s"], limits["cpu_s"] + 1)
-    cap("RLIMIT_AS", limits["memory_bytes"])
-    cap("RLIMIT_FSIZE", limits["file_bytes"])
-    cap("RLIMIT_NOFILE", limits["open_files"])
-    cap("RLIMIT_MEMLOCK", 0)
-    cap("RLIMIT_MSGQUEUE", 0)
-    if limits.get("processes") is not None:
-        cap("RLIMIT_NPROC", limits["processes"])
-    return failed
+class ProtocolError(Exception):
+    """The candidate's process sent something that is not a well-formed reply, or went away."""
 
 
-class _CappedBuffer(io.BytesIO):
-    """Keeps the first `cap` bytes written; notes whether more came."""
-
-    def __init__(self, cap):
-        super().__init__()
-        self.cap, self.overflow = cap, False
-
-    def write(self, data):
-        data = bytes(data)
-        room = self.cap - self.tell()
-        if room > 0:
-            super().write(data[:room])
-        if len(data) > room:
-            self.overflow = True
-        return len(data)
+def leave_root(uid, gid):
+    """Drop to the unprivileged uid/gid (only when the jail started us as root: bubblewrap run by root
+    without a user namespace); all capabilities go with uid 0."""
+    if os.geteuid() == 0:
+        os.setgroups([])
+        os.setresgid(gid, gid, gid)
+        os.setresuid(uid, uid, uid)
+    if 0 in os.getresuid() or 0 in os.getresgid():
+        raise SystemExit("sandbox: still root after dropping privileges")
 
 
-def _describe(exc):
+def set_limits(limits):
+    for name, (soft, hard) in limits.items():
+        resource.setrlimit(getattr(resource, name), (soft, hard))
+
+
+def describe(exc):
     try:
         text = str(exc)
-    except BaseException:  # noqa: BLE001  (a user exception's __str__ may itself fail)
+    except BaseException:  # noqa: BLE001  (a candidate's __str__ may itself raise)
         text = "?"
-    return (type(exc).__name__ + (": " + text if text else ""))[:500]
+    name = type(exc).__name__ if type(type(exc).__name__) is str else "?"
+    return (name + (": " + text if text else ""))[:500]
 
+
+def flush():
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:  # noqa: BLE001
+            pass
+
+
+def report(fd, payload):
+    """The role's result, then exit at once (no atexit handlers, no further candidate code)."""
+    flush()
+    try:
+        data = json.dumps(payload).encode("utf-8", "backslashreplace")
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os._exit(0)
+
+
+# ---- values on the wire ---------------------------------------------------------------------------
+
+def encode(value, handle, depth=0):
+    """JSON-able form of a value: plain values as themselves (exact types only: an int subclass with
+    its own __eq__ is not an int), containers tagged, anything else as a handle."""
+    kind = type(value)
+    if value is None or kind is bool or kind is int or kind is float or kind is str:
+        return value
+    if depth > MAX_DEPTH:
+        raise ValueError("value nested too deeply to send")
+    if kind is list:
+        return [encode(item, handle, depth + 1) for item in value]
+    if kind is tuple or kind is set or kind is frozenset:
+        return {"$": kind.__name__, "v": [encode(item, handle, depth + 1) for item in value]}
+    if kind is dict:
+        return {"$": "dict", "v": [[encode(k, handle, depth + 1), encode(v, handle, depth + 1)] for k, v in value.items()]}
+    if kind is bytes or kind is bytearray:
+        return {"$": "bytes", "v": bytes(value).hex()}
+    if kind is complex:
+        return {"$": "complex", "v": [value.real, value.imag]}
+    return handle(value)
+
+
+_CONTAINERS = {"tuple": tuple, "set": set, "frozenset": frozenset}
+
+
+def decode(data, reference, depth=0):
+    """The inverse of `encode`; `reference(message)` turns a handle into an object. Anything else
+    (an unknown tag, a wrong shape) is a ProtocolError."""
+    kind = type(data)
+    if data is None or kind is bool or kind is int or kind is float or kind is str:
+        return data
+    if depth > MAX_DEPTH + 1:
+        raise ProtocolError("value nested too deeply")
+    if kind is list:
+        return [decode(item, reference, depth + 1) for item in data]
+    if kind is not dict:
+        raise ProtocolError(f"unexpected {kind.__name__} in a message")
+    tag, items = data.get("$"), data.get("v")
+    if tag == "ref":
+        return reference(data)
+    if tag in _CONTAINERS and type(items) is list:
+        return _CONTAINERS[tag](decode(item, reference, depth + 1) for item in items)
+    if tag == "dict" and type(items) is list and all(type(p) is list and len(p) == 2 for p in items):
+        return {decode(k, reference, depth + 1): decode(v, reference, depth + 1) for k, v in items}
+    if tag == "bytes" and type(items) is str:
+        return bytes.fromhex(items)
+    if tag == "complex" and type(items) is list and len(items) == 2 and all(type(x) in (int, float) for x in items):
+        return complex(*items)
+    raise ProtocolError(f"unknown value tag {tag!r}")
+
+
+class Channel:
+    def __init__(self, read_fd, write_fd):
+        self.read_fd, self.write_fd = read_fd, write_fd
+
+    def send(self, message):
+        data = json.dumps(message).encode("utf-8")
+        view = memoryview(len(data).to_bytes(4, "big") + data)
+        while view:
+            view = view[os.write(self.write_fd, view):]
+
+    def _exactly(self, n):
+        parts, left = [], n
+        while left:
+            chunk = os.read(self.read_fd, min(left, 1 << 20))
+            if not chunk:
+                return None
+            parts.append(chunk)
+            left -= len(chunk)
+        return b"".join(parts)
+
+    def receive(self):
+        """The next message, or None at end of file."""
+        header = self._exactly(4)
+        if header is None:
+            return None
+        size = int.from_bytes(header, "big")
+        if size > MAX_MESSAGE:
+            raise ProtocolError(f"message of {size} bytes")
+        body = self._exactly(size)
+        if body is None:
+            return None
+        try:
+            return json.loads(body.decode("utf-8"))
+        except (ValueError, RecursionError) as exc:
+            raise ProtocolError(f"malformed message: {describe(exc)}") from None
+
+
+# ---- role: stdio ----------------------------------------------------------------------------------
 
 def _feed_stdin(data):
-    """Point fd 0 (and sys.stdin) at a pipe holding `data`: `input()`, `sys.stdin.buffer` and `open(0)`
-    all read the case input."""
+    """Point fd 0 (and sys.stdin) at a pipe holding `data`."""
     read_end, write_end = os.pipe()
-    if read_end != 0:  # 0 itself when the previous case closed it (e.g. via `open(0)`)
+    if read_end != 0:
         os.dup2(read_end, 0)
         os.close(read_end)
-    if len(data) < 60000:  # fits the pipe buffer: write it all now
+    if len(data) < 60000:  # fits the pipe buffer
         os.write(write_end, data)
         os.close(write_end)
     else:
@@ -283,13 +202,174 @@ def _feed_stdin(data):
     return io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8")
 
 
-def _run_collected(namespace, names, function_type):
+def run_stdio(job, program):
+    cases, cap = [], job["case_output_bytes"]
+    saved_stdout = os.dup(1)
+    for index, text in enumerate(job["inputs"]):
+        path = f"/sandbox/.case{index}.out"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(fd, 1)
+        os.close(fd)
+        sys.stdin = _feed_stdin(text.encode("utf-8"))
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8")
+        ok, error = True, None
+        try:
+            exec(program, {"__name__": "__main__", "__builtins__": builtins})
+        except SystemExit as exc:
+            if exc.code not in (None, 0):
+                ok, error = False, describe(exc)
+        except BaseException as exc:  # noqa: BLE001
+            ok, error = False, describe(exc)
+        try:
+            sys.stdout.flush()
+        except BaseException:  # noqa: BLE001
+            pass
+        os.dup2(saved_stdout, 1)
+        with open(path, "rb") as f:
+            output = f.read(cap + 1)
+        os.unlink(path)
+        cases.append({"ok": ok, "error": error, "truncated": len(output) > cap,
+                      "stdout": output[:cap].decode("utf-8", "replace")})
+    return {"cases": cases}
+
+
+# ---- role: serve (candidate side) -----------------------------------------------------------------
+
+def serve(job, program):
+    channel = Channel(job["channel"][0], job["channel"][1])
+    objects = []
+
+    def handle(value):
+        objects.append(value)
+        return {"$": "ref", "id": len(objects) - 1, "type": str(type(value).__name__)}
+
+    def reference(message):
+        index = message.get("id")
+        if type(index) is not int or not 0 <= index < len(objects):
+            raise ProtocolError("unknown handle")
+        return objects[index]
+
+    module = types.ModuleType("solution")
+    sys.modules["solution"] = module
+    try:
+        exec(program, module.__dict__)
+    except BaseException as exc:  # noqa: BLE001
+        channel.send({"error": describe(exc)})
+        return
+    names = {}
+    for name, value in list(module.__dict__.items()):
+        if type(name) is str and not name.startswith("__"):
+            try:
+                names[name] = {"$": "module", "name": value.__name__} if type(value) is types.ModuleType else encode(value, handle)
+            except BaseException:  # noqa: BLE001  (too deep, or an int too long to print)
+                names[name] = handle(value)
+    flush()
+    channel.send({"names": names})
+    while True:
+        request = channel.receive()
+        if request is None:
+            return
+        try:
+            target = reference({"id": request["target"]})
+            if request["op"] == "call":
+                args = decode(request["args"], reference)
+                kwargs = decode(request["kwargs"], reference)
+                value = target(*args, **kwargs)
+            else:
+                value = getattr(target, request["name"])
+            reply = {"value": encode(value, handle)}
+        except BaseException as exc:  # noqa: BLE001
+            reply = {"raise": {"type": type(exc).__name__, "message": describe(exc)}}
+        flush()  # the program's output reaches the caller even when the jail is killed after the tests
+        channel.send(reply)
+
+
+# ---- role: tests (trusted side) -------------------------------------------------------------------
+
+class Remote:
+    """A name or value of the candidate's process: it can be called and its attributes read (both
+    cross to the other process); it equals only itself."""
+
+    __slots__ = ("_id", "_type", "_link")
+
+    def __init__(self, link, index, type_name):
+        object.__setattr__(self, "_link", link)
+        object.__setattr__(self, "_id", index)
+        object.__setattr__(self, "_type", type_name)
+
+    def __call__(self, *args, **kwargs):
+        return self._link.request({"op": "call", "target": self._id, "args": self._link.encode(list(args)),
+                                   "kwargs": self._link.encode(dict(kwargs))})
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return self._link.request({"op": "getattr", "target": self._id, "name": name})
+
+    def __repr__(self):
+        return f"<remote {self._type} object>"
+
+    def __bool__(self):
+        # its own __bool__ would decide `assert f(x)`: only plain values have a truth value here
+        raise TypeError(f"the truth value of a {self._type} object of the program under test is not checked "
+                        "(return a plain value)")
+
+
+class Link:
+    """The tests' end of the channel to the candidate's process."""
+
+    def __init__(self, channel):
+        self.channel = channel
+
+    def reference(self, message):
+        if type(message.get("id")) is not int:
+            raise ProtocolError("bad handle")
+        return Remote(self, message["id"], str(message.get("type"))[:100])
+
+    def encode(self, value):
+        def handle(obj):
+            if type(obj) is Remote:
+                return {"$": "ref", "id": obj._id}
+            raise TypeError(f"cannot pass a {type(obj).__name__} to the program under test (only plain values)")
+        return encode(value, handle)
+
+    def receive(self):
+        message = self.channel.receive()
+        if message is None:
+            raise ProtocolError("the program under test exited")
+        if type(message) is not dict:
+            raise ProtocolError("malformed reply")
+        return message
+
+    def request(self, message):
+        self.channel.send(message)
+        reply = self.receive()
+        if "raise" in reply:
+            raise _relayed(reply["raise"])
+        if "value" not in reply:
+            raise ProtocolError("malformed reply")
+        return decode(reply["value"], self.reference)
+
+
+def _relayed(info):
+    name = info.get("type") if type(info) is dict else None
+    message = str(info.get("message", ""))[:500] if type(info) is dict else ""
+    cls = getattr(builtins, name, None) if type(name) is str else None
+    if isinstance(cls, type) and issubclass(cls, BaseException) and not issubclass(cls, _NOT_RELAYED):
+        try:
+            return cls(message.split(": ", 1)[-1])
+        except BaseException:  # noqa: BLE001  (exceptions whose constructor needs other arguments)
+            pass
+    return RemoteError(message)
+
+
+def _run_collected(namespace, names):
     """Run what test code defines in pytest or unittest style: `test*` functions, `Test*` classes
     (methods `test*`), and `unittest.TestCase` subclasses. Raises on the first failure."""
     unittest = sys.modules.get("unittest")
     for name in names:
         obj = namespace[name]
-        if name.startswith("test") and type(obj) is function_type:
+        if name.startswith("test") and type(obj) is types.FunctionType:
             obj()
         elif isinstance(obj, type) and unittest is not None and issubclass(obj, unittest.TestCase):
             suite = unittest.defaultTestLoader.loadTestsFromTestCase(obj)
@@ -305,88 +385,81 @@ def _run_collected(namespace, names, function_type):
                     getattr(instance, attribute)()
 
 
-def _main():
+def run_tests(job, tests):
+    import importlib
+
+    link = Link(Channel(job["channel"][0], job["channel"][1]))
+    try:
+        manifest = link.receive()
+    except ProtocolError as exc:
+        return {"ok": False, "phase": "program", "error": describe(exc)}
+    if "error" in manifest:
+        return {"ok": False, "phase": "program", "error": str(manifest["error"])[:500]}
+    names = {}
+    entries = manifest.get("names")
+    for name, value in (entries.items() if type(entries) is dict else ()):
+        # builtins are never the candidate's: `abs` or `len` in a test means the real ones
+        if not name.isidentifier() or name in builtins.__dict__:
+            continue
+        if type(value) is dict and value.get("$") == "module":
+            try:  # our own copy of a module the program imported (tests may lean on its imports)
+                names[name] = importlib.import_module(str(value.get("name")))
+            except BaseException:  # noqa: BLE001
+                pass
+            continue
+        try:
+            names[name] = decode(value, link.reference)
+        except ProtocolError as exc:
+            return {"ok": False, "phase": "program", "error": describe(exc)}
+    module = types.ModuleType("solution")
+    module.__dict__.update(names)
+    sys.modules["solution"] = module  # so tests may `from solution import f`
+    namespace = {"__name__": "__main__", "__builtins__": builtins, **names}
+    try:
+        exec(tests, namespace)
+        # what the tests defined (or redefined), not the candidate's names
+        defined = [n for n, v in list(namespace.items()) if not n.startswith("__") and (n not in names or v is not names[n])]
+        _run_collected(namespace, defined)
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            return {"ok": False, "phase": "tests", "error": describe(exc)}
+    except BaseException as exc:  # noqa: BLE001
+        return {"ok": False, "phase": "tests", "error": describe(exc)}
+    return {"ok": True}
+
+
+def main():
+    leave_root(int(sys.argv[1]), int(sys.argv[2]))
     job = json.loads(sys.stdin.buffer.read().decode("utf-8"))
+    os.write(job["result_fd"], b"R")  # started: from here on, a missing verdict is the run's failure
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    nonce, result_fd = job["nonce"], job["result_fd"]
-    write, exit_now, as_text, view_of = os.write, os._exit, repr, memoryview
+    set_limits(job["limits"])
+    os.chdir("/sandbox")
 
-    def finish(payload):
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except BaseException:  # noqa: BLE001
-                pass
-        try:
-            view = view_of((nonce + as_text(payload) + "\n").encode("utf-8", "backslashreplace"))
-            while view:
-                view = view[write(result_fd, view):]
-        finally:
-            exit_now(0)
-
-    refusals = []
-    failed_limits = _set_limits(job["limits"])
-
-    # `exit()`/`quit()` come from the `site` module, which -S skips; programs use them.
-    def leave(code=None):
+    def leave(code=None):  # `exit()`/`quit()` come from `site`, which -S skips; programs use them
         raise SystemExit(code)
 
     builtins.exit = builtins.quit = leave
-    for name in ("mkfifo", "mknod"):  # create special files at any path, with no audit event
-        for module in (os, sys.modules.get("posix")):
-            if module is not None and hasattr(module, name):
-                delattr(module, name)
+    result_fd = job["result_fd"]
+    source, filename = (job["tests"], "/sandbox/tests.py") if job["role"] == "tests" else (job["program"], "/sandbox/solution.py")
+    with open(filename, "w", encoding="utf-8") as f:  # tracebacks and `inspect.getsource` find the source
+        f.write(source)
     try:
-        program = compile(job["program"], "solution.py", "exec")
-        tests = compile(job["tests"], "tests.py", "exec") if job.get("tests") else None
-    except BaseException as exc:  # noqa: BLE001  (a syntax error is a failed run, not a crash)
-        finish({"ok": False, "phase": "compile", "error": _describe(exc), "refusals": [],
-                "failed_limits": failed_limits})
-    _install_guard(job["workdir"], job["read_roots"], job["max_created_files"], refusals)
-    phase = "program"
-    try:
-        if job.get("inputs") is not None:
-            cases = []
-            real_stdin, real_stdout = sys.stdin, sys.stdout
-            for text in job["inputs"]:
-                captured = _CappedBuffer(job["case_output_bytes"])
-                sys.stdin = _feed_stdin(text.encode("utf-8"))
-                sys.stdout = io.TextIOWrapper(captured, encoding="utf-8", write_through=True)
-                ok, error = True, None
-                try:
-                    exec(program, {"__name__": "__main__", "__builtins__": builtins})
-                except SystemExit as exc:
-                    if exc.code not in (None, 0):
-                        ok, error = False, _describe(exc)
-                except BaseException as exc:  # noqa: BLE001
-                    ok, error = False, _describe(exc)
-                try:
-                    sys.stdout.flush()
-                except BaseException:  # noqa: BLE001
-                    pass
-                # read before the wrapper goes away: collecting it closes the buffer
-                output = captured.getvalue() if not captured.closed else b""
-                sys.stdin, sys.stdout = real_stdin, real_stdout
-                cases.append({"ok": ok, "error": error, "truncated": captured.overflow,
-                              "stdout": output.decode("utf-8", "replace")})
-            finish({"ok": not refusals, "cases": cases, "refusals": list(refusals),
-                    "failed_limits": failed_limits})
-        module = type(sys)("solution")
-        namespace = module.__dict__
-        namespace["__builtins__"] = builtins
-        sys.modules["solution"] = module  # so tests may `from solution import f`
-        exec(program, namespace)
-        if tests is not None:
-            phase = "tests"
-            before = set(namespace)
-            exec(tests, namespace)
-            _run_collected(namespace, [name for name in namespace if name not in before], type(leave))
-        finish({"ok": not refusals, "refusals": list(refusals), "failed_limits": failed_limits})
-    except BaseException as exc:  # noqa: BLE001
-        finish({"ok": False, "phase": phase, "error": _describe(exc), "refusals": list(refusals),
-                "failed_limits": failed_limits})
+        code = compile(source, filename, "exec")
+    except BaseException as exc:  # noqa: BLE001  (a syntax error fails the run; it is not a crash)
+        if job["role"] == "serve":
+            Channel(*job["channel"]).send({"error": describe(exc)})
+            os._exit(0)
+        report(result_fd, {"ok": False, "phase": "compile", "error": describe(exc)})
+    if job["role"] == "stdio":
+        report(result_fd, run_stdio(job, code))
+    elif job["role"] == "serve":
+        serve(job, code)
+        os._exit(0)
+    else:
+        report(result_fd, run_tests(job, code))
 
 
-_main()
+main()

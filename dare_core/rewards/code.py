@@ -6,8 +6,9 @@ else the whole text (completion-style prompts such as HumanEval's "complete the 
 Ground truth, one of:
 - test code (a plain string): assertion tests run after the program in its namespace (HumanEval(+),
   MBPP, KodCode). `from solution import f` works, and top-level `test*` functions are called;
-- JSON `{"tests": "<code>", "entry_point": "f"}`: the same, plus `check(f)` when the tests define
-  `check` (the HumanEval layout);
+- JSON `{"tests": "<code>", "entry_point": "f", "setup": "<code>"}`: the same, plus `check(f)` when the
+  tests define `check` (the HumanEval layout); `setup` (MBPP's test_setup_code, e.g. imports that
+  reference solutions rely on) runs after the program in its jail and before the tests in theirs;
 - JSON `{"inputs": [...], "outputs": [...]}`: stdin/stdout tests (LiveCodeBench, TACO, APPS,
   Codeforces in rLLM's layout). Each input is fed on stdin; the output must equal the expected one
   line by line, compared on whitespace-separated tokens (trailing blank lines and spaces ignored).
@@ -16,8 +17,11 @@ Ground truth, one of:
   (TACO/APPS LeetCode style): `f(*args) == value`, with `f` a top-level function or a method of
   `Solution`.
 
-Score and acc: 1 if every test passes, else 0 (failures, refusals, timeouts and crashes alike);
-`extra` carries the sandbox status. `extra["timeout"]` (seconds) overrides the wall-clock limit.
+Score and acc: 1 if every test passes, else 0 (failures, timeouts and crashes alike); `extra`
+carries the sandbox status. `extra["timeout"]` (seconds) overrides the wall-clock limit. Verdicts
+never come from the candidate's process (`dare_core.rewards.sandbox`): stdin/stdout outputs are
+compared here, assertion tests run in a jail of their own. Without the OS sandbox the reward raises
+`SandboxUnavailable` rather than run anything.
 """
 from __future__ import annotations
 
@@ -50,7 +54,7 @@ def outputs_match(got: str, expected: str) -> bool:
 
 
 def parse_ground_truth(ground_truth: str) -> dict:
-    """{"kind": "assert", "tests": str} or {"kind": "stdio", "inputs": [...], "outputs": [...]}."""
+    """{"kind": "assert", "tests": str, "setup": str} or {"kind": "stdio", "inputs": [...], "outputs": [...]}."""
     text = ground_truth.strip()
     spec = None
     if text.startswith("{"):
@@ -59,20 +63,20 @@ def parse_ground_truth(ground_truth: str) -> dict:
         except json.JSONDecodeError:
             spec = None
     if not isinstance(spec, dict):
-        return {"kind": "assert", "tests": ground_truth}
+        return {"kind": "assert", "tests": ground_truth, "setup": ""}
     if "inputs" in spec and "outputs" in spec:
         inputs, outputs = list(spec["inputs"]), list(spec["outputs"])
         if len(inputs) != len(outputs) or not inputs:
             raise ValueError("code reward: 'inputs' and 'outputs' must be non-empty and of equal length")
         if spec.get("fn_name"):
-            return {"kind": "assert", "tests": _call_tests(str(spec["fn_name"]), inputs, outputs)}
+            return {"kind": "assert", "tests": _call_tests(str(spec["fn_name"]), inputs, outputs), "setup": ""}
         return {"kind": "stdio", "inputs": [_as_text(i) for i in inputs], "outputs": [_as_text(o) for o in outputs]}
     if "tests" in spec:
         tests = str(spec["tests"])
         entry = spec.get("entry_point")
         if entry and "def check(" in tests:
             tests += f"\n\ncheck({entry})\n"
-        return {"kind": "assert", "tests": tests}
+        return {"kind": "assert", "tests": tests, "setup": str(spec.get("setup") or "")}
     raise ValueError(f"code reward: JSON ground truth needs 'tests' or 'inputs'/'outputs', got keys {sorted(spec)}")
 
 
@@ -90,6 +94,9 @@ def run_tests(code: str, ground_truth: str, limits: Optional[SandboxLimits] = No
     """Run `code` against the tests of `ground_truth`; `passed` is the verdict."""
     spec = parse_ground_truth(ground_truth)
     if spec["kind"] == "assert":
+        setup = spec["setup"]
+        if setup:
+            return run_python(f"{code}\n\n{setup}\n", tests=f"{setup}\n\n{spec['tests']}", limits=limits)
         return run_python(code, tests=spec["tests"], limits=limits)
     result = run_python(code, inputs=spec["inputs"], limits=limits)
     if result.passed:
@@ -114,8 +121,6 @@ def code_reward(response_text: str, ground_truth: str, extra: Optional[dict] = N
     info: dict = {"status": result.status}
     if result.timed_out:
         info["timeout"] = True
-    if result.refused:
-        info["refused"] = result.refused
     if result.error:
         info["error"] = result.error[:300]
     if result.cases:

@@ -1,348 +1,311 @@
-"""A local sandbox for untrusted Python (generated code and its tests), ALGORITHMS.md section 7.
+"""An OS-level sandbox for untrusted Python (generated code), ALGORITHMS.md section 7.
 
-Each run is a fresh child process, with these layers:
+Candidate code runs in a process that the kernel isolates, never trusted to police itself:
 
-1. **Process group, wall clock, output.** The child starts in its own session (`setsid`); the parent
-   reads its stdout/stderr and verdict pipes with a deadline, keeps the first `output_bytes` of each
-   stream, kills the child when it floods more than `flood_bytes`, and always ends by killing the
-   whole process group (before reaping the leader, so the group id cannot have been reused).
-2. **Private working directory.** A new `0700` temporary directory is the child's cwd, HOME and
-   TMPDIR, and is deleted afterwards. The environment is rebuilt from scratch.
-3. **Resource limits** (`setrlimit` in the child, soft = hard, before any untrusted code): CPU
-   seconds, address space, file size, open files, no core dumps, no locked memory, and a process
-   count where the kernel enforces it (not for uid 0 outside a user namespace).
-4. **Audit hook** (`sys.addaudithook`, cannot be removed; see `_sandbox_child.py`): no network
-   sockets (AF_UNIX socket pairs only) or name lookups, no fork/exec/spawn/subprocess, no ctypes or
-   foreign native modules, no file access outside the working directory except read-only opens of
-   the Python installation, no rlimit changes. Any refusal fails the run, even when the program
-   catches the error; a refused import only looks like a missing module. The child runs
-   `python -s -S -B` (no site-packages unless asked, no user site, no bytecode writes).
-5. **Kernel isolation when the host allows it** (probed once, see `isolation_layers()`): a new
-   network namespace (`unshare --net`, with `--user --map-root-user` when not root), so even a
-   socket that slipped through has no route anywhere; and, when running as root, all capabilities
-   and the bounding set dropped with no-new-privs (`setpriv`), so root cannot raise its limits,
-   `chroot`, `mknod` devices or override file permissions.
+- **A jail per process** (bubblewrap, `bwrap`): new PID, mount, network, IPC, UTS and cgroup
+  namespaces. The process sees only its own PID namespace (nothing of the trainer to signal), has
+  no network but an unconfigured loopback, and a read-only root that holds just the Python
+  interpreter, its standard library (site-packages hidden) and the shared libraries they load: no
+  virtual environment, no repository, no home, no /etc. Its working directory is a private,
+  size-capped tmpfs that disappears with it.
+- **An unprivileged uid, also when the trainer is root.** Run by root, bubblewrap builds the jail
+  without a user namespace and the start-up code drops to a fresh uid (random, far above real users)
+  with no capabilities, so the process is unprivileged in the host's own user namespace too; run by
+  another user, the jail is a user namespace mapping uid 65534 to that user.
+- **Limits**: CPU seconds, address space, file size, open files and processes (`setrlimit` before
+  any untrusted code), a wall-clock deadline, capped output, and a kill of the whole jail (its PID
+  namespace dies with its first process; `--die-with-parent` also covers a trainer that dies).
+- **Verdicts outside.** Stdin/stdout tests: the jail reports each case's raw output and the caller
+  compares it with the expected output (`dare_core.rewards.code`). Assertion tests: the tests run
+  in a second jail that never executes candidate code, against proxies of the program's names whose
+  calls cross to the candidate's jail and return plain values (`_sandbox_child.py`), so no object,
+  frame or function of the candidate's can decide the score.
 
-What it is not: a defence against a deliberate attack on CPython itself (memory-corruption bugs), and
-the verdict is produced inside the child, so code that introspects the harness could forge it; exiting
-early (`sys.exit`, `os._exit`) or raising never passes, because the verdict is written only after the
-tests complete. The root filesystem is protected by the audit hook (and by file permissions when
-not root), not by a read-only mount.
-
-`run_python` returns a `SandboxResult`; `dare_core.rewards.code` builds the `code` reward on it.
+Without bubblewrap (or where the kernel refuses its namespaces) `SandboxUnavailable` is raised:
+there is no weaker fallback. `make sandbox` installs it (Debian/Ubuntu package `bubblewrap`).
 """
 from __future__ import annotations
 
-import ast
 import json
-import math
 import os
-import secrets
 import selectors
-import shutil
 import signal
 import subprocess
-import sys
-import sysconfig
-import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional, Sequence
 
-_CHILD_SOURCE = Path(__file__).with_name("_sandbox_child.py").read_text()
-_VERDICT_BYTES = 32 * 1024 * 1024
+from dare_core.rewards.jail import INSTALL_HINT, SandboxLimits, SandboxUnavailable, jail_command, rlimits, runtime
 
+__all__ = ["SandboxLimits", "SandboxResult", "SandboxUnavailable", "check_available", "run_python"]
 
-@dataclass(frozen=True)
-class SandboxLimits:
-    wall_s: float = 10.0  # wall clock for the whole run (all stdin/stdout cases together)
-    cpu_s: int = 10
-    memory_mb: int = 1024  # address space
-    file_mb: int = 16  # largest file the child may write
-    open_files: int = 64
-    processes: int = 16  # RLIMIT_NPROC headroom over the processes the user already runs
-    max_created_files: int = 64
-    output_bytes: int = 64 * 1024  # kept per stream (and per stdin/stdout case)
-    flood_bytes: int = 8 * 1024 * 1024  # more than this on stdout+stderr kills the child
-    namespaces: bool = True  # use the kernel layers when available
-    site_packages: bool = False  # let the program import installed third-party packages
+_RESULT_BYTES = 64 * 1024 * 1024
+READY = b"R"  # the start-up code's first byte on its result pipe
 
 
 @dataclass
 class SandboxResult:
     passed: bool
-    status: str  # passed | failed | timeout | refused | output_limit | crashed | error
+    status: str  # passed | failed | timeout | output_limit | crashed
     timed_out: bool = False
-    refused: Optional[str] = None  # the first thing the audit hook refused
     error: Optional[str] = None
-    stdout: str = ""
+    stdout: str = ""  # the program's (the candidate's jail)
     stderr: str = ""
     truncated: bool = False
-    returncode: Optional[int] = None
     wall_s: float = 0.0
-    pid: int = 0
     cases: list = field(default_factory=list)  # stdin/stdout tests: one dict per case
-    layers: tuple = ()
+    jails: list = field(default_factory=list)  # bubblewrap's info per jail: child-pid, pid-namespace, ...
 
 
-# ---- kernel layers -------------------------------------------------------------------------------
+# ---- running jails ---------------------------------------------------------------------------------
 
-_PROBE_LOCK = threading.Lock()
-_PROBED: Optional[tuple[list[str], tuple[str, ...]]] = None
+class _Jail:
+    """One jailed process: its job on stdin, its output, bubblewrap's info and (optionally) a result pipe."""
 
-
-def _candidates() -> list[tuple[list[str], tuple[str, ...]]]:
-    unshare, setpriv = shutil.which("unshare"), shutil.which("setpriv")
-    root = os.geteuid() == 0
-    net: Optional[list[str]] = None
-    if unshare:
-        net = [unshare, "--net"] if root else [unshare, "--user", "--map-root-user", "--net"]
-    net_layers = ("netns",) if root else ("userns", "netns")
-    drop = [setpriv, "--no-new-privs", "--bounding-set=-all", "--inh-caps=-all"] if setpriv else None
-    out = []
-    if net and drop:
-        out.append((net + drop, net_layers + ("no_caps", "no_new_privs")))
-    if net:
-        out.append((net, net_layers))
-    if drop and root:
-        out.append((drop, ("no_caps", "no_new_privs")))
-    if setpriv:
-        out.append(([setpriv, "--no-new-privs"], ("no_new_privs",)))
-    return out
-
-
-def _probe() -> tuple[list[str], tuple[str, ...]]:
-    for prefix, layers in _candidates():
+    def __init__(self, name: str, job: dict, limits: SandboxLimits, pass_fds: Sequence[int] = ()):
+        self.name = name
+        info_r, info_w = os.pipe()
+        result_r, result_w = os.pipe()
+        self.fds = {"info": info_r, "result": result_r}
+        job = {**job, "result_fd": result_w, "limits": rlimits(limits)}
+        self.pending = memoryview(json.dumps(job).encode("utf-8"))
+        self.kept = {"stdout": bytearray(), "stderr": bytearray(), "info": bytearray(), "result": bytearray()}
         try:
-            done = subprocess.run(prefix + [sys.executable, "-s", "-S", "-c", "pass"], stdin=subprocess.DEVNULL,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=20)
-        except (OSError, subprocess.TimeoutExpired):
-            continue
-        if done.returncode == 0:
-            return prefix, layers
-    return [], ()
+            self.proc = subprocess.Popen(jail_command(runtime(), limits, info_w), stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={},
+                                         pass_fds=(info_w, result_w, *pass_fds), start_new_session=True)
+        finally:
+            os.close(info_w)
+            os.close(result_w)
+        self.fds.update(stdout=self.proc.stdout.fileno(), stderr=self.proc.stderr.fileno())
 
-
-def isolation_layers(namespaces: bool = True) -> tuple[list[str], tuple[str, ...]]:
-    """The command prefix for the kernel layers that work here, and their names (probed once)."""
-    global _PROBED
-    if not namespaces:
-        return [], ()
-    with _PROBE_LOCK:
-        if _PROBED is None:
-            _PROBED = _probe()
-        return list(_PROBED[0]), _PROBED[1]
-
-
-def _read_roots(site_packages: bool, only_site: bool = False) -> list[str]:
-    """Directories the child may read (the Python installation), symlinks resolved."""
-    paths = sysconfig.get_paths()
-    keys = [] if only_site else ["stdlib", "platstdlib"]
-    keys += ["purelib", "platlib"] if site_packages else []
-    roots = []
-    for key in keys:
-        if paths.get(key):
-            real = os.path.realpath(paths[key])
-            if real not in roots and real != "/":
-                roots.append(real)
-    return roots
-
-
-def _user_process_count() -> int:
-    """Processes of our real uid, which RLIMIT_NPROC counts (outside a user namespace)."""
-    uid, count = os.getuid(), 0
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return 0
-    for entry in entries:
-        if entry.isdigit():
+    def kill(self) -> int:
+        """Kill the jail's first process (the kernel then kills its whole PID namespace), so that
+        bubblewrap reaps it and exits; bubblewrap itself is the fallback."""
+        child = self.info().get("child-pid")
+        if type(child) is int and self.proc.poll() is None:
             try:
-                count += os.stat(f"/proc/{entry}").st_uid == uid
+                handle = os.pidfd_open(child)  # pins the process: no pid reuse between check and kill
+            except OSError:
+                handle = None
+            if handle is not None:
+                try:
+                    if _parent(child) == self.proc.pid:
+                        signal.pidfd_send_signal(handle, signal.SIGKILL)
+                except OSError:
+                    pass
+                finally:
+                    os.close(handle)
+        try:
+            return self.proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            return self.proc.wait()
+
+    def close(self) -> None:
+        for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            try:
+                stream.close()
             except OSError:
                 pass
-    return count
+        for fd in (self.fds["info"], self.fds["result"]):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    @property
+    def started(self) -> bool:
+        """Whether the start-up code ran (it writes READY first, before any untrusted code)."""
+        return self.kept["result"].startswith(READY)
+
+    def failure(self) -> str:
+        """Why the jail never started: bubblewrap's own error, else its exit status."""
+        lines = [ln for ln in self.kept["stderr"].decode("utf-8", "replace").splitlines() if ln.strip()]
+        return lines[-1][:300] if lines else f"exit status {self.proc.returncode}"
+
+    def info(self) -> dict:
+        try:
+            return json.loads(self.kept["info"].decode() or "{}")
+        except ValueError:
+            return {}
 
 
-# ---- running -------------------------------------------------------------------------------------
-
-
-def _kill_group(pgid: int) -> None:
+def _parent(pid: int) -> int:
     try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return -1
 
 
-def _exited(pid: int) -> bool:
-    """Whether the child has exited, without reaping it (its pid and group id stay reserved)."""
-    try:
-        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    except ChildProcessError:
-        return True
-
-
-def _pump(proc: subprocess.Popen, verdict_fd: int, job: bytes, limits: SandboxLimits, deadline: float):
-    """Feed the job, collect the streams until EOF, the deadline or a flood. Returns
-    (stdout, stderr, verdict bytes, timed_out, flooded, truncated)."""
-    kept = {"stdout": bytearray(), "stderr": bytearray(), "verdict": bytearray()}
-    caps = {"stdout": limits.output_bytes, "stderr": limits.output_bytes, "verdict": _VERDICT_BYTES}
-    seen, truncated, timed_out, flooded = 0, False, False, False
+def _pump(jails: list[_Jail], limits: SandboxLimits, deadline: float, until: _Jail) -> tuple[bool, bool, bool]:
+    """Feed the jobs and collect every stream until `until` has closed its output (done), the
+    deadline passes or output floods. Returns (timed_out, flooded, truncated)."""
     selector = selectors.DefaultSelector()
-    stdin_fd = proc.stdin.fileno()
-    os.set_blocking(stdin_fd, False)
-    selector.register(stdin_fd, selectors.EVENT_WRITE, "stdin")
-    selector.register(proc.stdout.fileno(), selectors.EVENT_READ, "stdout")
-    selector.register(proc.stderr.fileno(), selectors.EVENT_READ, "stderr")
-    selector.register(verdict_fd, selectors.EVENT_READ, "verdict")
-    pending = memoryview(job)
+    caps = {"stdout": limits.output_bytes, "stderr": limits.output_bytes, "info": 65536, "result": _RESULT_BYTES}
+    seen, truncated = 0, False
+    for jail in jails:
+        fd = jail.proc.stdin.fileno()
+        os.set_blocking(fd, False)
+        selector.register(fd, selectors.EVENT_WRITE, (jail, "stdin"))
+        for name, fd in jail.fds.items():
+            selector.register(fd, selectors.EVENT_READ, (jail, name))
+    open_streams = {jail.name: {"stdout", "stderr", "result"} for jail in jails}
     try:
-        while selector.get_map():
+        while open_streams[until.name]:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                timed_out = True
-                break
+                return True, False, truncated
             for key, _ in selector.select(remaining):
-                name = key.data
+                jail, name = key.data
                 if name == "stdin":
                     try:
-                        pending = pending[os.write(key.fd, pending[:65536]):]
+                        jail.pending = jail.pending[os.write(key.fd, jail.pending[:65536]):]
                     except BlockingIOError:
                         continue
                     except OSError:
-                        pending = pending[:0]
-                    if not pending:
+                        jail.pending = jail.pending[:0]
+                    if not jail.pending:
                         selector.unregister(key.fd)
-                        proc.stdin.close()
+                        jail.proc.stdin.close()
                     continue
                 chunk = os.read(key.fd, 65536)
                 if not chunk:
                     selector.unregister(key.fd)
+                    open_streams[jail.name].discard(name)
                     continue
-                room = caps[name] - len(kept[name])
+                kept = jail.kept[name]
+                room = caps[name] - len(kept)
                 if room > 0:
-                    kept[name] += chunk[:room]
-                if len(chunk) > room:
-                    truncated = truncated or name != "verdict"
-                if name != "verdict":
+                    kept += chunk[:room]
+                if name in ("stdout", "stderr"):
+                    truncated = truncated or len(chunk) > room
                     seen += len(chunk)
                     if seen > limits.flood_bytes:
-                        flooded = True
-                        break
-            if flooded:
-                break
+                        return False, True, truncated
+        return False, False, truncated
     finally:
         selector.close()
-    return bytes(kept["stdout"]), bytes(kept["stderr"]), bytes(kept["verdict"]), timed_out, flooded, truncated
 
 
-def _parse_verdict(raw: bytes, nonce: str) -> Optional[dict]:
-    for line in raw.decode("utf-8", "replace").split("\n"):
-        if line.startswith(nonce):
-            try:
-                value = ast.literal_eval(line[len(nonce):])
-            except (ValueError, SyntaxError, MemoryError, RecursionError):
-                return None
-            return value if isinstance(value, dict) else None
-    return None
+def _run(jails: list[_Jail], limits: SandboxLimits, until: _Jail, started: float):
+    try:
+        timed_out, flooded, truncated = _pump(jails, limits, started + limits.wall_s, until)
+        # a jail that closed its pipes gets a moment to finish exiting; then every jail is killed
+        grace = time.monotonic() + 0.5
+        while not (timed_out or flooded) and until.proc.poll() is None and time.monotonic() < grace:
+            time.sleep(0.002)
+        for jail in jails:
+            jail.kill()
+    finally:
+        for jail in jails:
+            if jail.proc.returncode is None:
+                jail.kill()
+            jail.close()
+    return timed_out, flooded, truncated
+
+
+def _verdict(raw: bytes) -> Optional[dict]:
+    try:
+        value = json.loads(raw.decode("utf-8"))
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _crash(returncode: Optional[int], stderr: bytes) -> str:
+    # bubblewrap exits with 128 + N when the jailed process died of signal N
+    signum = -returncode if returncode is not None and returncode < 0 else (
+        returncode - 128 if returncode is not None and returncode > 128 else None)
+    if signum is not None:
+        name = signal.Signals(signum).name if signum in signal.valid_signals() else str(signum)
+        return f"killed by {name}" + (" (CPU limit)" if name == "SIGXCPU" else "")
+    lines = [line for line in stderr.decode("utf-8", "replace").splitlines() if line.strip()]
+    return f"exited with status {returncode} before reporting" + (f": {lines[-1][:300]}" if lines else "")
 
 
 def run_python(program: str, tests: Optional[str] = None, inputs: Optional[Sequence[str]] = None,
                limits: Optional[SandboxLimits] = None) -> SandboxResult:
     """Run `program` in the sandbox.
 
-    - `tests` (assertion tests): run after the program in its namespace (also importable as module
-      `solution`); top-level `test*` functions they define are called too. Passes when everything
-      completes without an exception.
+    - `tests` (assertion tests): they run in a jail of their own against the program's names (also
+      importable as module `solution`); top-level `test*` functions and `Test*`/`unittest` classes are
+      run too. Passes when the tests complete without an exception.
     - `inputs` (stdin/stdout tests): the program runs once per input, as `__main__`, with that input
-      on stdin; `result.cases[i]["stdout"]` holds its output and `passed` only says that every case
+      on stdin; `result.cases[i]["stdout"]` holds its output, and `passed` only says that every case
       finished cleanly (the caller compares the outputs).
+    - neither: the program runs once with empty stdin; `passed` says it finished cleanly.
     """
     limits = limits or SandboxLimits()
-    prefix, layers = isolation_layers(limits.namespaces)
-    # uid 0 outside a user namespace is exempt from RLIMIT_NPROC; otherwise the kernel counts every
-    # process (and thread) of the real uid (per user namespace since Linux 5.14): leave headroom.
-    nproc = None if os.geteuid() == 0 and "userns" not in layers else _user_process_count() + limits.processes
-    work = os.path.realpath(tempfile.mkdtemp(prefix="dare-sandbox-"))
-    verdict_r, verdict_w = os.pipe()
-    nonce = secrets.token_hex(16)
-    job = {
-        "nonce": nonce, "result_fd": verdict_w, "workdir": work, "read_roots": _read_roots(limits.site_packages),
-        "program": program, "tests": tests, "inputs": list(inputs) if inputs is not None else None,
-        "max_created_files": limits.max_created_files, "case_output_bytes": limits.output_bytes,
-        "limits": {"cpu_s": int(math.ceil(limits.cpu_s)), "memory_bytes": limits.memory_mb << 20,
-                   "file_bytes": limits.file_mb << 20, "open_files": limits.open_files, "processes": nproc},
-    }
-    payload = json.dumps(job).encode("utf-8")
-    env = {"PATH": "/usr/bin:/bin", "HOME": work, "TMPDIR": work, "USER": "sandbox", "LOGNAME": "sandbox",
-           "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
-           "PYTHONHASHSEED": "0", "PYTHONIOENCODING": "utf-8", "PYTHONDONTWRITEBYTECODE": "1",
-           "MALLOC_ARENA_MAX": "2", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    if limits.site_packages:
-        env["PYTHONPATH"] = os.pathsep.join(_read_roots(True, only_site=True))
-    command = prefix + [sys.executable, "-s", "-S", "-B", "-c", _CHILD_SOURCE]
     started = time.monotonic()
-    proc = None
-    try:
-        os.chmod(work, 0o700)
-        # the program's source as a file, so tracebacks and `inspect.getsource` work (not the tests)
-        with open(os.path.join(work, "solution.py"), "w", encoding="utf-8") as f:
-            f.write(program)
-        proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                cwd=work, env=env, pass_fds=(verdict_w,), start_new_session=True)
-        os.close(verdict_w)
-        verdict_w = -1
-        stdout, stderr, verdict, timed_out, flooded, truncated = _pump(
-            proc, verdict_r, payload, limits, started + limits.wall_s)
-        # Give a child that closed its pipes a moment to finish exiting, then kill the whole group
-        # while the leader is still unreaped.
-        grace = time.monotonic() + 0.5
-        while not (timed_out or flooded) and not _exited(proc.pid) and time.monotonic() < grace:
-            time.sleep(0.002)
-        _kill_group(proc.pid)
-        returncode = proc.wait()
-    finally:
-        if proc is not None and proc.returncode is None:
-            _kill_group(proc.pid)
-            proc.wait()
-        for fd in (verdict_r, verdict_w):
-            if fd >= 0:
+    if tests is None:
+        jail = _Jail("program", {"role": "stdio", "program": program, "case_output_bytes": limits.output_bytes,
+                                 "inputs": list(inputs) if inputs is not None else [""]}, limits)
+        jails, until = [jail], jail
+    else:
+        requests_r, requests_w = os.pipe()
+        replies_r, replies_w = os.pipe()
+        try:
+            candidate = _Jail("program", {"role": "serve", "program": program, "channel": [requests_r, replies_w]},
+                              limits, pass_fds=(requests_r, replies_w))
+            try:
+                judge = _Jail("tests", {"role": "tests", "tests": tests, "channel": [replies_r, requests_w]},
+                              limits, pass_fds=(replies_r, requests_w))
+            except BaseException:
+                candidate.kill()
+                candidate.close()
+                raise
+        finally:
+            for fd in (requests_r, requests_w, replies_r, replies_w):
                 os.close(fd)
-        if proc is not None:
-            for stream in (proc.stdin, proc.stdout, proc.stderr):
-                try:
-                    stream.close()
-                except OSError:
-                    pass
-        shutil.rmtree(work, ignore_errors=True)
-    wall = time.monotonic() - started
+        jails, until = [candidate, judge], judge
+    timed_out, flooded, truncated = _run(jails, limits, until, started)
+    program_jail = jails[0]
     result = SandboxResult(passed=False, status="failed", timed_out=timed_out, truncated=truncated,
-                           stdout=stdout.decode("utf-8", "replace"), stderr=stderr.decode("utf-8", "replace"),
-                           returncode=returncode, wall_s=wall, pid=proc.pid,
-                           layers=layers + ("setsid", "workdir", "rlimits", "audit_hook"))
+                           stdout=program_jail.kept["stdout"].decode("utf-8", "replace"),
+                           stderr=program_jail.kept["stderr"].decode("utf-8", "replace"),
+                           wall_s=time.monotonic() - started, jails=[j.info() for j in jails])
+    for jail in jails:
+        # the start-up code writes READY before any untrusted code runs: a jail that never got there
+        # failed to be built, which is never the candidate's failure (nor a score of 0)
+        if not jail.started and not timed_out:
+            raise SandboxUnavailable(f"the code sandbox could not start ({jail.failure()}); {INSTALL_HINT}")
     if timed_out:
         result.status, result.error = "timeout", f"wall clock limit {limits.wall_s:g} s"
         return result
     if flooded:
         result.status, result.error = "output_limit", f"more than {limits.flood_bytes} bytes of output"
         return result
-    message = _parse_verdict(verdict, nonce)
+    message = _verdict(bytes(until.kept["result"][len(READY):])) if until.started else None
     if message is None:
-        result.status = "crashed"
-        if returncode is not None and returncode < 0:
-            name = signal.Signals(-returncode).name if -returncode in signal.valid_signals() else str(-returncode)
-            result.error = f"killed by {name}" + (" (CPU limit)" if name == "SIGXCPU" else "")
-        else:
-            result.error = f"exited with status {returncode} before the tests finished"
+        result.status, result.error = "crashed", _crash(until.proc.returncode, until.kept["stderr"])
         return result
-    refusals = message.get("refusals") or []
-    result.refused = refusals[0] if refusals else None
-    result.error = message.get("error") or (f"refused: {result.refused}" if result.refused else None)
     result.cases = list(message.get("cases") or [])
-    if message.get("ok") and not refusals:
-        result.passed, result.status = True, "passed"
+    if tests is None:
+        failed = next((c for c in result.cases if not c.get("ok")), None)
+        result.error = message.get("error") or (failed or {}).get("error")
+        result.passed = bool(result.cases) and failed is None and "error" not in message
     else:
-        result.status = "refused" if result.refused else "failed"
+        result.error = message.get("error")
+        result.passed = message.get("ok") is True
+    result.status = "passed" if result.passed else "failed"
     return result
+
+
+_CHECKED: Optional[str] = None
+
+
+def check_available() -> str:
+    """Raise SandboxUnavailable unless a jail can be built and runs Python here; returns the mode
+    ("setuid" when the trainer is root, else "userns"). Checked once per process."""
+    global _CHECKED
+    if _CHECKED is None:
+        probe = run_python("print(6 * 7)", limits=SandboxLimits(wall_s=30))
+        if not probe.passed or probe.cases[0]["stdout"] != "42\n":
+            raise SandboxUnavailable(f"the code sandbox does not work here ({probe.status}: {probe.error}); {INSTALL_HINT}")
+        _CHECKED = "setuid" if os.geteuid() == 0 else "userns"
+    return _CHECKED

@@ -103,10 +103,16 @@ class BlockKVCache(CachePolicy):
         return Window(lo, hi, hi)
 
 
-def build_cache_policy(params: SamplingParams, shift: int, block_diffusion: bool) -> CachePolicy:
+def check_cache_fits(params: SamplingParams, block_diffusion: bool) -> None:
+    """Raise ValueError when `params.cache` does not apply to this kind of model (cheap: no model
+    needed, so stages check it before they touch anything)."""
     cls = CACHE_POLICIES.lookup(params.cache)
     if cls.block_diffusion is not None and cls.block_diffusion != block_diffusion:
         kind = "block-diffusion" if block_diffusion else "masked-diffusion"
         fits = "none or block_kv" if block_diffusion else "none, prefix or dual"
         raise ValueError(f"cache '{params.cache}' does not apply to a {kind} model; use {fits}")
-    return cls(params, shift, block_diffusion)
+
+
+def build_cache_policy(params: SamplingParams, shift: int, block_diffusion: bool) -> CachePolicy:
+    check_cache_fits(params, block_diffusion)
+    return CACHE_POLICIES.lookup(params.cache)(params, shift, block_diffusion)

@@ -4,6 +4,7 @@ in the `code` reward's sandbox.
 Splits follow the MBPP paper: task ids 11-510 are the test set and 2-4 the few-shot examples."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,10 @@ class MBPP(Benchmark):
         for task_id, text, code, tests, setup in items:
             if task_id in TEST_IDS:
                 question = fewshot_prompt(examples, f"{_task(text, tests)}\n\n{INSTRUCTION}")
-                rows.append({"id": str(task_id), "question": question, "answer": setup + "\n" + "\n".join(tests),
+                asserts = "\n".join(tests)
+                # the setup code (imports the reference solutions lean on) runs on both sides of the sandbox
+                answer = json.dumps({"tests": asserts, "setup": setup}) if setup.strip() else asserts
+                rows.append({"id": str(task_id), "question": question, "answer": answer,
                              "reference": _fenced(code)})
         check_unique_ids(rows, str(path))
         return take(rows, max_samples)

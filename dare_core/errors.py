@@ -1,0 +1,10 @@
+"""Errors a user can fix from the message alone (bad settings, bad files, a full or read-only disk).
+
+They are printed as one line, `error: <message>`, without a traceback; the message names the file,
+row, key or parameter at fault and, where there is one, the way out.
+"""
+from __future__ import annotations
+
+
+class UserError(ValueError):
+    """A problem with the user's input, settings or environment (not a bug in DARE)."""
