@@ -36,8 +36,9 @@ class RemoteError(Exception):
     """An exception of the candidate's process that has no builtin class of the same name here."""
 
 
-class ProtocolError(Exception):
-    """The candidate's process sent something that is not a well-formed reply, or went away."""
+class ProtocolError(BaseException):
+    """The candidate's process sent something that is not a well-formed reply, or went away. Not an
+    Exception, so that tests written as `try: f(x) except Exception: pass` cannot swallow it."""
 
 
 def leave_root(uid, gid):

@@ -415,3 +415,9 @@ def test_the_old_refusals_still_score_zero(attack, monkeypatch):
     monkeypatch.setenv("DARE_PLANTED_SECRET", "hunter2")  # the trainer's environment never reaches the jail
     result = compute_reward("code", attack, "assert f() == 0")
     assert result.score == 0.0, result.extra
+
+
+def test_a_dead_program_fails_even_tests_that_catch_every_exception():
+    tests = "try:\n    f(-1)\nexcept Exception:\n    pass\nelse:\n    raise AssertionError('no error')\n"
+    assert compute_reward("code", "def f(x):\n    raise ValueError(x)\n", tests).score == 1.0
+    assert compute_reward("code", "import os\ndef f(x):\n    os._exit(0)\n", tests).score == 0.0
