@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import subprocess
@@ -27,32 +28,34 @@ STAGES = {
 
 def launch_command(module: str, launcher: str, nproc: int, worker_args: list[str]) -> list[str]:
     """The command that starts `module` on every rank."""
+    from dare_core.config import ConfigError
+
     if launcher == "local":
         if nproc != 1:
-            raise SystemExit("error: launch.launcher 'local' runs one process; use torchrun or deepspeed for launch.nproc > 1")
+            raise ConfigError("launch.launcher 'local' runs one process; use torchrun or deepspeed for launch.nproc > 1")
         return [sys.executable, "-m", module, *worker_args]
     if launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", module, *worker_args]
     if launcher == "deepspeed":
         exe = shutil.which("deepspeed") or "deepspeed"
         return [exe, f"--num_gpus={nproc}", "--module", module, *worker_args]
-    raise SystemExit(f"error: unknown launch.launcher '{launcher}' (local | torchrun | deepspeed)")
+    raise ConfigError(f"unknown launch.launcher '{launcher}' (local | torchrun | deepspeed)")
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
     module, distributed = STAGES[args.name]
     worker_args = ["--params", args.params] + [f"--set={s}" for s in args.set]
+    if args.debug:
+        worker_args.append("--debug")
+    if args.restart != "never":
+        worker_args.append("--restart" if args.restart == "always" else "--restart-if-changed")
     if not distributed:
         import importlib
 
         return importlib.import_module(module).main(worker_args)
-    from dare_core.config import ConfigError, load_config
+    from dare_core.config import load_config
 
-    try:
-        cfg = load_config(args.params, args.set)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    cfg = load_config(args.params, args.set)
     cmd = launch_command(module, cfg.launch.launcher, cfg.launch.nproc, worker_args)
     env = dict(os.environ)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -68,9 +71,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from dare_core.errors import UserError
     from dare_core.eval.lm import EvalModel
 
-    # sampler settings: the command line over what the checkpoint was trained to decode with
+    if not args.prompt.strip():
+        raise UserError("--prompt is empty; give the text to continue")
+    # sampler settings: the command line over what the checkpoint was trained to decode with; the
+    # folder and the settings are checked before any weight is read
     lm = EvalModel(args.model, sampler=_sampler_overrides(args), seed=args.seed)
     prompt = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
     print(lm.generate([prompt])[0])
@@ -78,48 +85,50 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    """OpenCompass on any checkpoint folder(s): the same path as the pipeline's eval stage."""
+    """OpenCompass on any checkpoint folder(s): the same path as the pipeline's eval stage. Every
+    input is checked before OpenCompass starts; the run folder appears complete or not at all."""
     import time
     from pathlib import Path
 
+    from dare_core.eval.configs import get_benchmark, parse_benchmarks
     from dare_core.eval.report import results_table
-    from dare_core.eval.runner import EvalRunError, benchmark_specs, evaluate_folders, run_manifest
-    from dare_core.storage import atomic_write_json
+    from dare_core.eval.runner import benchmark_specs, evaluate_folders
 
-    data = Path(args.data)
-    benchmarks = args.benchmarks or "task"
+    _at_least(args, 1, "--batch-size", "--ll-mc-num")
+    _at_least(args, 0, "--shots", "--max-samples")
+    names = parse_benchmarks(args.benchmarks or "task")  # an unknown name lists the known ones
     overrides = _sampler_overrides(args)
-    bench_args = {}
-    from dare_core.eval.configs import get_benchmark
-
-    for name in benchmarks.split(","):
+    bench_args, notes = {}, []
+    for name in names:
         mode = args.mode
-        if mode not in get_benchmark(name.strip()).modes:
-            print(f"note: {name.strip()} has no '{mode}' mode; it runs as gen", file=sys.stderr)
+        if mode not in get_benchmark(name).modes:
+            notes.append(f"note: {name} has no '{mode}' mode; it ran as gen")
             mode = "gen"
-        entry = {"mode": mode, "shots": args.shots}
-        if overrides:
-            entry["sampler"] = overrides
-        bench_args[name.strip()] = entry
+        bench_args[name] = {"mode": mode, "shots": args.shots, **({"sampler": overrides} if overrides else {})}
     models: dict = {}
     for folder in args.model:
         abbr = Path(folder).resolve().name or "model"
         while abbr in models:
             abbr += "_"
         models[abbr] = Path(folder)
-    try:
-        specs = benchmark_specs(benchmarks, data, bench_args, args.max_samples)
-        options = {"seed": args.seed, "chat": not args.no_chat, "ll_mc_num": args.ll_mc_num}
-        run_name = time.strftime("%Y%m%d_%H%M%S")
-        results = evaluate_folders(models, specs, Path(args.work_dir), options, args.batch_size, run_name=run_name)
-        manifest = run_manifest(models, specs, options, args.batch_size)
-        atomic_write_json(Path(args.work_dir) / run_name / "manifest.json", manifest, sort_keys=False)
-    except (ValueError, FileNotFoundError, EvalRunError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    specs = benchmark_specs(names, Path(args.data), bench_args, args.max_samples)
+    options = {"seed": args.seed, "chat": not args.no_chat, "ll_mc_num": args.ll_mc_num}
+    run_dir = Path(args.work_dir) / time.strftime("%Y%m%d_%H%M%S")
+    results = evaluate_folders(models, specs, run_dir.parent, options, args.batch_size, run_name=run_dir.name)
+    for note in notes:  # after the run: stderr holds only the error line when a check fails
+        print(note, file=sys.stderr)
     print(results_table(results))
-    print(f"\npredictions and OpenCompass summary: {Path(args.work_dir) / run_name}")
+    print(f"\npredictions and OpenCompass summary: {run_dir}")
     return 0
+
+
+def _at_least(args: argparse.Namespace, minimum: int, *flags: str) -> None:
+    from dare_core.errors import UserError
+
+    for flag in flags:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value < minimum:
+            raise UserError(f"{flag} must be >= {minimum}, got {value}")
 
 
 SAMPLER_FLAGS = (("--gen-length", int), ("--steps", int), ("--block-length", int), ("--temperature", float),
@@ -142,27 +151,42 @@ def _sampler_args(p: argparse.ArgumentParser, many: bool = False) -> argparse.Ar
     return p
 
 
+DEBUG_HELP = "on an error, print the full traceback as well as the one-line message"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dare", description="DARE: post-training and evaluation of diffusion LLMs.")
+    p.add_argument("--debug", action="store_true", help=DEBUG_HELP)
+    # `dare <command> --debug` too; SUPPRESS keeps a subcommand from resetting `dare --debug`
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
     sub = p.add_subparsers(dest="command", required=True)
+    sub_parser = functools.partial(sub.add_parser, parents=[debug])
 
-    s = sub.add_parser("stage", help="run one pipeline stage (prepare, sft, preference, rl, convert, eval)")
+    s = sub_parser("stage", help="run one pipeline stage (prepare, sft, preference, rl, convert, eval)")
     s.add_argument("name", choices=list(STAGES))
     s.add_argument("--params", default="params.yaml")
     s.add_argument("--set", "-S", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    restart = s.add_mutually_exclusive_group()
+    restart.add_argument("--restart", dest="restart", action="store_const", const="always", default="never",
+                         help="train from the start: the stage's checkpoints are set aside (into <stage>/superseded, "
+                              "once every check has passed)")
+    restart.add_argument("--restart-if-changed", dest="restart", action="store_const", const="if_changed",
+                         help="resume checkpoints made with these settings; set other ones aside and start fresh "
+                              "(what the DVC pipeline does)")
     s.set_defaults(func=cmd_stage)
 
-    r = sub.add_parser("run", help="run the whole pipeline through the Prefect flow (DVC skips unchanged stages)")
+    r = sub_parser("run", help="run the whole pipeline through the Prefect flow (DVC skips unchanged stages)")
     r.add_argument("--stages", help="comma-separated subset, e.g. sft,rl")
     r.add_argument("--force", action="store_true", help="re-run stages even if DVC thinks they are up to date")
     r.set_defaults(func=cmd_run)
 
-    g = sub.add_parser("generate", help="sample one answer from a model folder")
+    g = sub_parser("generate", help="sample one answer from a model folder")
     g.add_argument("--prompt", required=True)
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     _sampler_args(g).set_defaults(func=cmd_generate)
 
-    e = sub.add_parser("eval", help="evaluate model folders on benchmarks through OpenCompass (a table per benchmark)")
+    e = sub_parser("eval", help="evaluate model folders on benchmarks through OpenCompass (a table per benchmark)")
     e.add_argument("--benchmarks", default=None,
                    help="comma-separated: mmlu, mmlu_pro, hellaswag, arc_c, gsm8k, math, gpqa, aime24, aime25, olympiadbench, "
                         "humaneval, mbpp, or task (a prepared eval file; the default)")
@@ -180,8 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    from dare_core.workers.common import run_reporting_errors
+
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    # expected failures (bad input, missing files, a full disk): one `error:` line, exit 2 or 1
+    return run_reporting_errors(lambda: args.func(args), debug=args.debug)
 
 
 if __name__ == "__main__":

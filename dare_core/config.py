@@ -22,6 +22,29 @@ class ConfigError(ValueError):
     """A configuration problem, always naming the file and the key."""
 
 
+class FieldError(ValueError):
+    """One field's value is out of range; raised by a section's `__post_init__`, turned by `from_dict`
+    into a ConfigError naming the full key (a section does not know where it sits in the tree)."""
+
+    def __init__(self, key: str, problem: str):
+        super().__init__(f"{key} {problem}")
+        self.key, self.problem = key, problem
+
+
+def _at_least(section: Any, minimum: float, *names: str) -> None:
+    for name in names:
+        value = getattr(section, name)
+        # a value of the wrong type is from_dict's to name (a section built in code may hold one)
+        if isinstance(value, (int, float)) and value < minimum:
+            raise FieldError(name, f"must be >= {minimum}, got {value}")
+
+
+def _one_of(section: Any, name: str, allowed: tuple) -> None:
+    value = getattr(section, name)
+    if value not in allowed:
+        raise FieldError(name, f"must be one of {list(allowed)}, got {value!r}")
+
+
 # --------------------------------------------------------------------------- sections
 
 
@@ -55,6 +78,12 @@ class DataConfig:
     prepared_dir: str = "data/prepared"
     tokenizer_dir: str = "data/tokenizer"
 
+    def __post_init__(self) -> None:
+        _at_least(self, 0, "num_sft", "num_rl", "num_eval", "num_preference", "num_val")
+
+
+DTYPES = ("auto", "float32", "bfloat16", "fp32", "bf16")
+
 
 @dataclass
 class ModelConfig:
@@ -66,6 +95,12 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     # LoRA adapter instead of full fine-tuning: {r, alpha, dropout, targets}; null = full weights
     lora: Optional[dict] = None
+
+    def __post_init__(self) -> None:
+        _one_of(self, "dtype", DTYPES)
+
+
+LR_SCHEDULES = ("constant", "cosine")
 
 
 @dataclass
@@ -79,12 +114,27 @@ class OptimConfig:
     min_lr_ratio: float = 0.1
     max_grad_norm: float = 1.0
 
+    def __post_init__(self) -> None:
+        _at_least(self, 0, "lr", "weight_decay", "warmup_steps", "min_lr_ratio", "max_grad_norm")
+        _one_of(self, "schedule", LR_SCHEDULES)
+        if self.eps <= 0:
+            raise FieldError("eps", f"must be > 0, got {self.eps}")
+        if self.min_lr_ratio > 1:
+            raise FieldError("min_lr_ratio", f"must be <= 1, got {self.min_lr_ratio}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise FieldError("betas", f"must be two numbers in [0, 1), got {list(self.betas)}")
+
 
 @dataclass
 class LaunchConfig:
     launcher: str = "local"  # local (one process) | torchrun | deepspeed
     nproc: int = 1
     zero_stage: int = 0
+
+    def __post_init__(self) -> None:
+        _one_of(self, "launcher", ("local", "torchrun", "deepspeed"))
+        _one_of(self, "zero_stage", (0, 1, 2, 3))
+        _at_least(self, 1, "nproc")
 
 
 @dataclass
@@ -95,6 +145,10 @@ class SamplerConfig(SamplingParams):
     batch_size: int = 64
     engine: str = "native"
     engine_args: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _at_least(self, 1, "batch_size")
 
 
 @dataclass
@@ -110,6 +164,9 @@ class SFTConfig:
     log_every: int = 10
     save_every: int = 200
     keep_last: int = 2
+
+    def __post_init__(self) -> None:
+        _at_least(self, 1, "max_steps", "micro_batch_size", "grad_accum", "pad_to", "log_every", "save_every", "keep_last")
 
 
 @dataclass
@@ -149,6 +206,15 @@ class RLConfig:
     validate_prompts: int = 0
     validate_temperature: float = 1.0
 
+    def __post_init__(self) -> None:
+        # rl.validate_* are checked with the stage (training/rl_validation.check_validation_config)
+        _at_least(self, 1, "num_steps", "prompts_per_step", "num_iterations", "mini_batches", "micro_batch_size",
+                  "rows_per_forward", "log_every", "save_every", "keep_last")
+        _at_least(self, 2, "group_size")  # group advantages need a group
+        _at_least(self, 0, "clip_eps_low", "clip_eps_high", "kl_beta")
+        if self.dual_clip < 0 or 0 < self.dual_clip <= 1:
+            raise FieldError("dual_clip", f"must be > 1 (or 0: off), got {self.dual_clip}")
+
 
 @dataclass
 class PreferenceConfig:
@@ -173,6 +239,12 @@ class PreferenceConfig:
     log_every: int = 10
     save_every: int = 50
     keep_last: int = 2
+
+    def __post_init__(self) -> None:
+        _at_least(self, 1, "mc_num", "rows_per_forward", "max_steps", "micro_batch_size", "grad_accum", "pad_to",
+                  "log_every", "save_every", "keep_last")
+        if self.beta <= 0:
+            raise FieldError("beta", f"must be > 0, got {self.beta}")
 
 
 EVAL_CHECKPOINTS = ("base", "sft", "preference", "rl")
@@ -204,6 +276,7 @@ class EvalConfig:
             raise ValueError(f"checkpoints must be a non-empty subset of {list(EVAL_CHECKPOINTS)}, got {self.checkpoints}")
         if not self.benchmarks:
             raise ValueError("benchmarks must name at least one benchmark")
+        _at_least(self, 1, "ll_mc_num")
 
 
 @dataclass
@@ -216,6 +289,12 @@ class DareConfig:
     rl: RLConfig = field(default_factory=RLConfig)
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    # what a training stage does with checkpoints made with other settings or inputs (a command-line
+    # flag, never a params.yaml key): "never" refuses them (one line naming what changed),
+    # "always" (`--restart`) starts fresh whatever they are, "if_changed" (`--restart-if-changed`,
+    # the DVC pipeline's: DVC reruns a stage when its params changed) resumes matching ones and
+    # starts fresh otherwise. Starting fresh sets the old checkpoints aside, once every check passed.
+    restart: str = field(default="never", metadata={"cli_only": True})
 
     # ---- derived artifact locations (one place, so stages and dvc.yaml agree)
     @property
@@ -273,6 +352,8 @@ def from_dict(cls: type, data: Any, where: str = "", source: str = "params.yaml"
     kwargs = {}
     for key, value in data.items():
         path = f"{where}.{key}" if where else str(key)
+        if key in fields and fields[key].metadata.get("cli_only"):
+            raise ConfigError(f"{source}: '{path}' is not a config key but a command-line flag (--{key})")
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
@@ -297,6 +378,9 @@ def from_dict(cls: type, data: Any, where: str = "", source: str = "params.yaml"
             kwargs[key] = value
     try:
         return cls(**kwargs)
+    except FieldError as exc:
+        key = f"{where}.{exc.key}" if where else exc.key
+        raise ConfigError(f"{source}: key '{key}' {exc.problem}") from exc
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{source}: '{where or '<root>'}': {exc}") from exc
 

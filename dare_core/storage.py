@@ -15,6 +15,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterator, Union
 
+from dare_core.errors import UserError
+
 PathLike = Union[str, Path]
 
 
@@ -63,19 +65,122 @@ def atomic_dir(path: PathLike) -> Iterator[Path]:
 
     On an exception the temporary directory is removed and `path` is left as it was.
     """
-    path = _local(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with atomic_dirs(path) as (tmp,):
         yield tmp
-        old = None
-        if path.exists():
-            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(path, old)
-        os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def atomic_dirs(*paths: PathLike) -> Iterator[list[Path]]:
+    """`atomic_dir` for outputs that belong together (prepared data and its tokenizer): one temporary
+    sibling per path, swapped in one after the other only once all are written; a failed swap puts
+    back the ones already done, so the outputs are all new or all old. An OSError (disk full,
+    read-only) becomes a UserError naming the output."""
+    targets = [_local(p) for p in paths]
+    tmps: list[Path] = []
+    try:
+        for path in targets:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmps.append(path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+            tmps[-1].mkdir()
+        yield list(tmps)
+        _swap_in(targets, tmps)
+    except OSError as exc:
+        raise UserError(f"writing {', '.join(map(str, targets))} failed, nothing was changed: {exc}") from exc
+    finally:
+        for tmp in tmps:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _swap_in(targets: list[Path], tmps: list[Path]) -> None:
+    done: list[tuple[Path, Path | None]] = []  # (target, its previous version moved aside)
+    try:
+        for path, tmp in zip(targets, tmps):
+            old = None
+            if path.exists():
+                old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+                os.replace(path, old)
+            try:
+                os.replace(tmp, path)
+            except OSError:
+                if old is not None:
+                    os.replace(old, path)
+                raise
+            done.append((path, old))
+    except OSError:
+        for path, old in reversed(done):
+            shutil.rmtree(path, ignore_errors=True)
+            if old is not None:
+                os.replace(old, path)
+        raise
+    for _, old in done:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+
+def read_json(path: PathLike, error: type = UserError) -> Any:
+    """The JSON document in `path`; anything wrong with it (unreadable, not UTF-8, not JSON) raises
+    `error` naming the file."""
+    path = _local(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise error(f"{path}: cannot read ({exc.strerror or exc})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise error(f"{path}: invalid JSON ({exc})") from None
+
+
+# ---- checks before a stage writes anything ---------------------------------------------------------
+
+
+def _existing_ancestor(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _write_problem(path: Path) -> str | None:
+    """Why `path` (an existing file or folder) cannot be written, or None."""
+    if os.access(path, os.W_OK | (os.X_OK if path.is_dir() else 0)):
+        return None
+    read_only = bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    return "read-only file system" if read_only else "permission denied"
+
+
+def check_writable(path: PathLike) -> None:
+    """Raise UserError unless `path` (a file or folder a stage creates, replaces or writes into) can
+    be written: the folder that holds it, and `path` itself where it exists. os.access also answers
+    for root (a read-only mount, an immutable folder), unlike the permission bits."""
+    if is_remote(path):
+        return
+    path = _local(path)
+    holder = _existing_ancestor(path.parent)
+    if not holder.is_dir():
+        raise UserError(f"cannot write {path}: {holder} is not a directory")
+    for existing in ([path] if path.exists() else []) + [holder]:
+        problem = _write_problem(existing)
+        if problem:
+            where = "" if existing == path else f" (in {existing})"
+            raise UserError(f"cannot write {path}{where}: {problem}")
+
+
+def check_free_space(needs: list[tuple[PathLike, int]], what: str) -> None:
+    """Raise UserError unless each file system has room for the bytes to be written there
+    (`needs`: (where, bytes); paths on one file system add up)."""
+    by_device: dict[int, tuple[Path, int]] = {}
+    for where, nbytes in needs:
+        if is_remote(where):
+            continue
+        holder = _existing_ancestor(_local(where))
+        device = holder.stat().st_dev
+        first, total = by_device.get(device, (holder, 0))
+        by_device[device] = (first, total + nbytes)
+    for holder, nbytes in by_device.values():
+        stats = os.statvfs(holder)
+        free = stats.f_bavail * stats.f_frsize
+        if free < nbytes:
+            raise UserError(f"not enough free disk space in {holder} for {what}: about {nbytes} bytes needed, "
+                            f"{free} free")

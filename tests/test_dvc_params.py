@@ -22,7 +22,9 @@ def test_every_stage_param_is_in_params_yaml_and_it_loads():
     stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
     assert list(stages) == ["prepare", "sft", "preference", "rl", "convert", "eval"]
     for name, stage in stages.items():
-        assert stage["cmd"] == f"dare stage {name}"
+        # training stages resume their checkpoints, or (params changed) set them aside and start fresh
+        training = name in ("sft", "preference", "rl")
+        assert stage["cmd"] == f"dare stage {name}" + (" --restart-if-changed" if training else "")
         for p in stage.get("params", []):
             assert _has(params, p), f"dvc.yaml stage '{name}' tracks '{p}', which params.yaml lacks"
     load_config(REPO / "params.yaml")

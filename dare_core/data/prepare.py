@@ -3,29 +3,36 @@
 Eval problems never appear in sft, rl or preference; val problems (in-loop RL validation) never in
 sft, rl, eval or derived preference pairs (sft and rl may share problems when the pool is small;
 preference pairs are built on training problems).
-Every row is validated, including that prompt + generation canvas fit the model, before anything is
-written; the prepared folder is then replaced in one rename, so an error leaves no partial output.
+Every row is validated, including that prompt + generation canvas fit the model and that the reward
+that will grade it can parse its ground truth, before anything is written; the prepared folder and
+the tokenizer (from scratch) are then written to temporary folders and swapped in together, so an
+error, a full or a read-only disk leaves the old outputs as they were.
 """
 from __future__ import annotations
 
-import json
 import random
 import re
 from pathlib import Path
 from typing import Any
 
 from dare_core.config import DareConfig
-from dare_core.data.schema import DataError, read_rows, validate_rows, write_rows
+from dare_core.data.schema import DataError, check_ground_truths, read_rows, validate_rows, write_rows
 from dare_core.data.tasks import get_task
 from dare_core.models.tokenizer import Tokenizer, char_tokenizer, load_tokenizer
 from dare_core.rewards.instructions import add_instruction, check_rows
-from dare_core.storage import atomic_dir, atomic_write_json
+from dare_core.storage import atomic_dirs, atomic_write_json, check_writable, read_json
 
 SPLITS = ("sft", "rl", "eval", "val", "preference")
 # Sequence length of a from-scratch model whose init config does not say.
 DEFAULT_MAX_LENGTH = 128
 # Synthetic pools are drawn with doubling sizes until enough distinct problems appear; this bounds it.
 _MAX_DOUBLINGS = 12
+# A text of n characters has at least n / (SLACK * longest token) tokens: the longest vocabulary entry
+# covers that many characters at most, and SLACK allows for a normalizer that shortens the text
+# (combining accents). It rejects an oversized text without tokenizing it (a 20 MB prompt).
+_SLACK = 4
+# how the splits a reward grades are graded: RL and its validation with rl.reward, eval by task
+_GRADED_BY = {"rl": "rl", "val": "rl", "eval": "auto"}
 
 
 def _dedupe(rows: list[dict]) -> list[dict]:
@@ -50,10 +57,10 @@ def _max_length(cfg: DareConfig) -> int:
     path = Path(cfg.model.path) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"model config not found: {path}")
-    model_config = json.loads(path.read_text())
+    model_config = read_json(path)
     for key in ("max_sequence_length", "max_position_embeddings"):
-        if key in model_config:
-            return int(model_config[key])
+        if isinstance(model_config, dict) and isinstance(model_config.get(key), int):
+            return model_config[key]
     raise ValueError(f"{path}: has neither max_sequence_length nor max_position_embeddings")
 
 
@@ -87,9 +94,46 @@ def _synthetic_pool(cfg: DareConfig, need: int, need_min: int) -> list[dict]:
                     f"in {draws // 2} draws; need {_NEED_MIN} = {need_min}")
 
 
-def _source_pool(cfg: DareConfig) -> list[dict]:
+def _check_unique(rows: list[dict], path: str) -> None:
+    """Two rows with one uid, or with one prompt and different ground truths, are a broken file (a
+    silent pick of one would train on an arbitrary answer); an exact repeat is merely dropped."""
+    uids: dict[str, tuple[int, tuple]] = {}
+    truths: dict[str, tuple[int, str]] = {}
+    for index, row in enumerate(rows):
+        uid, content = row.get("uid"), tuple(row.get(c) for c in ("prompt", "response", "ground_truth", "task"))
+        if uid is not None:
+            first_uid = uids.setdefault(uid, (index, content))
+            if first_uid[1] != content:
+                raise DataError(f"{path}: rows {first_uid[0]} and {index} have the same uid {uid!r}")
+        first = truths.setdefault(row["prompt"], (index, row["ground_truth"]))
+        if first[1] != row["ground_truth"]:
+            raise DataError(f"{path}: rows {first[0]} and {index} have the same prompt but different ground truths "
+                            f"({_clip(first[1])!r} and {_clip(row['ground_truth'])!r})")
+
+
+def _clip(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _max_token_chars(tokenizer: Tokenizer) -> int:
+    return max((len(token) for token in tokenizer.backend.get_vocab()), default=1)
+
+
+def _check_size(rows: list[dict], columns: tuple[str, ...], tokenizer: Tokenizer, limit: int, path: str) -> None:
+    """Reject a text that cannot fit the model whatever its tokens, before any tokenizing."""
+    per_token = _SLACK * _max_token_chars(tokenizer)
+    for index, row in enumerate(rows):
+        for column in columns:
+            text = row.get(column)
+            if isinstance(text, str) and len(text) > per_token * limit:
+                raise DataError(f"{path}: row {index}: column '{column}' is {len(text)} characters, at least "
+                                f"{len(text) // per_token} tokens > max sequence length {limit}")
+
+
+def _source_pool(cfg: DareConfig, tokenizer: Tokenizer, limit: int) -> list[dict]:
     path = cfg.data.source
     rows = read_rows(path, "source")
+    _check_size(rows, ("prompt", "response"), tokenizer, limit, str(path))
     # Raw math/gsm8k prompts rarely ask for the format the reward parses (\boxed{}): append it, unless
     # task_args.append_instruction is false (prompts already templated; then they are only checked).
     append = cfg.data.task_args.get("append_instruction", True)
@@ -99,6 +143,9 @@ def _source_pool(cfg: DareConfig) -> list[dict]:
         if append and isinstance(row.get("prompt"), str):
             row["prompt"] = add_instruction(row["task"], row["prompt"])
         row["_where"] = f"{path}: row {index}"
+    _check_unique(rows, str(path))
+    # every row may land in rl, val or eval: its ground truth must suit the reward that grades it
+    check_ground_truths(rows, cfg.rl.reward, str(path))
     rows = _dedupe(rows)
     # A file may be ordered (by source, by difficulty); eval must be a fair sample of it.
     random.Random(cfg.data.seed).shuffle(rows)
@@ -175,15 +222,20 @@ def _derived_pairs(train: list[dict], cfg: DareConfig, origin: str) -> list[dict
     return pairs
 
 
-def _preference_rows(cfg: DareConfig, train: list[dict], eval_rows: list[dict], origin: str) -> tuple[list[dict], dict]:
+def _preference_rows(cfg: DareConfig, train: list[dict], eval_rows: list[dict], origin: str, tokenizer: Tokenizer,
+                     limit: int) -> tuple[list[dict], dict]:
     """The preference split: data.preference_source as given, or pairs derived from `train`.
     Pairs on an eval prompt are dropped (counted in the summary): eval stays unseen."""
     path = cfg.data.preference_source
     if path:
         rows = read_rows(path, "preference_source")
+        _check_size(rows, ("prompt", "chosen", "rejected"), tokenizer, limit, str(path))
+        seen: dict[str, int] = {}
         for index, row in enumerate(rows):
             if row["chosen"] == row["rejected"]:
                 raise DataError(f"{path}: row {index}: columns 'chosen' and 'rejected' are identical")
+            if row.get("uid") is not None and seen.setdefault(row["uid"], index) != index:
+                raise DataError(f"{path}: rows {seen[row['uid']]} and {index} have the same uid {row['uid']!r}")
             row.setdefault("task", cfg.data.task)
             row["_where"] = f"{path}: row {index}"
             if cfg.data.task_args.get("append_instruction", True):  # the same prompt format as sft/rl
@@ -235,29 +287,33 @@ def _check_lengths(split: str, rows: list[dict], tokenizer: Tokenizer, canvas: i
 def prepare(cfg: DareConfig) -> dict[str, Any]:
     """Build (or load) the tokenizer, make and validate the splits, then write them. Returns the summary."""
     from_scratch = cfg.model.path is None
+    outputs = [cfg.data.prepared_dir] + ([cfg.data.tokenizer_dir] if from_scratch else [])
+    for output in outputs:
+        check_writable(output)
     tokenizer = char_tokenizer() if from_scratch else load_tokenizer(cfg.model.path)
     limit = _max_length(cfg)
     counts = (cfg.data.num_sft, cfg.data.num_rl, cfg.data.num_eval, cfg.data.num_val)
     if min(counts) < 0:
         raise DataError(f"data.num_sft, num_rl, num_eval and num_val must be >= 0, got {counts}")
     if cfg.data.source:
-        origin, pool = str(cfg.data.source), _source_pool(cfg)
+        origin, pool = str(cfg.data.source), _source_pool(cfg, tokenizer, limit)
     else:
         origin, pool = f"task {cfg.data.task}", _synthetic_pool(cfg, sum(counts), _need_min(cfg))
     # val is decoded by in-loop RL validation, with rl.sampler's canvas
     canvas = {"sft": cfg.sft.pad_to, "rl": cfg.rl.sampler.gen_length, "eval": cfg.eval.sampler.gen_length,
               "val": cfg.rl.sampler.gen_length, "preference": cfg.preference.pad_to}
     splits = _split(pool, cfg, origin)
-    splits["preference"], preference_info = _preference_rows(cfg, _train(pool, cfg), splits["eval"], origin)
+    splits["preference"], preference_info = _preference_rows(cfg, _train(pool, cfg), splits["eval"], origin, tokenizer, limit)
     prepared, longest = {}, 0
     for split, rows in splits.items():
         rows = _finish(split, rows, tokenizer)
         validate_rows(rows, split, f"{origin} ({split})")
-        if split in ("rl", "eval", "val"):  # the splits a reward grades
+        if split in _GRADED_BY:  # the splits a reward grades
             try:
                 check_rows(rows, split)
             except ValueError as exc:
                 raise DataError(str(exc)) from None
+            check_ground_truths(rows, cfg.rl.reward if _GRADED_BY[split] == "rl" else "auto", f"{origin} ({split})")
         longest = max(longest, _check_lengths(split, rows, tokenizer, canvas[split], limit))
         prepared[split] = rows
 
@@ -273,11 +329,11 @@ def prepare(cfg: DareConfig) -> dict[str, Any]:
         "max_length": limit,
         "vocab_size": tokenizer.vocab_size,
     }
-    # Everything is valid: only now touch the disk.
-    if from_scratch:
-        tokenizer.save(cfg.data.tokenizer_dir)
-    with atomic_dir(cfg.data.prepared_dir) as tmp:
+    # Everything is valid: only now touch the disk, all outputs at once
+    with atomic_dirs(*outputs) as tmps:
         for split in SPLITS:
-            write_rows(tmp / f"{split}.parquet", prepared[split], split)
-        atomic_write_json(tmp / "summary.json", summary)
+            write_rows(tmps[0] / f"{split}.parquet", prepared[split], split)
+        atomic_write_json(tmps[0] / "summary.json", summary)
+        if from_scratch:
+            tokenizer.save(tmps[1])
     return summary

@@ -80,12 +80,44 @@ def validate_rows(rows: list[dict], kind: str, source: str) -> None:
                 raise DataError(f"{source}: row {index}: column '{column}' {problem}")
 
 
+def _clip(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
+def check_ground_truths(rows: list[dict], reward: str, source: str) -> None:
+    """Raise DataError at the first row whose ground truth the reward that grades it (`reward`, or
+    with "auto" its task's) could not parse: such a row would stop RL or evaluation mid-run."""
+    from dare_core.config import ConfigError
+    from dare_core.eval.scoring import reward_name_for
+    from dare_core.rewards import REWARDS, check_ground_truth
+
+    if reward != "auto" and reward not in REWARDS:
+        raise ConfigError(f"rl.reward: unknown reward {reward!r}; known: {sorted(REWARDS)} or auto")
+    for index, row in enumerate(rows):
+        where = row.get("_where") or f"{source}: row {index}"
+        try:
+            name = reward_name_for(row, reward)
+        except ValueError:
+            raise DataError(f"{where}: no reward grades task {row.get('task')!r} (rewards: {sorted(REWARDS)}; or set "
+                            f"rl.reward)") from None
+        try:
+            check_ground_truth(name, row["ground_truth"])
+        except ValueError as exc:
+            raise DataError(f"{where}: column 'ground_truth': {_clip(str(exc))}") from None
+
+
 def json_lines(path: Path, error: type = DataError, stream=None) -> Iterator[tuple[int, dict]]:
     """(line number, object) for every non-blank line of a JSON-lines file; a line that is not a
     JSON object raises `error` naming the file and the line. `stream`: an already opened text
     stream (e.g. gzip) instead of opening `path`."""
-    with (stream if stream is not None else path.open(encoding="utf-8")) as f:
+    # bytes, decoded line by line: a non-UTF-8 byte is reported with its line
+    with (stream if stream is not None else path.open("rb")) as f:
         for lineno, line in enumerate(f, start=1):
+            if isinstance(line, bytes):
+                try:
+                    line = line.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise error(f"{path}: line {lineno}: not UTF-8 text (byte {exc.start} of the line)") from None
             if not line.strip():
                 continue
             try:
@@ -117,9 +149,16 @@ def read_rows(path: PathLike, kind: str) -> list[dict]:
     reader = _READERS.get(path.suffix)
     if reader is None:
         raise DataError(f"{path}: unsupported format '{path.suffix}', expected one of {sorted(_READERS)}")
-    if not path.is_file():
+    if path.is_dir():
+        raise DataError(f"{path}: is a directory, not a {path.suffix} file")
+    if not path.exists():
         raise DataError(f"data file not found: {path}")
-    rows = reader(path)
+    if not path.is_file():
+        raise DataError(f"{path}: not a regular file")
+    try:
+        rows = reader(path)
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read ({exc.strerror or exc})") from None
     validate_rows(rows, kind, str(path))
     return rows
 

@@ -9,7 +9,7 @@ checkpoint and seed give the same numbers at any batch size and in any order.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
@@ -19,7 +19,9 @@ from tqdm.auto import tqdm
 from dare_core.diffusion.likelihood import elbo_rows
 from dare_core.diffusion.mc_laws import count_rows, per_block_rows, response_blocks
 from dare_core.diffusion.seeding import generator
+from dare_core.sampling.cache import check_cache_fits
 from dare_core.sampling.params import SamplingParams
+from dare_core.storage import read_json
 
 Prompt = Union[str, Sequence[dict]]  # raw text, or chat messages [{"role", "content"}]
 SAMPLER_KEYS = {f.name for f in fields(SamplingParams)}
@@ -39,7 +41,86 @@ def sampler_settings(*layers: Optional[dict]) -> SamplingParams:
     try:
         return SamplingParams(**merged)
     except ValueError as exc:
-        raise ValueError(f"sampler settings {merged}: {exc}") from None
+        raise ValueError(f"sampler settings: {exc}") from None
+
+
+# sampler defaults per family (config.json's model_type), below the checkpoint's own settings: what
+# each family's papers evaluate with (the OpenCompass model classes use them; plain data here, so
+# settings are checked before OpenCompass starts)
+FAMILY_SAMPLERS = {
+    "llada": {"remasking": "low_confidence"},
+    "Dream": {"schedule": "dream", "remasking": "entropy"},
+    "sdar": {"remasking": "low_confidence"},
+    "sdar_moe": {"remasking": "low_confidence"},
+    "llada2_moe": {"remasking": "low_confidence"},
+}
+
+
+def folder_sampler(path: Union[str, Path], block_size: Optional[int], defaults: Optional[dict] = None,
+                   sampler: Optional[dict] = None) -> dict:
+    """The merged sampler layers of a folder (see EvalModel), before per-call overrides."""
+    family = {"block_length": block_size} if block_size else {}
+    return {**family, **(defaults or {}), **_checkpoint_sampler(Path(path)), **(sampler or {})}
+
+
+def _checkpoint_sampler(path: Path) -> dict:
+    gen_cfg = path / "generation_config.json"
+    if not gen_cfg.exists():
+        return {}
+    stored = read_json(gen_cfg)
+    stored = stored.get("dare_sampler") if isinstance(stored, dict) else None
+    return {k: v for k, v in (stored or {}).items() if k in SAMPLER_KEYS}
+
+
+def model_settings(block_size: Optional[int], *layers: Optional[dict]) -> SamplingParams:
+    """`sampler_settings`, also checked against the model: a cache must fit its family (block-KV
+    only for block diffusion, prefix/dual only for masked diffusion)."""
+    params = sampler_settings(*layers)
+    try:
+        check_cache_fits(params, block_size is not None)
+    except ValueError as exc:
+        raise ValueError(f"sampler settings: {exc}") from None
+    return params
+
+
+@dataclass
+class FolderCheck:
+    """What `check_model_folder` found: the model on the meta device (no weights), its tokenizer,
+    and the sampler settings of each benchmark it was given."""
+
+    model: Any
+    tokenizer: Any
+    settings: dict
+
+
+def check_model_folder(path: Union[str, Path], sampler: Optional[dict] = None, benchmarks: Optional[dict] = None,
+                       defaults: Optional[dict] = None) -> FolderCheck:
+    """Everything `EvalModel` would reject about a folder, found without reading its weights:
+    config.json, the family, every shard's header, the tokenizer, and the sampler settings (`sampler`
+    over the family's defaults and the checkpoint's own, then each of `benchmarks` {name: overrides})."""
+    from dare_core.models.registry import inspect_model
+    from dare_core.models.tokenizer import load_tokenizer
+
+    model = inspect_model(path)
+    tokenizer = load_tokenizer(path)
+    if defaults is None:
+        defaults = FAMILY_SAMPLERS.get(model.hf_config.get("model_type"), {})
+    base = folder_sampler(path, model.block_size, defaults, sampler)
+    settings = {}
+    for name, overrides in {None: None, **(benchmarks or {})}.items():
+        try:
+            settings[name] = model_settings(model.block_size, base, overrides)
+        except ValueError as exc:
+            raise ValueError(f"{path}{f', benchmark {name!r}' if name else ''}: {exc}") from None
+    return FolderCheck(model, tokenizer, settings)
+
+
+def check_prompt_length(n_tokens: int, gen_length: int, limit: int, which: str) -> None:
+    """A prompt and its answer must fit the model's positions (no silent truncation, no failure
+    half way through a run)."""
+    if n_tokens + gen_length > limit:
+        raise ValueError(f"{which} has {n_tokens} tokens (as the model sees it); with gen_length {gen_length} that "
+                         f"exceeds the model's max_sequence_length {limit}")
 
 
 class EvalModel:
@@ -57,7 +138,7 @@ class EvalModel:
                  ll_norm: str = "mean", rows_per_forward: int = 8, engine: str = "native",
                  engine_args: Optional[dict] = None, progress: bool = False, model=None, tokenizer=None,
                  defaults: Optional[dict] = None):
-        from dare_core.models.registry import load_model
+        from dare_core.models.registry import inspect_model, load_model
         from dare_core.models.tokenizer import load_tokenizer
         from dare_core.sampling.engines import build_engine
         from dare_core.training.engine import device as default_device, resolve_dtype
@@ -69,27 +150,20 @@ class EvalModel:
         self.ll_mc_num, self.ll_norm, self.rows_per_forward = ll_mc_num, ll_norm, rows_per_forward
         self.progress = progress
         dev = torch.device(device) if device else default_device()
+        # everything that can be wrong is found before any weight is read: the folder (config,
+        # shard headers), the tokenizer, the sampler settings
+        self.block_size = (model if model is not None else inspect_model(self.path)).block_size
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.path)
+        self.base_sampler = folder_sampler(self.path, self.block_size, defaults, sampler)
+        self.sampling_params()  # fail at construction, not on the first benchmark
         self.model = model if model is not None else load_model(self.path, dtype=resolve_dtype(dtype), device=dev)
         self.model.eval()
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.path)
         self.engine = build_engine(engine, self.model, **({"model_path": str(self.path)} if engine != "native" else {}),
                                    **(engine_args or {}))
-        self.base_sampler = {**self._family_defaults(), **(defaults or {}), **self._checkpoint_sampler(), **(sampler or {})}
-        sampler_settings(self.base_sampler)  # fail at construction, not on the first benchmark
 
     # ---- settings
-    def _family_defaults(self) -> dict:
-        block = self.model.block_size
-        return {"block_length": block} if block else {}
-
-    def _checkpoint_sampler(self) -> dict:
-        gen_cfg = self.path / "generation_config.json"
-        if not gen_cfg.exists():
-            return {}
-        return {k: v for k, v in json.loads(gen_cfg.read_text()).get("dare_sampler", {}).items() if k in SAMPLER_KEYS}
-
     def sampling_params(self, overrides: Optional[dict] = None) -> SamplingParams:
-        return sampler_settings(self.base_sampler, overrides)
+        return model_settings(self.block_size, self.base_sampler, overrides)
 
     def manifest(self, overrides: Optional[dict] = None) -> dict:
         """What a number depends on (ALGORITHMS.md 8): model, sampler, seed, hardware, versions."""
@@ -108,6 +182,12 @@ class EvalModel:
             return "\n\n".join(m["content"] for m in messages)
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
+    def _check_lengths(self, ids: Sequence[Sequence[int]], gen_length: int) -> None:
+        # before any decoding, so a run does not fail half way through
+        for i, x in enumerate(ids):
+            check_prompt_length(len(x), gen_length, self.model.max_sequence_length,
+                                "the prompt" if len(ids) == 1 else f"prompt {i}")
+
     def _batches(self, n: int, lengths: Sequence[int]) -> list[list[int]]:
         # longest first, so padding is small and an out-of-memory error shows up in the first batch
         order = sorted(range(n), key=lambda i: -lengths[i])
@@ -121,6 +201,7 @@ class EvalModel:
         params = self.sampling_params(overrides)
         texts = [self.render(p) for p in prompts]
         ids = [self.tokenizer.encode(t) for t in texts]
+        self._check_lengths(ids, params.gen_length)
         out: list[Optional[str]] = [None] * len(texts)
         device = next(self.model.parameters()).device
         bar = tqdm(total=len(texts), desc=desc, disable=not self.progress, dynamic_ncols=True)

@@ -33,9 +33,9 @@ from opencompass.openicl.icl_inferencer.icl_base_inferencer import BaseInference
 from opencompass.registry import ICL_EVALUATORS, ICL_INFERENCERS, LOAD_DATASET, MODELS
 
 from dare_core.eval.configs import get_benchmark
-from dare_core.eval.lm import load_eval_model
+from dare_core.eval.lm import FAMILY_SAMPLERS, load_eval_model
 from dare_core.registry import Registry
-from dare_core.storage import atomic_write_text
+from dare_core.storage import atomic_write_text, read_json
 
 # model_type in config.json -> OpenCompass model class
 FAMILY_CLASSES = Registry("OpenCompass model family")
@@ -128,29 +128,29 @@ def register_family(*model_types: str):
 @register_family("llada")
 class DareLLaDA(DareModel):
     """LLaDA / LLaDA-1.5 / LLaDA-MoE: low-confidence remasking, semi-autoregressive blocks."""
-    family_sampler = {"remasking": "low_confidence"}
+    family_sampler = FAMILY_SAMPLERS["llada"]
 
 
 @register_family("Dream")
 class DareDream(DareModel):
     """Dream: Dream's timestep schedule and entropy confidence."""
-    family_sampler = {"schedule": "dream", "remasking": "entropy"}
+    family_sampler = FAMILY_SAMPLERS["Dream"]
 
 
 @register_family("sdar", "sdar_moe")
 class DareSDAR(DareModel):
     """SDAR: block diffusion in the model's own blocks (4), low-confidence within a block."""
-    family_sampler = {"remasking": "low_confidence"}
+    family_sampler = FAMILY_SAMPLERS["sdar"]
 
 
 @register_family("llada2_moe")
 class DareLLaDA2(DareModel):
     """LLaDA2.x: block diffusion in blocks of 32."""
-    family_sampler = {"remasking": "low_confidence"}
+    family_sampler = FAMILY_SAMPLERS["llada2_moe"]
 
 
 def model_class_for(folder: str | Path) -> type:
-    config = json.loads((Path(folder) / "config.json").read_text())
+    config = read_json(Path(folder) / "config.json")
     return FAMILY_CLASSES.lookup(config.get("model_type", ""), hint=f"model_type of {folder}/config.json")
 
 

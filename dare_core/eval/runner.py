@@ -5,20 +5,28 @@ is a subprocess (`python -m opencompass.cli.main <config> --debug`): OpenCompass
 registries and argv stay out of the caller, and in debug mode all of its tasks run in that one
 process, so a checkpoint is loaded once for every benchmark. Predictions are written per
 benchmark as they finish; rerunning into the same run folder reuses them (`reuse=True`).
+
+Nothing partial is left behind: every model folder and sampler setting is checked before OpenCompass
+starts, and a run is written into a temporary sibling of its folder, renamed into place only once
+it is complete. When OpenCompass fails, the error names the exception it raised (from its log).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
+from dare_core.errors import UserError
 from dare_core.eval.configs import get_benchmark, parse_benchmarks
-from dare_core.storage import atomic_write_text
+from dare_core.storage import atomic_dir, atomic_write_json, atomic_write_text
 
 
 # the OpenCompass classes, by dotted path: this module never imports OpenCompass itself (its import
@@ -26,8 +34,9 @@ from dare_core.storage import atomic_write_text
 GLUE = "dare_core.eval.opencompass"
 
 
-class EvalRunError(RuntimeError):
-    """OpenCompass failed; the message carries the tail of its log."""
+class EvalRunError(UserError):
+    """OpenCompass failed; the message carries the error it reported (its log names the cause:
+    a benchmark file, a prompt too long, memory), so it is printed as one line."""
 
 
 @dataclass
@@ -130,39 +139,81 @@ def write_config(config: dict, path: Path) -> Path:
     return path
 
 
+@contextlib.contextmanager
+def complete_or_absent(path: Path) -> Iterator[Path]:
+    """`storage.atomic_dir(path)`: a temporary sibling renamed to `path` on success; on failure it is
+    removed, and so are the parent folders it had to create (a failed run leaves nothing)."""
+    path = Path(path)
+    created = [p for p in (path.parent, *path.parent.parents) if not p.exists()]
+    try:
+        with atomic_dir(path) as tmp:
+            yield tmp
+    except BaseException:
+        for folder in created:  # innermost first; a folder someone else filled meanwhile stays
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
+
+
 def run_opencompass(config: dict, work_dir: Path, run_name: str = "run", reuse: bool = False,
-                    env: Optional[dict] = None, quiet: bool = False) -> dict:
-    """Run OpenCompass on `config`; return {model_abbr: {dataset_abbr: accuracy}} and copy its
-    summary to `<work_dir>/<run_name>/summary.{md,csv,txt}`."""
+                    env: Optional[dict] = None, quiet: bool = False, extra_files: Optional[dict] = None) -> dict:
+    """Run OpenCompass on `config`; return {model_abbr: {dataset_abbr: accuracy}}. The run folder
+    `<work_dir>/<run_name>` (predictions, results, OpenCompass's config and log, its summary copied
+    to `summary.{md,csv,txt}`, and `extra_files` {name: JSON object}) appears complete or not at all."""
     work_dir = Path(work_dir)
     run_dir = work_dir / run_name
-    if run_dir.exists() and not reuse:
-        shutil.rmtree(run_dir)
-    cfg_path = write_config({**config, "work_dir": str(work_dir)}, work_dir / f"{run_name}_config.py")
-    cmd = [sys.executable, "-m", "opencompass.cli.main", str(cfg_path), "--debug", "-w", str(work_dir), "-r", run_name]
-    run_env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    log_path = work_dir / f"{run_name}.log"
+    with complete_or_absent(run_dir) as tmp:
+        if reuse and run_dir.is_dir():
+            shutil.copytree(run_dir, tmp, dirs_exist_ok=True)
+        cfg_path = write_config({**config, "work_dir": str(work_dir)}, tmp / "opencompass_config.py")
+        # OpenCompass writes into <-w>/<-r>: the temporary folder itself
+        cmd = [sys.executable, "-m", "opencompass.cli.main", str(cfg_path), "--debug", "-w", str(work_dir), "-r", tmp.name]
+        run_env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+        log_path = tmp / "opencompass.log"
+        rc = _run_logged(cmd, run_env, log_path, quiet)
+        if rc != 0:
+            raise EvalRunError(_failure(log_path, rc))
+        results = collect_results(tmp, config)
+        _copy_summary(tmp)
+        for name, obj in (extra_files or {}).items():
+            atomic_write_json(tmp / name, obj, sort_keys=False)
+    return results
+
+
+def _run_logged(cmd: list, env: dict, log_path: Path, quiet: bool) -> int:
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=run_env, bufsize=1)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1)
         for line in proc.stdout:  # type: ignore[union-attr]
             log.write(line)
             if not quiet and _worth_showing(line):
                 sys.stderr.write(line)
-        rc = proc.wait()
-    if rc != 0:
-        tail = "".join(log_path.read_text().splitlines(keepends=True)[-40:])
-        raise EvalRunError(f"OpenCompass failed (exit {rc}); full log: {log_path}\n{tail}")
-    results = collect_results(run_dir, config)
-    _copy_summary(run_dir)
-    return results
+        return proc.wait()
 
 
 def _worth_showing(line: str) -> bool:
-    # OpenCompass's debug log is very chatty; progress bars, warnings and errors are what a user needs
+    # OpenCompass's debug log is very chatty: progress bars are what a user watches; its warnings
+    # stay in the log, and an error is reported once, as the failure's message
     if line.startswith("Map"):  # datasets' own progress bar over a handful of rows
         return False
-    return ("it/s]" in line or "s/it]" in line or "%|" in line or "ERROR" in line or "Traceback" in line
-            or "Error" in line or "WARNING" in line)
+    return "it/s]" in line or "s/it]" in line or "%|" in line
+
+
+# the last line of a Python traceback: `ValueError: ...`, `dare_core.models.registry.ModelLoadError: ...`
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)): (.+)$")
+
+
+def _failure(log_path: Path, rc: int) -> str:
+    """The error OpenCompass died of, for a one-line message; the log is kept outside the run folder
+    (which is removed) so the whole story stays readable."""
+    lines = log_path.read_text(errors="replace").splitlines()
+    cause = next((f"{m.group(1)}: {m.group(2).strip()}" for m in map(_EXCEPTION_LINE.match, reversed(lines)) if m), None)
+    if cause is None:
+        cause = f"killed by signal {-rc} (out of memory?)" if rc < 0 else (
+            next((line.strip() for line in reversed(lines) if line.strip()), "no output"))
+    fd, kept = tempfile.mkstemp(prefix="dare-opencompass-", suffix=".log")
+    with os.fdopen(fd, "w") as out:
+        out.write("\n".join(lines) + "\n")
+    return f"OpenCompass failed: {cause} (exit {rc}; full log: {kept})"
 
 
 def collect_results(run_dir: Path, config: dict) -> dict:
@@ -210,11 +261,52 @@ def benchmark_specs(benchmarks, data_dir: Optional[Path], benchmark_args: Option
     return specs
 
 
+def check_models(models: dict, specs: list, model_options: Optional[dict] = None) -> None:
+    """Before OpenCompass starts: every checkpoint folder readable (config.json, shard headers,
+    tokenizer), every benchmark's sampler settings valid for its family, and every prompt of a
+    generating benchmark short enough for the model (the row is named)."""
+    from dare_core.eval.lm import check_model_folder
+
+    options = model_options or {}
+    # what DiffusionGenInferencer applies on top of the model's settings (see dataset_config)
+    gen_specs = [spec for spec in specs if spec.mode == "gen"]
+    benchmarks = {spec.name: {**get_benchmark(spec.name).gen, **spec.sampler} for spec in gen_specs}
+    for folder in models.values():
+        if isinstance(folder, dict):  # another model class (model_config arguments): it checks itself
+            continue
+        found = check_model_folder(folder, options.get("sampler"), benchmarks)
+        for spec in gen_specs:
+            _check_prompt_lengths(folder, spec, found, chat=options.get("chat", True))
+
+
+def _check_prompt_lengths(folder: Path, spec: BenchmarkSpec, found: Any, chat: bool) -> None:
+    from dare_core.eval.lm import check_prompt_length
+
+    bench = get_benchmark(spec.name)
+    load_options = {"shots": spec.shots} if spec.shots else {}
+    if spec.max_samples:
+        load_options["max_samples"] = spec.max_samples
+    gen_length = found.settings[spec.name].gen_length
+    for row in bench.load(spec.data_dir, **load_options):
+        # rendered as the model will see it (EvalModel.render of OpenCompass's one-turn prompt)
+        text = row["question"]
+        if bench.chat and chat:
+            text = found.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        check_prompt_length(len(found.tokenizer.encode(text)), gen_length, found.model.max_sequence_length,
+                            f"{folder}, benchmark {spec.name!r}, row {row.get('id')!r}: the prompt")
+
+
 def evaluate_folders(models: dict, specs: list, work_dir: Path, model_options: Optional[dict] = None, batch_size: int = 16,
-                     run_name: str = "run", reuse: bool = False, env: Optional[dict] = None, quiet: bool = False) -> dict:
-    """The whole path: specs -> OpenCompass config -> run -> {model: {benchmark: score}}."""
+                     run_name: str = "run", reuse: bool = False, env: Optional[dict] = None, quiet: bool = False,
+                     check: bool = True) -> dict:
+    """The whole path: checks (`check_models`, unless the caller has just run them) -> OpenCompass
+    config -> run -> {model: {benchmark: score}}; the run folder holds the manifest
+    (`run_manifest`) next to OpenCompass's output."""
+    if check:
+        check_models(models, specs, model_options)
     config = opencompass_config(models, specs, Path(work_dir), model_options, batch_size)
-    return run_opencompass(config, Path(work_dir), run_name, reuse, env, quiet)
+    manifest = run_manifest(models, specs, model_options, batch_size)
+    return run_opencompass(config, Path(work_dir), run_name, reuse, env, quiet, extra_files={"manifest.json": manifest})
 
 
 def run_manifest(models: dict, specs: list, model_options: Optional[dict], batch_size: int) -> dict:

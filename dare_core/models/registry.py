@@ -6,20 +6,21 @@ no remote code, no copied model files.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 import torch.nn as nn
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from dare_core.models.transformer import KVCache, Transformer, TransformerConfig, default_position_ids
 from dare_core.registry import Registry
-from dare_core.storage import atomic_dir
+from dare_core.storage import atomic_dir, read_json
 
 
 class ModelLoadError(ValueError):
@@ -251,20 +252,37 @@ def build_model(hf_config: dict, device: Union[str, torch.device] = "cpu", dtype
 
 
 def _read_config(folder: Path) -> dict:
+    if not folder.exists():
+        raise FileNotFoundError(f"model folder not found: {folder}")
+    if not folder.is_dir():
+        raise NotADirectoryError(f"{folder}: not a model folder (a file, not a directory)")
     path = folder / "config.json"
     if not path.exists():
         raise ModelLoadError(f"{path}: missing (not a model folder?)")
+    config = read_json(path)
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object, got {type(config).__name__}")
+    return config
+
+
+@contextlib.contextmanager
+def _open_shard(path: Path) -> Iterator[Any]:
+    """safe_open, with a truncated or corrupt file named (safetensors' own error names no file)."""
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ModelLoadError(f"{path}: invalid JSON: {exc}") from exc
+        handle = safe_open(path, "pt", device="cpu")
+    except SafetensorError as exc:
+        raise ModelLoadError(f"{path}: not a readable safetensors file ({exc}); truncated or corrupt?") from exc
+    with handle as f:
+        yield f
 
 
 def _weight_files(folder: Path) -> dict[str, str]:
     """hf parameter name -> shard file name."""
     index = folder / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ModelLoadError(f"{index}: no 'weight_map' object")
         for shard in sorted(set(weight_map.values())):
             if not (folder / shard).exists():
                 missing = sorted(k for k, v in weight_map.items() if v == shard)
@@ -273,7 +291,7 @@ def _weight_files(folder: Path) -> dict[str, str]:
     single = folder / "model.safetensors"
     if not single.exists():
         raise ModelLoadError(f"{folder}: neither model.safetensors.index.json nor model.safetensors found")
-    with safe_open(single, "pt") as f:
+    with _open_shard(single) as f:
         return {k: single.name for k in f.keys()}
 
 
@@ -313,12 +331,12 @@ def tokenizer_token_ids(folder: Path) -> dict[str, int]:
 
 
 def _json_or_empty(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.exists() else {}
+    return read_json(path) if path.exists() else {}
 
 
-def load_model(folder: Union[str, Path], dtype: Optional[torch.dtype] = None, device: Union[str, torch.device] = "cpu") -> DiffusionLM:
-    """Load a Hugging Face checkpoint folder (config.json + safetensors) into our stack."""
-    folder = Path(folder)
+def _open_folder(folder: Path) -> tuple[DiffusionLM, dict[str, str]]:
+    """The model on the meta device and its parameter -> shard map, with every check that needs no
+    weights: config.json, the family, the parameter names, every shard present with a sound header."""
     hf_config = _read_config(folder)
     for key, value in tokenizer_token_ids(folder).items():
         if hf_config.get(key) is None:
@@ -332,9 +350,26 @@ def load_model(folder: Union[str, Path], dtype: Optional[torch.dtype] = None, de
     unexpected = sorted(set(weight_map) - set(expected))
     if unexpected:
         raise ModelLoadError(f"{folder / weight_map[unexpected[0]]}: unexpected parameter '{unexpected[0]}' for {hf_config.get('model_type')}")
+    for shard in sorted(set(weight_map.values())):
+        with _open_shard(folder / shard):  # headers only: a truncated shard fails here, before any load
+            pass
+    return model, weight_map
+
+
+def inspect_model(folder: Union[str, Path]) -> DiffusionLM:
+    """A checkpoint folder checked as far as possible without reading its weights; the model is on
+    the meta device (shapes, family, special ids and max_sequence_length, no memory)."""
+    return _open_folder(Path(folder))[0]
+
+
+def load_model(folder: Union[str, Path], dtype: Optional[torch.dtype] = None, device: Union[str, torch.device] = "cpu") -> DiffusionLM:
+    """Load a Hugging Face checkpoint folder (config.json + safetensors) into our stack."""
+    folder = Path(folder)
+    model, weight_map = _open_folder(folder)
+    expected = model.hf_parameter_shapes()
     state: dict[str, torch.Tensor] = {}
     for shard in sorted(set(weight_map.values())):
-        with safe_open(folder / shard, "pt", device="cpu") as f:
+        with _open_shard(folder / shard) as f:
             for hf_name in f.keys():
                 t = f.get_tensor(hf_name)
                 if tuple(t.shape) != expected[hf_name]:

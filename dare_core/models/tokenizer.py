@@ -24,7 +24,7 @@ import jinja2.sandbox
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
-from dare_core.storage import atomic_dir
+from dare_core.storage import atomic_dir, read_json
 
 PathLike = Union[str, Path]
 
@@ -303,9 +303,9 @@ def load_tokenizer(folder: PathLike) -> Tokenizer:
     config_path = folder / "tokenizer_config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"tokenizer file not found: {config_path}")
-    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config = read_json(config_path)
     if (folder / "tokenizer.json").is_file():
-        backend = _HFTokenizer.from_file(str(folder / "tokenizer.json"))
+        backend = _read_backend(folder / "tokenizer.json")
     elif (folder / "vocab.json").is_file() or (folder / "merges.txt").is_file():
         for name in ("vocab.json", "merges.txt"):
             if not (folder / name).is_file():
@@ -317,10 +317,20 @@ def load_tokenizer(folder: PathLike) -> Tokenizer:
                                 "(only the tokenizer config is there)")
     template_path = folder / "chat_template.jinja"
     if template_path.is_file():
-        config = {**config, "chat_template": template_path.read_text(encoding="utf-8")}
+        try:
+            config = {**config, "chat_template": template_path.read_text(encoding="utf-8")}
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{template_path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from exc
     model_config_path = folder / "config.json"
-    model_config = json.loads(model_config_path.read_text()) if model_config_path.is_file() else None
+    model_config = read_json(model_config_path) if model_config_path.is_file() else None
     return Tokenizer(backend, config, model_config)
+
+
+def _read_backend(path: Path) -> _HFTokenizer:
+    try:
+        return _HFTokenizer.from_file(str(path))
+    except Exception as exc:  # the tokenizers library raises a bare Exception that names no file
+        raise ValueError(f"{path}: not a readable tokenizer file ({exc})") from exc
 
 
 def _special_contents(config: dict) -> set[str]:
@@ -341,7 +351,10 @@ def _qwen2_byte_level_bpe(folder: Path, config: dict) -> _HFTokenizer:
     if cls is not None and not any(k in cls for k in ("Qwen2", "Dream", "SDAR")):
         raise ValueError(f"{folder}: vocab.json + merges.txt are read as Qwen2 byte-level BPE, but "
                          f"tokenizer_class is {cls!r}; provide tokenizer.json")
-    vocab, merges = models.BPE.read_file(str(folder / "vocab.json"), str(folder / "merges.txt"))
+    try:
+        vocab, merges = models.BPE.read_file(str(folder / "vocab.json"), str(folder / "merges.txt"))
+    except Exception as exc:  # a bare Exception from the tokenizers library
+        raise ValueError(f"{folder / 'vocab.json'} + merges.txt: not a readable BPE vocabulary ({exc})") from exc
     backend = _HFTokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, unk_token=None,
                                       continuing_subword_prefix="", end_of_word_suffix="",
                                       fuse_unk=False, byte_fallback=False))
@@ -362,7 +375,7 @@ def _add_recorded_tokens(backend: _HFTokenizer, folder: Path, config: dict) -> N
         entries = sorted((int(i), dict(e)) for i, e in recorded.items())
     elif (folder / "added_tokens.json").is_file():
         # Older layout: content -> id only; the flags follow the config's special tokens.
-        table = json.loads((folder / "added_tokens.json").read_text(encoding="utf-8"))
+        table = read_json(folder / "added_tokens.json")
         entries = sorted((int(i), {"content": c}) for c, i in table.items())
     else:
         entries = []

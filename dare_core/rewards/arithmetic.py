@@ -4,18 +4,24 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-from dare_core.rewards.registry import RewardResult, register_reward
+from dare_core.rewards.registry import RewardResult, ground_truth_check, register_reward
 
 # ASCII digits only: str.isdigit/int() would also accept other scripts' digits.
 _INTEGER = re.compile(r"[+-]?[0-9]+")
 
 
-@register_reward("arithmetic")
-def arithmetic_reward(response_text: str, ground_truth: str, extra: Optional[dict] = None) -> RewardResult:
+@ground_truth_check("arithmetic")
+def parse_ground_truth(ground_truth: str) -> int:
     if not _INTEGER.fullmatch(ground_truth.strip()):
         raise ValueError(f"arithmetic reward: ground truth {ground_truth!r} is not an integer")
+    return int(ground_truth)
+
+
+@register_reward("arithmetic")
+def arithmetic_reward(response_text: str, ground_truth: str, extra: Optional[dict] = None) -> RewardResult:
+    target = parse_ground_truth(ground_truth)
     pred = response_text.strip()
     if not _INTEGER.fullmatch(pred):
         return RewardResult(0.0, 0.0, None, {"extraction_failed": True})
-    correct = float(int(pred) == int(ground_truth))
+    correct = float(int(pred) == target)
     return RewardResult(correct, correct, pred, {})

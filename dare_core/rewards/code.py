@@ -30,8 +30,8 @@ import json
 from typing import Any, Optional
 
 from dare_core.rewards.extract import extract_code
-from dare_core.rewards.registry import RewardResult, register_reward
-from dare_core.rewards.sandbox import SandboxLimits, SandboxResult, run_python
+from dare_core.rewards.registry import RewardResult, ground_truth_check, register_reward
+from dare_core.rewards.sandbox import SandboxLimits, SandboxResult, check_available, run_python
 
 DEFAULT_LIMITS = SandboxLimits()
 
@@ -78,6 +78,14 @@ def parse_ground_truth(ground_truth: str) -> dict:
             tests += f"\n\ncheck({entry})\n"
         return {"kind": "assert", "tests": tests, "setup": str(spec.get("setup") or "")}
     raise ValueError(f"code reward: JSON ground truth needs 'tests' or 'inputs'/'outputs', got keys {sorted(spec)}")
+
+
+@ground_truth_check("code")
+def check_gradable(ground_truth: str) -> None:
+    """The ground truth parses, and the sandbox runs here: a stage checks its rows with this before
+    it trains (a missing bubblewrap then stops it at once, not at the first rollout)."""
+    parse_ground_truth(ground_truth)
+    check_available()
 
 
 def _call_tests(fn_name: str, inputs: list, outputs: list) -> str:

@@ -21,7 +21,7 @@ from fractions import Fraction
 from typing import Optional
 
 from dare_core.rewards.extract import last_answer_tag
-from dare_core.rewards.registry import RewardResult, register_reward
+from dare_core.rewards.registry import RewardResult, ground_truth_check, register_reward
 
 FORMAT_SCORE = 0.1
 TOLERANCE = 1e-5
@@ -42,6 +42,7 @@ def format_ground_truth(target: int, numbers: list[int], answer_format: str = "t
     return text if answer_format == "tag" else f"{text}|{answer_format}"
 
 
+@ground_truth_check("countdown")
 def parse_ground_truth(ground_truth: str) -> tuple[int, list[int], str]:
     parts = ground_truth.strip().split("|")
     try:

@@ -24,7 +24,7 @@ import re
 from typing import Optional
 
 from dare_core.rewards.extract import last_answer_tag, last_boxed
-from dare_core.rewards.registry import RewardResult, register_reward
+from dare_core.rewards.registry import RewardResult, ground_truth_check, register_reward
 
 __all__ = ["gsm8k_reward", "gsm8k_d1_reward", "last_boxed"]
 
@@ -40,6 +40,7 @@ def _to_number(text: str) -> Optional[float]:
         return None
 
 
+@ground_truth_check("gsm8k")
 def _ground_truth_number(ground_truth: str) -> float:
     answer = ground_truth.split("####")[-1]
     value = _to_number(answer)

@@ -18,7 +18,7 @@ import re
 from typing import Optional
 
 from dare_core.rewards.extract import last_answer_tag
-from dare_core.rewards.registry import RewardResult, register_reward
+from dare_core.rewards.registry import RewardResult, ground_truth_check, register_reward
 
 FORMATS = ("tag", "plain")
 _DIGITS = re.compile(r"[0-9]")
@@ -31,6 +31,7 @@ def format_ground_truth(puzzle: str, solution: str, answer_format: str = "tag") 
     return text if answer_format == "tag" else f"{text}|{answer_format}"
 
 
+@ground_truth_check("sudoku")
 def parse_ground_truth(ground_truth: str) -> tuple[str, str, str]:
     parts = ground_truth.strip().split("|")
     answer_format = parts[2] if len(parts) == 3 else "tag"

@@ -48,8 +48,9 @@ class SamplingParams:
     compile_forward: bool = False
 
     def __post_init__(self) -> None:
-        if self.gen_length <= 0 or self.block_length <= 0 or self.steps <= 0:
-            raise ValueError("gen_length, block_length and steps must be positive")
+        for name in ("gen_length", "block_length", "steps"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.gen_length % self.block_length:
             raise ValueError(f"gen_length {self.gen_length} must be divisible by block_length {self.block_length}")
         blocks = self.gen_length // self.block_length
@@ -59,6 +60,7 @@ class SamplingParams:
                                      ("schedule", self.schedule, SCHEDULES), ("cache", self.cache, CACHES)):
             if value not in allowed:
                 raise ValueError(f"unknown {name} '{value}'; known: {list(allowed)}")
+        self._check_steps_fit()
         if self.temperature < 0 or self.alg_temp < 0:
             raise ValueError("temperature and alg_temp must be >= 0")
         if not 0 < self.top_p <= 1:
@@ -68,6 +70,14 @@ class SamplingParams:
         if self.factor <= 0 or self.entropy_bound < 0:
             raise ValueError("factor must be > 0 and entropy_bound >= 0")
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+
+    def _check_steps_fit(self) -> None:
+        # Dream's timestep grid (schedule dream, unmasking origin) is defined for any number of
+        # steps; every other rule commits at least one token per step, so steps beyond gen_length
+        # would silently never run
+        if self.steps > self.gen_length and self.schedule != "dream" and self.unmasking != "origin":
+            raise ValueError(f"steps {self.steps} > gen_length {self.gen_length}: at most one step per generated token "
+                             f"runs (unmasking '{self.unmasking}', schedule '{self.schedule}'); set steps <= gen_length")
 
     @property
     def steps_per_block(self) -> int:

@@ -1,81 +1,236 @@
 """Training checkpoints: atomic DeepSpeed saves (write under a temporary tag, rename, then move the
-`latest` pointer), keep the last K, refuse a checkpoint made under a different config, and
-conversion of a checkpoint into a Hugging Face folder."""
+`latest` pointer), keep the last K, refuse (never silently discard) checkpoints made with other
+settings or inputs, and conversion of a checkpoint into a Hugging Face folder."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from dare_core.storage import atomic_write_json, atomic_write_text
+from dare_core.config import DareConfig, to_dict
+from dare_core.errors import UserError
+from dare_core.storage import atomic_write_json, atomic_write_text, read_json
+from dare_core.training.engine import planned_world_size
 
 log = logging.getLogger(__name__)
 
 META = "dare_checkpoint.json"
 
 
+class CheckpointMismatch(UserError):
+    """Checkpoints that do not belong to this run (other settings or inputs): never discarded silently."""
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """{"sft": {"optim": {"lr": 1}}} -> {"sft.optim.lr": 1}: a changed value is named by its key."""
+    if not isinstance(tree, dict) or not tree:
+        return {prefix: tree} if prefix else {}
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        flat.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
+
+
+@dataclass
+class Fingerprint:
+    """What a stage's checkpoints belong to: the settings that shape the trained weights (dotted
+    keys; each stage leaves out what does not, e.g. log_every) and the contents of its inputs
+    (role -> {path, hash}). Stored whole in every checkpoint, so a mismatch can name what changed."""
+
+    settings: dict
+    inputs: dict
+
+    @classmethod
+    def of(cls, settings: dict, inputs: dict[str, Path]) -> "Fingerprint":
+        # through JSON, so that the values compare equal to the stored ones (tuples become lists)
+        flat = json.loads(json.dumps(flatten(settings), default=str))
+        return cls(flat, {role: {"path": str(path), "hash": input_fingerprint(path)} for role, path in inputs.items()})
+
+    @property
+    def digest(self) -> str:
+        blob = json.dumps({"settings": self.settings, "inputs": self.inputs}, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def changes(self, meta: dict) -> list[str]:
+        """What differs from the fingerprint stored in a checkpoint's `meta`, one phrase each."""
+        old, new = meta.get("settings", {}), self.settings
+        out = [f"{key}: {_show(old, key)} -> {_show(new, key)}" for key in sorted(set(old) | set(new))
+               if old.get(key, _ABSENT) != new.get(key, _ABSENT)]
+        stored_inputs = meta.get("inputs", {})
+        for role, now in self.inputs.items():
+            before = stored_inputs.get(role)
+            if before is None or before.get("path") != now["path"]:
+                out.append(f"{role}: {before.get('path') if before else '(none)'} -> {now['path']}")
+            elif before.get("hash") != now["hash"]:
+                out.append(f"the {role} {now['path']} changed")
+        return out
+
+
+_ABSENT = object()
+
+
+def _show(settings: dict, key: str) -> str:
+    value = settings.get(key, _ABSENT)
+    return "(not set)" if value is _ABSENT else json.dumps(value)
+
+
+# Settings that never change the trained weights, left out of every stage's fingerprint so that
+# changing them resumes the run: when metrics are logged, when checkpoints are written (a resumed run
+# reproduces the weights of an uninterrupted one whatever the interval) and how many are kept.
+# Everything else stays in, memory knobs included (rows_per_forward, sampler.batch_size): they split
+# sums differently, which can change the floating-point result, and max_steps / num_steps set the
+# learning-rate schedule.
+COSMETIC_KEYS = ("log_every", "save_every", "keep_last")
+
+
+def stage_fingerprint(cfg: DareConfig, stage: str, inputs: dict[str, Path], cosmetic: tuple = ()) -> Fingerprint:
+    """The fingerprint of a training stage: the model section, the stage's section without its
+    cosmetic keys (`COSMETIC_KEYS` and the stage's own `cosmetic`), the seed, the ZeRO stage and the
+    number of ranks (they decide the data order and the checkpoint layout), and `inputs`."""
+    section = {k: v for k, v in to_dict(getattr(cfg, stage)).items() if k not in COSMETIC_KEYS + cosmetic}
+    settings = {"model": to_dict(cfg.model), stage: section, "run": {"seed": cfg.run.seed},
+                "launch": {"zero_stage": cfg.launch.zero_stage}, "world_size": planned_world_size()}
+    return Fingerprint.of(settings, inputs)
+
+
+SUPERSEDED = "superseded"
+
+
 class CheckpointManager:
-    def __init__(self, directory: Path, keep_last: int, fingerprint: str):
+    """The checkpoints of one training stage under `directory`.
+
+    `check()` runs with the stage's other checks, before anything is written: it returns the
+    checkpoint to resume from, or (restart "never") raises CheckpointMismatch when the checkpoints
+    were made with other settings or inputs, naming what changed. Only `begin()`, right before
+    training, acts: it loads the checked checkpoint, or, when the run starts fresh over existing
+    checkpoints (restart "always", or "if_changed" and they do not match), moves them to
+    `<stage>/superseded/` (which holds the last set aside) so that no checkpoint is ever deleted
+    because settings changed."""
+
+    def __init__(self, directory: Path, keep_last: int, fingerprint: Fingerprint, stage: str, restart: str = "never",
+                 checkpoint_bytes: int = 0):
         self.dir = Path(directory)
-        self.keep_last = max(1, keep_last)
+        self.keep_last = keep_last
         self.fingerprint = fingerprint
+        self.stage = stage
+        self.restart = restart
+        # about the size of one checkpoint (training/preflight.checkpoint_bytes): tells a full disk
+        # from other write failures
+        self.checkpoint_bytes = checkpoint_bytes
+        self._tag: Optional[str] = None
+        self._set_aside: Optional[str] = None  # why the existing checkpoints are set aside in begin()
 
-    def latest_tag(self) -> Optional[str]:
-        """The last complete checkpoint made under the same config, or None (start fresh)."""
-        pointer = self.dir / "latest"
-        if not pointer.exists():
-            return None
-        tag = pointer.read_text().strip()
+    @property
+    def superseded(self) -> Path:
+        return self.dir.parent / SUPERSEDED
+
+    def _refuse(self, why: str, revertible: bool = True) -> CheckpointMismatch:
+        way_back = ", or revert the change to resume them" if revertible else ""
+        return CheckpointMismatch(f"{self.dir}: {why}; run `dare stage {self.stage} --restart` to set them aside "
+                                  f"(into {self.superseded}) and start fresh{way_back}")
+
+    def _mismatch(self) -> Optional[tuple[str, bool]]:
+        """(why, revertible) when the last checkpoint is not one to resume, else None (reads only;
+        sets self._tag to the checkpoint to resume)."""
+        tag = (self.dir / "latest").read_text().strip()
         meta_path = self.dir / tag / META
-        if not meta_path.exists():
-            log.warning("checkpoint %s has no %s; ignoring it", self.dir / tag, META)
-            return None
-        meta = json.loads(meta_path.read_text())
-        if meta.get("fingerprint") != self.fingerprint:
-            # made under another config or data: resuming would mix two runs, so they are discarded
-            log.warning("checkpoints in %s were made with a different config or data; starting fresh", self.dir)
-            self.clear()
-            return None
-        return tag
+        if not meta_path.is_file():
+            return f"'latest' names checkpoint {tag}, which is missing or has no {META}", False
+        meta = read_json(meta_path)
+        if "settings" not in meta:
+            return ("the checkpoints were made by an older DARE that did not record their settings, so they cannot be "
+                    "checked against this run"), False
+        if meta.get("fingerprint") != self.fingerprint.digest:
+            changes = self.fingerprint.changes(meta) or ["the settings' fingerprint"]
+            shown = "; ".join(changes[:6]) + (f"; and {len(changes) - 6} more" if len(changes) > 6 else "")
+            return f"the checkpoints were made with other settings or inputs ({shown})", True
+        self._tag = tag
+        return None
 
-    def clear(self) -> None:
-        if self.dir.exists():
-            for child in self.dir.iterdir():
-                shutil.rmtree(child) if child.is_dir() else child.unlink()
+    def check(self) -> Optional[str]:
+        """The tag of the last checkpoint, made under this fingerprint; None when the run starts
+        fresh. Reads only."""
+        self._tag, self._set_aside = None, None
+        if not (self.dir / "latest").exists():
+            if self.restart == "always" and self.dir.is_dir() and any(self.dir.iterdir()):
+                self._set_aside = "--restart"
+            return None
+        if self.restart == "always":
+            self._set_aside = "--restart"
+            return None
+        mismatch = self._mismatch()
+        if mismatch is None:
+            return self._tag
+        why, revertible = mismatch
+        if self.restart == "if_changed":
+            self._set_aside = why
+            return None
+        raise self._refuse(why, revertible)
+
+    def begin(self, engine, what: str) -> int:
+        """Right before the first step, after every check: the step to continue from (0: fresh).
+        Checkpoints that are not resumed are set aside now, and only now."""
+        if self._set_aside is not None:
+            if engine.global_rank == 0:
+                self.set_aside(self._set_aside)
+            if torch.distributed.is_initialized():
+                torch.distributed.barrier()
+            return 0
+        if self._tag is None:
+            return 0
+        _, client_state = engine.load_checkpoint(str(self.dir), tag=self._tag)
+        step = (client_state or {})["step"]
+        log.info("resuming %s from %s (step %d)", what, self._tag, step)
+        return step
+
+    def set_aside(self, why: str) -> None:
+        """Move the checkpoints to `superseded/` (replacing the set aside before them): a rename on
+        the same disk, so it costs no space and no time."""
+        if self.superseded.exists():
+            shutil.rmtree(self.superseded)
+        os.replace(self.dir, self.superseded)
+        self.dir.mkdir(parents=True)
+        log.warning("%s: starting fresh; the previous checkpoints are kept in %s (%s)", self.dir, self.superseded, why)
 
     def save(self, engine, step: int, client_state: dict, hf_config: dict) -> str:
         tag = f"step{step:08d}"
-        tmp_tag = f".tmp-{tag}"
-        shutil.rmtree(self.dir / tmp_tag, ignore_errors=True)
-        engine.save_checkpoint(str(self.dir), tag=tmp_tag, client_state=client_state, save_latest=False)
-        if engine.global_rank == 0:
-            lora = getattr(engine.module, "lora", None)
-            atomic_write_json(self.dir / tmp_tag / META, {"fingerprint": self.fingerprint, "step": step, "hf_config": hf_config,
-                                                          "zero_stage": engine.zero_optimization_stage(),
-                                                          "lora": dataclasses.asdict(lora) if lora is not None else None})
-            shutil.rmtree(self.dir / tag, ignore_errors=True)
-            os.replace(self.dir / tmp_tag, self.dir / tag)
-            atomic_write_text(self.dir / "latest", tag)
-            self._prune(keep=tag)
+        tmp = self.dir / f".tmp-{tag}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            engine.save_checkpoint(str(self.dir), tag=tmp.name, client_state=client_state, save_latest=False)
+            if engine.global_rank == 0:
+                lora = getattr(engine.module, "lora", None)
+                atomic_write_json(tmp / META, {"fingerprint": self.fingerprint.digest, "settings": self.fingerprint.settings,
+                                               "inputs": self.fingerprint.inputs, "step": step, "hf_config": hf_config,
+                                               "zero_stage": engine.zero_optimization_stage(),
+                                               "lora": dataclasses.asdict(lora) if lora is not None else None})
+                shutil.rmtree(self.dir / tag, ignore_errors=True)
+                os.replace(tmp, self.dir / tag)
+                atomic_write_text(self.dir / "latest", tag)
+                self._prune(keep=tag)
+        except BaseException as exc:
+            # a half-written checkpoint is never left behind (disk full, killed); the last complete
+            # one and the `latest` pointer are untouched
+            shutil.rmtree(tmp, ignore_errors=True)
+            free = shutil.disk_usage(self.dir).free if self.dir.is_dir() else 0
+            if isinstance(exc, (OSError, RuntimeError)) and free < self.checkpoint_bytes:
+                # torch.save reports a full disk as a RuntimeError
+                raise UserError(f"{self.dir}: the disk is full: writing checkpoint {tag} needs about {self.checkpoint_bytes} "
+                                f"bytes, {free} are free (the earlier checkpoints are intact)") from exc
+            if isinstance(exc, OSError):
+                raise UserError(f"{self.dir}: writing checkpoint {tag} failed (the earlier checkpoints are intact): {exc}") from exc
+            raise
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
         return tag
-
-    def resume(self, engine, what: str) -> int:
-        """Load the last usable checkpoint into `engine`; returns the step to continue from (0: fresh)."""
-        tag = self.latest_tag()
-        if tag is None:
-            return 0
-        _, client_state = engine.load_checkpoint(str(self.dir), tag=tag)
-        step = (client_state or {})["step"]
-        log.info("resuming %s from %s (step %d)", what, tag, step)
-        return step
 
     def _prune(self, keep: str) -> None:
         tags = sorted(p.name for p in self.dir.glob("step*") if p.is_dir())
@@ -86,16 +241,33 @@ class CheckpointManager:
             shutil.rmtree(stale, ignore_errors=True)
 
 
+def latest_checkpoint(ckpt_dir: Path) -> tuple[str, dict]:
+    """The tag `latest` names in `ckpt_dir` and its DARE metadata; an error naming the missing or
+    broken file otherwise (reads only: a stage checks this before it writes anything)."""
+    ckpt_dir = Path(ckpt_dir)
+    pointer = ckpt_dir / "latest"
+    if not pointer.is_file():
+        raise FileNotFoundError(f"{pointer}: no checkpoint (did the training stage finish?)")
+    tag = pointer.read_text().strip()
+    meta_path = ckpt_dir / tag / META
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"{meta_path}: missing ('latest' names checkpoint {tag})")
+    meta = read_json(meta_path)
+    if not isinstance(meta, dict) or not isinstance(meta.get("hf_config"), dict):
+        raise UserError(f"{meta_path}: no 'hf_config' (not a DARE checkpoint?)")
+    if meta.get("zero_stage", 0) < 3 and not (ckpt_dir / tag / "mp_rank_00_model_states.pt").is_file():
+        raise FileNotFoundError(f"{ckpt_dir / tag / 'mp_rank_00_model_states.pt'}: missing")
+    return tag, meta
+
+
 def checkpoint_state_dict(ckpt_dir: Path, tag: Optional[str] = None) -> tuple[dict[str, torch.Tensor], dict]:
     """Module weights (our generic names, without the `net.` prefix) and the DARE metadata of a
     DeepSpeed checkpoint; ZeRO-3 shards are gathered with DeepSpeed's own consolidation."""
     ckpt_dir = Path(ckpt_dir)
     if tag is None:
-        pointer = ckpt_dir / "latest"
-        if not pointer.exists():
-            raise FileNotFoundError(f"{pointer}: no checkpoint to convert (did the training stage finish?)")
-        tag = pointer.read_text().strip()
-    meta = json.loads((ckpt_dir / tag / META).read_text())
+        tag, meta = latest_checkpoint(ckpt_dir)
+    else:
+        meta = read_json(ckpt_dir / tag / META)
     if meta.get("zero_stage", 0) >= 3:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -106,19 +278,9 @@ def checkpoint_state_dict(ckpt_dir: Path, tag: Optional[str] = None) -> tuple[di
     return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state.items()}, meta
 
 
-def config_fingerprint(*parts: Any) -> str:
-    """What a run's checkpoints belong to: a resumed run must have the same config and inputs."""
-    import hashlib
-
-    blob = json.dumps(parts, sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
-
-
 def input_fingerprint(path: Path) -> str:
     """Content hash of a data file; for a folder (a model), names, sizes and mtimes of its files
     (hashing an 8B checkpoint's bytes would take minutes)."""
-    import hashlib
-
     path = Path(path)
     h = hashlib.sha256()
     if path.is_dir():

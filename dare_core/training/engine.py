@@ -67,6 +67,17 @@ def build_engine(model: torch.nn.Module, optim: OptimConfig, total_steps: int, m
     return engine
 
 
+def planned_world_size() -> int:
+    """The number of ranks, known before the process group starts (the launchers set WORLD_SIZE):
+    stages check their settings against it before DeepSpeed initialises."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def planned_rank() -> int:
+    """This process's rank, known before the process group starts (RANK, set by the launchers)."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 

@@ -15,6 +15,16 @@ def rows_upto(path: Path, resume_step: int) -> list[dict]:
     return [r for r in rows if r.get("step", 0) <= resume_step]
 
 
+def last_logged(directory: Path, key: str):
+    """The last value of `key` in a stage's metrics.jsonl (None if never logged): the summary of a run
+    resumed at its last step, which trains nothing, repeats it."""
+    path = Path(directory) / "metrics.jsonl"
+    if not path.exists():
+        return None
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return next((r[key] for r in reversed(rows) if key in r), None)
+
+
 class MetricsLogger:
     """Append-only per-step metrics that survive a resume: rows after the resumed step are dropped."""
 

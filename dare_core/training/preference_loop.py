@@ -13,6 +13,7 @@ import copy
 import logging
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -20,15 +21,16 @@ import torch
 from tqdm.auto import tqdm
 
 from dare_core.algorithms.preference import build_preference, get_preference, reference_model
-from dare_core.config import DareConfig, to_dict
+from dare_core.config import DareConfig
 from dare_core.data.batching import global_batch_indices, pair_batch
 from dare_core.data.schema import DataError, read_rows
-from dare_core.models.registry import load_model, save_model
+from dare_core.models.registry import inspect_model, load_model, save_model
 from dare_core.storage import atomic_write_json
 from dare_core.training import engine as eng
-from dare_core.training.checkpoint import CheckpointManager, config_fingerprint, input_fingerprint
+from dare_core.training.checkpoint import CheckpointManager, stage_fingerprint
 from dare_core.training.engine import resolve_dtype
-from dare_core.training.metrics import MetricsLogger
+from dare_core.training.metrics import MetricsLogger, last_logged
+from dare_core.training.preflight import check_outputs, checkpoint_bytes, model_bytes, stage_writes
 from dare_core.training.setup import prepare_for_training, sampler_dict, stage_tokenizer, tokenizer_folder
 
 log = logging.getLogger(__name__)
@@ -66,7 +68,21 @@ def check_preference_config(cfg: DareConfig) -> None:
         raise ValueError("preference needs model.lora.dropout: 0 (its proxy-gradient replay recomputes the ELBO rows exactly)")
 
 
-def run_preference(cfg: DareConfig, progress: bool = True) -> dict:
+@dataclass
+class PreferencePlan:
+    """What `check_preference` read and decided, before anything is written."""
+
+    rows: list
+    prompts: list
+    chosen: list
+    rejected: list
+    ckpt: CheckpointManager
+
+
+def check_preference(cfg: DareConfig) -> PreferencePlan:
+    """Every check of the preference stage, before it writes anything or starts DeepSpeed: config,
+    pairs, the SFT model (its config only), lengths, the objective's options, the checkpoints,
+    writable outputs and room on the disk."""
     pcfg = cfg.preference
     check_preference_config(cfg)
     out_dir = cfg.stage_dir("preference")
@@ -80,10 +96,30 @@ def run_preference(cfg: DareConfig, progress: bool = True) -> dict:
         raise FileNotFoundError(f"{start_folder}: no SFT model to start from (run the sft stage first)")
     tokenizer = stage_tokenizer(cfg)
     prompts, chosen, rejected = encode_pairs(rows, tokenizer)
+    spec = prepare_for_training(inspect_model(start_folder), cfg)
+    check_pairs(data_path, prompts, chosen, rejected, pcfg.pad_to, spec.max_sequence_length)
+    build_preference(pcfg, spec)  # its options, checked on the weightless model
 
+    fingerprint = stage_fingerprint(cfg, "preference", {"data file": data_path, "start model": start_folder})
+    dtype = resolve_dtype(cfg.model.dtype)
+    ckpt_bytes = checkpoint_bytes(spec, dtype)
+    ckpt = CheckpointManager(out_dir / "checkpoints", pcfg.keep_last, fingerprint, "preference", cfg.restart, ckpt_bytes)
+    ckpt.check()
+    check_outputs(stage_writes(out_dir) + [out_dir / "model", Path(cfg.run.metrics_dir) / "preference.json"],
+                  [(out_dir / "checkpoints", ckpt_bytes), (out_dir / "model", model_bytes(spec, dtype))],
+                  "a preference checkpoint and the exported model")
+    return PreferencePlan(rows, prompts, chosen, rejected, ckpt)
+
+
+def run_preference(cfg: DareConfig, progress: bool = True) -> dict:
+    pcfg = cfg.preference
+    out_dir = cfg.stage_dir("preference")
+    plan = check_preference(cfg)
+    rows, prompts, chosen, rejected, ckpt = plan.rows, plan.prompts, plan.chosen, plan.rejected, plan.ckpt
+
+    # every check has passed: from here on the stage may write
     device = eng.device()
-    policy = prepare_for_training(load_model(start_folder, dtype=resolve_dtype(cfg.model.dtype), device=device), cfg)
-    check_pairs(data_path, prompts, chosen, rejected, pcfg.pad_to, policy.max_sequence_length)
+    policy = prepare_for_training(load_model(preference_start_folder(cfg), dtype=resolve_dtype(cfg.model.dtype), device=device), cfg)
     # the reference: a frozen copy, or with LoRA the policy with its adapter disabled (no copy)
     frozen: Optional[torch.nn.Module] = None
     if cfg.model.lora is None:
@@ -93,11 +129,7 @@ def run_preference(cfg: DareConfig, progress: bool = True) -> dict:
     engine = eng.build_engine(policy, pcfg.optim, pcfg.max_steps, pcfg.micro_batch_size, pcfg.grad_accum, cfg.launch.zero_stage)
     world, rank = eng.world_size(), eng.rank()
     global_pairs = pcfg.micro_batch_size * pcfg.grad_accum * world
-
-    fingerprint = config_fingerprint(to_dict(cfg.model), to_dict(pcfg), cfg.run.seed, world, input_fingerprint(data_path),
-                                     input_fingerprint(start_folder))
-    ckpt = CheckpointManager(out_dir / "checkpoints", pcfg.keep_last, fingerprint)
-    start = ckpt.resume(engine, "preference")
+    start = ckpt.begin(engine, "preference")
     logger = MetricsLogger(out_dir, resume_step=start, plot_keys=PLOT_KEYS, enabled=rank == 0)
 
     def backward(loss: torch.Tensor) -> None:
@@ -147,26 +179,15 @@ def run_preference(cfg: DareConfig, progress: bool = True) -> dict:
         "stratified": objective.stratified,
         "steps": pcfg.max_steps,
         "global_pairs": global_pairs,
-        "final_loss": metrics.get("loss", _last_logged(out_dir, "loss")),
-        "reward_margin": metrics.get("reward_margin", _last_logged(out_dir, "reward_margin")),
-        "reward_accuracy": metrics.get("reward_accuracy", _last_logged(out_dir, "reward_accuracy")),
+        "final_loss": metrics.get("loss", last_logged(out_dir, "loss")),
+        "reward_margin": metrics.get("reward_margin", last_logged(out_dir, "reward_margin")),
+        "reward_accuracy": metrics.get("reward_accuracy", last_logged(out_dir, "reward_accuracy")),
         "wall_s": round(time.time() - t0, 1),
     }
     if rank == 0:
         save_model(engine.module, out_dir / "model", extra_files={"tokenizer": tokenizer_folder(cfg)}, sampler=sampler_dict(cfg))
         atomic_write_json(Path(cfg.run.metrics_dir) / "preference.json", summary)
     return summary
-
-
-def _last_logged(out_dir: Path, key: str) -> Optional[float]:
-    """A run resumed at its last step trains nothing: its summary repeats the logged values."""
-    import json
-
-    path = out_dir / "metrics.jsonl"
-    if not path.exists():
-        return None
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return next((r[key] for r in reversed(rows) if key in r), None)
 
 
 def _to(batch, device: torch.device):

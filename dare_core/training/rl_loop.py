@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,19 +15,21 @@ from tqdm.auto import tqdm
 from dare_core.algorithms.base import Batch
 from dare_core.algorithms.common import group_advantages
 from dare_core.algorithms.registry import build_algorithm
-from dare_core.config import DareConfig, to_dict
+from dare_core.config import ConfigError, DareConfig
 from dare_core.data.batching import global_batch_indices
-from dare_core.data.schema import read_rows
+from dare_core.data.schema import DataError, check_ground_truths, read_rows
 from dare_core.diffusion.seeding import sample_generators
 from dare_core.eval.scoring import score_texts
-from dare_core.models.registry import load_model
+from dare_core.models.registry import inspect_model, load_model
+from dare_core.sampling.cache import check_cache_fits
 from dare_core.sampling.decode import decode_responses
 from dare_core.sampling.engines import RolloutEngine, build_engine
 from dare_core.storage import atomic_write_json
 from dare_core.training import engine as eng
-from dare_core.training.checkpoint import CheckpointManager, config_fingerprint, input_fingerprint
+from dare_core.training.checkpoint import CheckpointManager, stage_fingerprint
 from dare_core.training.engine import resolve_dtype
 from dare_core.training.metrics import MetricsLogger
+from dare_core.training.preflight import check_outputs, checkpoint_bytes, stage_writes
 from dare_core.training.rl_validation import RLValidator
 from dare_core.training.setup import prepare_for_training, stage_tokenizer
 
@@ -46,7 +47,7 @@ def check_rl_config(cfg: DareConfig, rows_per_prompt: Optional[int] = None) -> N
     rl = cfg.rl
     per_prompt = rows_per_prompt or rl.group_size
     rollouts = rl.prompts_per_step * per_prompt
-    if rl.group_size < 2:
+    if rl.group_size < 2:  # also a config check; kept for configs built in code
         raise ValueError("rl.group_size must be >= 2 (group advantages need a group)")
     if rollouts % rl.mini_batches:
         what = "rl.group_size" if per_prompt == rl.group_size else f"{per_prompt} rows per prompt ({rl.algorithm})"
@@ -173,14 +174,92 @@ def _val_postfix(val_metrics: dict) -> dict:
     return {key.split("/")[1]: f"{v:.3f}" for key, v in val_metrics.items() if key.startswith("val/maj@")}
 
 
+# rl.validate_*: validation neither draws from the training randomness nor changes the weights, so
+# changing them resumes the run (left out of the fingerprint, like the keys of COSMETIC_KEYS)
+VALIDATION_KEYS = ("validate_every", "validate_k", "validate_prompts", "validate_temperature")
+
+
+@dataclass
+class RLPlan:
+    """What `check_rl` read and decided, before anything is written."""
+
+    rows: list
+    validator: RLValidator
+    tokenizer: object
+    ckpt: CheckpointManager
+
+
+def _check_sampler(cfg: DareConfig, spec) -> None:
+    """The rollout cache must suit the start model's family (block diffusion or not)."""
+    try:
+        check_cache_fits(cfg.rl.sampler, spec.block_size is not None)
+    except ValueError as exc:
+        raise ConfigError(f"rl.sampler.cache: {exc} (the model in {rl_start_folder(cfg)} is {spec.family.model_type})") from None
+
+
+def _check_prompt_lengths(path: Path, rows: list[dict], tokenizer, gen_length: int, limit: int) -> None:
+    for i, row in enumerate(rows):
+        n = len(tokenizer.encode(row["prompt_text"]))
+        if n + gen_length > limit:
+            raise DataError(f"{path}: row {i}: prompt of {n} tokens + rl.sampler.gen_length {gen_length} exceeds the "
+                            f"model maximum {limit}")
+
+
+def check_rl(cfg: DareConfig) -> RLPlan:
+    """Every check of the RL stage, before it writes anything or starts DeepSpeed: the config, the
+    SFT model (its config only) and the sampler's fit to its family, the algorithm's options and
+    batch shapes, the prompts and their ground truths (train and val), the checkpoints (made with
+    these settings, unless --restart), writable outputs and room on the disk."""
+    rl = cfg.rl
+    out_dir = cfg.stage_dir("rl")
+    start_folder = rl_start_folder(cfg)
+    if not (start_folder / "config.json").is_file():
+        raise FileNotFoundError(f"{start_folder}: no SFT model to start from (run the sft stage first)")
+    spec = prepare_for_training(inspect_model(start_folder), cfg)
+    _check_sampler(cfg, spec)
+    algo = build_algorithm(rl, spec)
+    check_rl_config(cfg, algo.rows_per_prompt)
+    check_rl_ranks(cfg, algo.rows_per_prompt)
+
+    data_path = Path(cfg.data.prepared_dir) / "rl.parquet"
+    rows = read_rows(data_path, "rl")
+    if not rows:
+        raise DataError(f"{data_path}: no prompts to train on")
+    check_ground_truths(rows, rl.reward, str(data_path))
+    # reads the val split now: a missing one fails before the model loads
+    validator = RLValidator(cfg, out_dir)
+    check_ground_truths(validator.rows, rl.reward, str(Path(cfg.data.prepared_dir) / "val.parquet"))
+    tokenizer = stage_tokenizer(cfg)
+    _check_prompt_lengths(data_path, rows, tokenizer, rl.sampler.gen_length, spec.max_sequence_length)
+
+    fingerprint = stage_fingerprint(cfg, "rl", {"data file": data_path, "start model": start_folder}, VALIDATION_KEYS)
+    ckpt_bytes = checkpoint_bytes(spec, resolve_dtype(cfg.model.dtype))
+    ckpt = CheckpointManager(out_dir / "checkpoints", rl.keep_last, fingerprint, "rl", cfg.restart, ckpt_bytes)
+    ckpt.check()
+    check_outputs(stage_writes(out_dir) + [Path(cfg.run.metrics_dir) / "rl.json"], [(out_dir / "checkpoints", ckpt_bytes)],
+                  "an RL checkpoint")
+    return RLPlan(rows, validator, tokenizer, ckpt)
+
+
+def check_rl_ranks(cfg: DareConfig, rows_per_prompt: int) -> None:
+    """Each rank walks its own share of every mini-batch, so the shares must be whole."""
+    rl = cfg.rl
+    mini = rl.prompts_per_step * rows_per_prompt // rl.mini_batches
+    ranks = eng.planned_world_size()
+    if rl.prompts_per_step % ranks or mini % ranks:
+        raise ValueError(f"rl.prompts_per_step = {rl.prompts_per_step} (mini-batch {mini}) must be divisible by the {ranks} ranks")
+    if rl.validate_every and ranks > 1 and cfg.launch.zero_stage >= 3:
+        raise ValueError("rl.validate_every: rank 0 validates alone, which ZeRO-3's sharded weights cannot do; "
+                         "use launch.zero_stage <= 2 or rl.validate_every: 0")
+
+
 def run_rl(cfg: DareConfig, progress: bool = True) -> dict:
     rl = cfg.rl
     out_dir = cfg.stage_dir("rl")
-    data_path = Path(cfg.data.prepared_dir) / "rl.parquet"
-    rows = read_rows(data_path, "rl")
-    # reads the val split now: a missing one fails before the model loads
-    validator = RLValidator(cfg, out_dir)
-    tokenizer = stage_tokenizer(cfg)
+    plan = check_rl(cfg)
+    rows, validator, tokenizer, ckpt = plan.rows, plan.validator, plan.tokenizer, plan.ckpt
+
+    # every check has passed: from here on the stage may write
     device = eng.device()
     policy = prepare_for_training(load_model(rl_start_folder(cfg), dtype=resolve_dtype(cfg.model.dtype), device=device), cfg)
     ref: Optional[torch.nn.Module] = None
@@ -188,29 +267,15 @@ def run_rl(cfg: DareConfig, progress: bool = True) -> dict:
         ref = copy.deepcopy(policy).eval().requires_grad_(False)
 
     algo = build_algorithm(rl, policy)
-    check_rl_config(cfg, algo.rows_per_prompt)
     rollouts = rl.prompts_per_step * algo.rows_per_prompt
     mini = rollouts // rl.mini_batches
-    # each rank walks its own share of every mini-batch: DeepSpeed must step after that many micro-batches
-    ranks = int(os.environ.get("WORLD_SIZE", "1"))
-    if rl.prompts_per_step % ranks or mini % ranks:
-        raise ValueError(f"rl.prompts_per_step = {rl.prompts_per_step} (mini-batch {mini}) must be divisible by the {ranks} ranks")
-    if rl.validate_every and ranks > 1 and cfg.launch.zero_stage >= 3:
-        raise ValueError("rl.validate_every: rank 0 validates alone, which ZeRO-3's sharded weights cannot do; "
-                         "use launch.zero_stage <= 2 or rl.validate_every: 0")
-    local_mini = mini // ranks
+    local_mini = mini // eng.planned_world_size()
     micro = min(rl.micro_batch_size, local_mini)
     updates = rl.num_steps * rl.num_iterations * rl.mini_batches
     engine = eng.build_engine(policy, rl.optim, updates, micro, -(-local_mini // micro), cfg.launch.zero_stage)
     world, rank = eng.world_size(), eng.rank()
     sampler = build_engine(rl.sampler.engine, engine.module, **rl.sampler.engine_args)
-
-    # validation neither draws from the training randomness nor changes the weights: its settings
-    # are left out of the fingerprint, so that changing them still resumes the run
-    trained = {k: v for k, v in to_dict(rl).items() if not k.startswith("validate_")}
-    fingerprint = config_fingerprint(to_dict(cfg.model), trained, cfg.run.seed, world, input_fingerprint(data_path), input_fingerprint(rl_start_folder(cfg)))
-    ckpt = CheckpointManager(out_dir / "checkpoints", rl.keep_last, fingerprint)
-    start = ckpt.resume(engine, "RL")
+    start = ckpt.begin(engine, "RL")
     logger = MetricsLogger(out_dir, resume_step=start, plot_keys=("reward", "accuracy"), enabled=rank == 0)
     validator.open(start, writer=rank == 0)
     trivial_ratio = rl.num_iterations == 1 and rl.mini_batches == 1

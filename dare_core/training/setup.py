@@ -6,9 +6,9 @@ from typing import Optional
 
 import torch
 
-from dare_core.config import DareConfig
+from dare_core.config import ConfigError, DareConfig
 from dare_core.diffusion.seeding import generator
-from dare_core.models.registry import DiffusionLM, build_model, get_family, load_model
+from dare_core.models.registry import DiffusionLM, build_model, get_family, inspect_model, load_model
 from dare_core.models.tokenizer import Tokenizer, load_tokenizer
 from dare_core.training.engine import resolve_dtype
 
@@ -28,17 +28,43 @@ def sampler_dict(cfg: DareConfig) -> dict:
     return {k: v for k, v in asdict(cfg.eval.sampler).items() if k not in ("batch_size", "engine", "engine_args")}
 
 
+def _scratch_config(cfg: DareConfig, tokenizer: Tokenizer) -> dict:
+    """config.json of a from-scratch model of `model.family` sized by `model.init`."""
+    try:
+        family = get_family(cfg.model.family)
+    except ValueError as exc:
+        raise ConfigError(f"model.family: {exc}") from None
+    if family.tiny_config is None:
+        raise ConfigError(f"model.family: '{cfg.model.family}' cannot be initialised from scratch (set model.path)")
+    try:
+        return family.tiny_config(tokenizer.vocab_size, tokenizer.mask_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id,
+                                  **cfg.model.init)
+    except TypeError as exc:  # a size the family does not have
+        raise ConfigError(f"model.init: {exc}") from None
+
+
+def initial_spec(cfg: DareConfig, tokenizer: Tokenizer) -> DiffusionLM:
+    """The model SFT will train, on the meta device (no weights read, no memory), with LoRA applied
+    as configured: its sizes, family and parameter count for the checks made before anything is
+    loaded or written. `model.path`'s folder is checked as far as possible without its weights."""
+    if cfg.model.path:
+        model = inspect_model(cfg.model.path)
+    else:
+        hf_config = _scratch_config(cfg, tokenizer)
+        try:
+            model = build_model(hf_config, device="meta")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"model.init: {exc}") from None
+    return prepare_for_training(model, cfg)
+
+
 def initial_model(cfg: DareConfig, tokenizer: Tokenizer, device: Optional[torch.device] = None) -> DiffusionLM:
     """The model SFT starts from: `model.path` if set, else a seeded from-scratch init of `model.family`."""
     dtype = resolve_dtype(cfg.model.dtype)
     if cfg.model.path:
         model = load_model(cfg.model.path, dtype=dtype, device=device or "cpu")
     else:
-        family = get_family(cfg.model.family)
-        if family.tiny_config is None:
-            raise ValueError(f"family '{cfg.model.family}' cannot be initialised from scratch")
-        hf_config = family.tiny_config(tokenizer.vocab_size, tokenizer.mask_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, **cfg.model.init)
-        model = build_model(hf_config)
+        model = build_model(_scratch_config(cfg, tokenizer))
         model.net.init_weights(generator(cfg.run.seed, "init"))
         model = model.to(device=device or "cpu", dtype=dtype)
     return prepare_for_training(model, cfg)

@@ -1,13 +1,32 @@
 """Worker of the `convert` stage: the RL stage's last checkpoint -> a Hugging Face folder."""
 import sys
 
+import torch
+
 from dare_core.config import DareConfig
-from dare_core.training.checkpoint import convert_checkpoint
+from dare_core.models.registry import build_model
+from dare_core.storage import check_free_space, check_writable
+from dare_core.training.checkpoint import convert_checkpoint, latest_checkpoint
+from dare_core.training.preflight import model_bytes
 from dare_core.training.setup import sampler_dict, tokenizer_folder
 from dare_core.workers.common import run_worker
 
 
+def check_convert(cfg: DareConfig) -> None:
+    """Before models/<name> is touched: a complete checkpoint to convert, its tokenizer, a writable
+    destination with room for the weights."""
+    _, meta = latest_checkpoint(cfg.stage_dir("rl") / "checkpoints")
+    tokenizer = tokenizer_folder(cfg)
+    if not (tokenizer / "tokenizer_config.json").is_file():
+        raise FileNotFoundError(f"{tokenizer / 'tokenizer_config.json'}: missing (run the prepare stage first)")
+    check_writable(cfg.final_model_dir)
+    spec = build_model(meta["hf_config"], device="meta")
+    # the checkpoint holds fp32 or bf16 weights; fp32 is the larger, so the estimate is safe
+    check_free_space([(cfg.final_model_dir, model_bytes(spec, torch.float32))], "the exported model")
+
+
 def run_convert(cfg: DareConfig) -> None:
+    check_convert(cfg)
     out = convert_checkpoint(cfg.stage_dir("rl") / "checkpoints", cfg.final_model_dir, tokenizer_folder(cfg), sampler=sampler_dict(cfg))
     print(f"wrote {out}")
 

@@ -4,6 +4,9 @@ Writes `metrics/eval.json` = {checkpoint: {benchmark: accuracy (0-100)}, "artifa
 metrics, so `dvc metrics diff` compares experiments), and under runs/<name>/eval the OpenCompass
 run (predictions, per-benchmark results, its summary), `summary.md`, `manifest.json` and
 `accuracy.png`. The embedded default's benchmark is `task`: its own prepared eval split.
+
+A failing run changes nothing: every input is checked before OpenCompass starts, runs/<name>/eval
+is written as a temporary folder renamed into place when complete, and eval.json only after that.
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ def model_options(cfg: DareConfig) -> dict:
 
 def run_eval(cfg: DareConfig) -> dict:
     from dare_core.eval.report import accuracy_plot, results_table
-    from dare_core.eval.runner import benchmark_specs, evaluate_folders, run_manifest
+    from dare_core.eval.runner import benchmark_specs, check_models, complete_or_absent, evaluate_folders
 
     everything = checkpoints(cfg)
     folders = {name: everything[name] for name in cfg.eval.checkpoints}
@@ -45,20 +48,20 @@ def run_eval(cfg: DareConfig) -> dict:
     prepared = Path(cfg.data.prepared_dir) / "eval.parquet"
     specs = benchmark_specs(cfg.eval.benchmarks, Path(cfg.eval.data_dir) if cfg.eval.data_dir else None,
                             cfg.eval.benchmark_args, cfg.eval.max_samples or 0, data_dirs={"task": prepared})
-    out_dir = cfg.stage_dir("eval")
-    results = evaluate_folders(folders, specs, out_dir / "opencompass", model_options(cfg), cfg.eval.sampler.batch_size,
-                               run_name="run")
-    run_dir = out_dir / "opencompass" / "run"
+    check_models(folders, specs, model_options(cfg))  # before the old results are touched
+    with complete_or_absent(cfg.stage_dir("eval")) as out_dir:
+        results = evaluate_folders(folders, specs, out_dir / "opencompass", model_options(cfg), cfg.eval.sampler.batch_size,
+                                   run_name="run", check=False)
+        run_dir = out_dir / "opencompass" / "run"
+        table = results_table(results)
+        atomic_write_text(out_dir / "summary.md", table + "\n")
+        for name, copy in (("summary.md", "opencompass_summary.md"), ("manifest.json", "manifest.json")):
+            if (run_dir / name).exists():
+                atomic_write_text(out_dir / copy, (run_dir / name).read_text())
+        accuracy_plot(results, out_dir / "accuracy.png")
     # checkpoint order (base, sft, rl) is meaningful: keep it in the file
     atomic_write_json(Path(cfg.run.metrics_dir) / "eval.json",
                       {**results, "artifacts": {k: str(v) for k, v in folders.items()}}, sort_keys=False)
-    table = results_table(results)
-    atomic_write_text(out_dir / "summary.md", table + "\n")
-    if (run_dir / "summary.md").exists():
-        atomic_write_text(out_dir / "opencompass_summary.md", (run_dir / "summary.md").read_text())
-    atomic_write_json(out_dir / "manifest.json", run_manifest(folders, specs, model_options(cfg), cfg.eval.sampler.batch_size),
-                      sort_keys=False)
-    accuracy_plot(results, out_dir / "accuracy.png")
     print(table)
     return results
 

@@ -44,3 +44,49 @@ def test_generate_and_eval_use_the_folders_sampler(folder, tmp_path, capsys):
     (run,) = [d for d in work.iterdir() if d.is_dir()]
     assert (run / "summary.md").exists()
     assert json.loads((run / "manifest.json").read_text())["benchmarks"][0]["name"] == "task"
+
+
+# ---- the one error printer shared by `dare` and every stage worker (dare_core/workers/common.py)
+
+
+def _fail(exc):
+    def fn():
+        raise exc
+    return fn
+
+
+def test_expected_failures_are_one_line_with_the_path_and_code(capsys):
+    import errno
+
+    from dare_core.errors import UserError
+    from dare_core.workers.common import run_reporting_errors
+
+    cases = [(OSError(errno.ENOSPC, "No space left on device", "runs/t/eval"), "error: runs/t/eval: No space left on device", 1),
+             (OSError(errno.EROFS, "Read-only file system", "models/t"), "error: models/t: Read-only file system", 1),
+             (FileNotFoundError(errno.ENOENT, "No such file or directory", "data/x.parquet"),
+              "error: data/x.parquet: No such file or directory", 2),
+             (UserError("a message\nover two lines"), "error: a message over two lines", 2)]
+    for exc, line, code in cases:
+        assert run_reporting_errors(_fail(exc)) == code
+        err = capsys.readouterr().err
+        assert err == line + "\n"
+    assert run_reporting_errors(lambda: 0) == 0 and run_reporting_errors(lambda: None) == 0
+
+
+def test_debug_adds_the_traceback_and_bugs_keep_theirs(capsys):
+    from dare_core.workers.common import run_reporting_errors
+
+    assert run_reporting_errors(_fail(ValueError("bad value")), debug=True) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last)") and err.endswith("error: bad value\n")
+    with pytest.raises(KeyError):  # a bug is not an expected failure: its traceback is not swallowed
+        run_reporting_errors(_fail(KeyError("oops")))
+
+
+def test_eval_fails_before_writing_anything(folder, tmp_path, capsys):
+    path, _ = folder
+    work = tmp_path / "deep" / "work"
+    assert main(["eval", "--model", str(path), "--model", str(tmp_path / "nope"), "--data", str(tmp_path / "none.parquet"),
+                 "--work-dir", str(work)]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
+    assert not (tmp_path / "deep").exists()

@@ -33,3 +33,16 @@ def test_overrides_and_yaml_float_spelling(tmp_path):
         load_config(p, ["sft.max_steps"])
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(tmp_path / "nope.yaml")
+
+
+def test_values_out_of_range_name_their_full_key(tmp_path):
+    p = _write(tmp_path, "sft:\n  save_every: 0\n")
+    with pytest.raises(ConfigError, match=r"key 'sft\.save_every' must be >= 1, got 0"):
+        load_config(p)
+    for override, key in (("rl.num_steps=-1", "rl.num_steps"), ("preference.keep_last=0", "preference.keep_last"),
+                          ("rl.sampler.batch_size=0", "rl.sampler.batch_size"), ("sft.optim.schedule=cos", "sft.optim.schedule"),
+                          ("rl.dual_clip=0.5", "rl.dual_clip"), ("launch.nproc=0", "launch.nproc")):
+        with pytest.raises(ConfigError, match=rf"key '{key}'"):
+            load_config(_write(tmp_path, "{}\n"), [override])
+    # 0 where it means "off" stays allowed
+    assert load_config(_write(tmp_path, "{}\n"), ["rl.validate_every=0", "rl.dual_clip=0"]).rl.validate_every == 0

@@ -65,7 +65,7 @@ def test_loss_by_hand():
     assert float(out.loss) == pytest.approx(sum(terms) / len(terms), rel=1e-4, abs=1e-6)
 
 
-@pytest.mark.parametrize("bad", [{"cache": "prefix"}, {"cache": "dual"}, {"block_length": 2}, {"steps": 16},
+@pytest.mark.parametrize("bad", [{"cache": "prefix"}, {"cache": "dual"}, {"block_length": 2}, {"steps": 16, "schedule": "dream"},
                                  {"temperature": 0.0}, {"top_k": 5}, {"top_p": 0.9}])
 def test_refuses_samplers_it_cannot_be_exact_for(bad):
     with pytest.raises(ValueError, match="just_grpo"):

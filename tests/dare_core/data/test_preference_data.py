@@ -105,7 +105,8 @@ def test_source_data_derives_pairs_from_the_answer_in_the_response(tmp_path):
 
 def test_rows_without_a_derivable_pair_give_an_empty_split(tmp_path):
     # a ground truth that is a checker's spec, not text of the response (as countdown's "15|7,7,1")
-    rows = [{"prompt": f"q{i}", "response": f"<answer>{i}+1</answer>", "ground_truth": f"{i + 1}|{i},1"} for i in range(12)]
+    rows = [{"prompt": f"q{i}", "response": f"<answer>{i}+1</answer>", "ground_truth": f"{i + 1}|{i},1", "task": "countdown"}
+            for i in range(12)]
     cfg = make_cfg(tmp_path, num_sft=8, num_rl=8, num_eval=4)
     cfg.data.source = _source(tmp_path, rows, "raw.jsonl")
     cfg.sft.pad_to = 24

@@ -32,6 +32,27 @@ def test_sampler_layers_and_errors(llada, tmp_path):
     assert sampler_settings({"gen_length": 4, "block_length": 4, "batch_size": 9}, {"steps": 2}).steps == 2
 
 
+def test_steps_beyond_gen_length_only_where_the_schedule_can_use_them(llada):
+    m = EvalModel(llada, device="cpu")
+    with pytest.raises(ValueError, match=r"steps 12 > gen_length 6"):
+        m.sampling_params({"steps": 12})
+    with pytest.raises(ValueError, match=r"steps 12 > gen_length 6"):
+        EvalModel(llada, sampler={"steps": 12, "unmasking": "threshold"}, device="cpu")
+    # Dream's timestep grid is defined for any number of steps (a step may commit nothing)
+    assert m.sampling_params({"steps": 12, "schedule": "dream"}).steps == 12
+    assert m.sampling_params({"steps": 12, "unmasking": "origin"}).steps == 12
+
+
+def test_settings_name_what_is_wrong(llada):
+    m = EvalModel(llada, device="cpu")
+    with pytest.raises(ValueError, match=r"^sampler settings: gen_length must be positive, got 0$"):
+        m.sampling_params({"gen_length": 0})
+    with pytest.raises(ValueError, match=r"cache 'block_kv' does not apply to a masked-diffusion model"):
+        EvalModel(llada, sampler={"cache": "block_kv"}, device="cpu")
+    with pytest.raises(ValueError, match=r"the prompt has \d+ tokens .* max_sequence_length 4096"):
+        m.generate(["x" * 5000])
+
+
 def test_render_uses_the_chat_template_for_messages_only(llada):
     m = EvalModel(llada, device="cpu")
     chat = m.render([{"role": "user", "content": "hi"}])

@@ -99,3 +99,40 @@ def test_a_missing_benchmark_file_fails_before_any_model_loads(tmp_path):
         benchmark_specs(["gsm8k"], tmp_path, {"gsm8k": {"mode": "ll"}})
     with pytest.raises(ValueError, match="unknown keys"):
         benchmark_specs(["gsm8k"], tmp_path, {"gsm8k": {"shot": 3}})
+
+
+def test_settings_are_checked_per_family_and_benchmark_before_anything_is_written(data, tmp_path):
+    from dare_core.eval.runner import check_models
+
+    specs = benchmark_specs(["gsm8k", "task"], data, data_dirs={"task": data / "prepared"})
+    llada, sdar = tiny_folder(tmp_path, "llada"), tiny_folder(tmp_path, "sdar")
+    check_models({"l": llada}, specs, {"sampler": {"cache": "dual"}})
+    check_models({"s": sdar}, specs, {"sampler": {"cache": "block_kv"}})
+    with pytest.raises(ValueError, match=r"llada_0: sampler settings: cache 'block_kv' does not apply to a masked-diffusion"):
+        check_models({"l": llada}, specs, {"sampler": {"cache": "block_kv"}})
+    # the model-wide settings fit, one benchmark's own do not: the message names it
+    gsm8k_prefix = [BenchmarkSpec("gsm8k", sampler={"cache": "prefix"}, data_dir=data)]
+    with pytest.raises(ValueError, match=r"sdar_0, benchmark 'gsm8k': sampler settings: cache 'prefix' does not apply to a block"):
+        check_models({"s": sdar}, gsm8k_prefix, {"sampler": {"cache": "block_kv"}})
+    spec = BenchmarkSpec("gsm8k", sampler={"gen_length": 8, "steps": 16, "block_length": 8}, data_dir=data)
+    work = tmp_path / "not" / "created"
+    with pytest.raises(ValueError, match=r"benchmark 'gsm8k': sampler settings: steps 16 > gen_length 8"):
+        evaluate_folders({"l": llada}, [spec], work)
+    assert not (tmp_path / "not").exists()
+
+
+def test_an_opencompass_failure_names_its_cause_and_leaves_nothing(data, tmp_path):
+    """A failure inside OpenCompass (here: a scripted model whose data folder is missing) is reported
+    by the exception it died of; the run folder and the parents it created are gone, the log kept."""
+    from dare_core.eval.runner import EvalRunError
+
+    specs = benchmark_specs(["task"], None, data_dirs={"task": data / "prepared"})
+    broken = {"o": {"folder": "oracle", "model_class": "eval_oracle.OracleModel", "data_dir": str(tmp_path / "nowhere")}}
+    with pytest.raises(EvalRunError) as err:
+        evaluate_folders(broken, specs, tmp_path / "w" / "oc", env=opencompass_env(), quiet=True)
+    message = str(err.value)
+    assert "MissingBenchmarkData: " in message and str(tmp_path / "nowhere") in message and "\n" not in message
+    log = Path(message.rsplit("full log: ", 1)[1].rstrip(")"))
+    assert "Traceback" in log.read_text()
+    log.unlink()
+    assert not (tmp_path / "w").exists()

@@ -1,0 +1,54 @@
+"""What a training stage checks before it writes anything: that its output folders can be written
+and that the disk has room for a checkpoint (and the exported model), estimated from the parameter
+count of the model it will train. A stage runs these after its config and input checks and before
+DeepSpeed starts, so a full or read-only disk fails in a second with one line, not after an hour of
+training with a half-written checkpoint."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from dare_core.storage import check_free_space, check_writable
+
+# Adam's two moments per trainable parameter, in fp32
+ADAM_BYTES = 8
+# the fp32 master copy DeepSpeed keeps of each trainable 16-bit parameter
+MASTER_BYTES = 4
+
+
+def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
+    """(all, trainable) parameters; works on a model on the meta device (no memory)."""
+    params = list(model.parameters())
+    return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+
+
+def model_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """The exported weights of `model` in `dtype`."""
+    return parameter_counts(model)[0] * dtype.itemsize
+
+
+def checkpoint_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """About the size of one DeepSpeed checkpoint: every weight in the training dtype, plus Adam's
+    moments (and, below 32 bits, the fp32 master weights) of the trainable ones (LoRA: the adapter)."""
+    total, trainable = parameter_counts(model)
+    per_trainable = ADAM_BYTES + (MASTER_BYTES if dtype.itemsize < 4 else 0)
+    return total * dtype.itemsize + trainable * per_trainable
+
+
+def stage_writes(out_dir: Path) -> list[Path]:
+    """What a training stage writes in its folder: the folder, its checkpoints, and the files it
+    rewrites there (metrics.jsonl, the plot CSVs, ...)."""
+    paths = [out_dir, out_dir / "checkpoints"]
+    if out_dir.is_dir():
+        paths += sorted(p for p in out_dir.iterdir() if p.is_file())
+    return paths
+
+
+def check_outputs(writes: Iterable[Path], needs: list[tuple[Path, int]], what: str) -> None:
+    """Raise UserError, naming the folder, unless every path in `writes` can be written and the
+    disk holds `needs` ((where, bytes); `what` says what they are)."""
+    for path in writes:
+        check_writable(path)
+    check_free_space(needs, what)
