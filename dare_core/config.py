@@ -95,9 +95,17 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     # LoRA adapter instead of full fine-tuning: {r, alpha, dropout, targets}; null = full weights
     lora: Optional[dict] = None
+    # training forwards over the real tokens only, sequences packed back to back (no padding):
+    # auto = where a packed kernel runs (GPU: varlen, FlexAttention for block diffusion), padded
+    # SDPA otherwise; on = always (CPU: SDPA with a block-diagonal mask); off = padded batches
+    packing: str = "auto"
+    # training forwards run each decoder layer through torch.compile (fused norms, RoPE, SwiGLU and
+    # LoRA adds); rollouts stay eager. Costs a compile (about a minute on a GPU) at the first step
+    compile: bool = False
 
     def __post_init__(self) -> None:
         _one_of(self, "dtype", DTYPES)
+        _one_of(self, "packing", ("auto", "on", "off"))
 
 
 LR_SCHEDULES = ("constant", "cosine")

@@ -309,8 +309,7 @@ class DTreeRPO(RLAlgorithm):
         sd_pos[:, P:] = sd_resp
         need = active | sd_pos
         # one forward on the parent states; log-softmax only at the positions used
-        hidden = model.hidden_states(corruption.noisy_ids, batch.attention_mask)
-        logits = model.logits_at(hidden, need, batch.attention_mask).float() / self.options.score_temperature
+        logits = model.scored_logits(corruption.noisy_ids, batch.attention_mask, need).float() / self.options.score_temperature
         logp = torch.log_softmax(logits, -1)
         index = torch.full(need.shape, -1, dtype=torch.long, device=dev)
         index[need] = torch.arange(int(need.sum()), device=dev)

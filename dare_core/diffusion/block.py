@@ -7,6 +7,8 @@ The noisy stream z and the clean stream y0 are concatenated (length 2S) and shar
   clean -> clean  iff b(k) <= b(q)    (block-causal)
   clean -> noisy  never
 so every noisy block is denoised given only the clean prefix, all blocks in one forward pass.
+Packed (`model.packing`), each sequence becomes one document [its noisy tokens ; its clean tokens]
+under the same four rules, with no attention across documents.
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ from typing import Optional
 
 import torch
 
+from dare_core.models.attention import AttentionContext
+from dare_core.models.packing import PackedLayout, packed_backend
 from dare_core.models.transformer import default_position_ids
 
 
@@ -44,3 +48,49 @@ def two_stream_hidden(model, noisy_ids: torch.Tensor, clean_ids: torch.Tensor, a
     ids = torch.cat([noisy_ids, clean_ids], dim=1)
     hidden = model.net.hidden_states(ids, None, pos.repeat(1, 2), mask)
     return hidden[:, : noisy_ids.shape[1]]
+
+
+def two_stream_context(doc: torch.Tensor, block: torch.Tensor, clean: torch.Tensor, backend: str) -> AttentionContext:
+    """The four rules over a packed stream: per token its document, block index and stream (clean or
+    noisy); no token attends across documents."""
+    def allowed(q, k):
+        same_doc = doc[q] == doc[k]
+        noisy_q = (~clean[k] & (block[k] == block[q])) | (clean[k] & (block[k] < block[q]))
+        clean_q = clean[k] & (block[k] <= block[q])
+        return same_doc & torch.where(clean[q], clean_q, noisy_q)
+
+    if backend == "flex":
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        n = doc.numel()
+        return AttentionContext("flex", block_mask=create_block_mask(lambda b, h, q, k: allowed(q, k), None, None, n, n,
+                                                                     device=doc.device))
+    if backend != "sdpa":
+        raise ValueError(f"the two-stream layout needs the flex or sdpa attention backend, not {backend}")
+    index = torch.arange(doc.numel(), device=doc.device)
+    return AttentionContext("sdpa", mask=allowed(index[:, None], index[None, :])[None, None])
+
+
+def two_stream_logits(model, noisy_ids: torch.Tensor, clean_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      rows: torch.Tensor) -> torch.Tensor:
+    """Logits [N, V] of the noisy stream at the boolean [B, S] `rows` (row-major), padded or packed."""
+    backend = packed_backend(model.packing, noisy_ids.device, block_diffusion=True)
+    if backend is None:
+        return model.logits_at(two_stream_hidden(model, noisy_ids, clean_ids, attention_mask), rows, attention_mask)
+    layout = PackedLayout.of(attention_mask)
+    lens = torch.tensor(layout.lens, device=noisy_ids.device)
+    per_token = lambda values: torch.repeat_interleave(values, lens)  # noqa: E731
+    # document b holds its n_b noisy tokens, then its n_b clean ones, at slots 2 * start_b + ...
+    noisy_slot = 2 * per_token(layout.starts()) + layout.positions
+    clean_slot = noisy_slot + per_token(lens)
+    total = 2 * layout.total
+    ids = noisy_ids.new_empty(total)
+    ids[noisy_slot], ids[clean_slot] = noisy_ids[layout.valid], clean_ids[layout.valid]
+    pos = layout.positions.new_empty(total)
+    pos[noisy_slot] = pos[clean_slot] = layout.positions
+    clean = torch.zeros(total, dtype=torch.bool, device=ids.device)
+    clean[clean_slot] = True
+    doc = torch.repeat_interleave(torch.arange(len(layout.lens), device=ids.device), 2 * lens)
+    ctx = two_stream_context(doc, pos // model.block_size, clean, backend)
+    hidden = model.net.hidden_states(ids[None], None, pos[None], ctx)[0]
+    return model.net.lm_head(hidden[noisy_slot[layout.sources(rows, model.family.shift_logits)]])

@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from dare_core.diffusion.block import two_stream_hidden
+from dare_core.diffusion.block import two_stream_logits
 from dare_core.diffusion.masking import Corruption, CorruptionSet
 
 
@@ -28,21 +28,22 @@ def token_logprobs(model, corruption: Corruption, targets: torch.Tensor, attenti
     the log-probability the rollout actually sampled with.
 
     Block-diffusion models score all blocks in one pass of the two-stream layout [x_t ; x_0],
-    each noisy block seeing only the clean blocks before it."""
+    each noisy block seeing only the clean blocks before it. Under `model.packing` the forward
+    runs over the real tokens only."""
     if corruption.targets is not None:
         targets = corruption.targets
-    if model.block_size is not None:
-        hidden = two_stream_hidden(model, corruption.noisy_ids, targets, attention_mask)
-    else:
-        hidden = model.hidden_states(corruption.noisy_ids, attention_mask)
     rows = corruption.scored
-    logits = model.logits_at(hidden, rows, attention_mask).float()
+    if model.block_size is not None:
+        logits = two_stream_logits(model, corruption.noisy_ids, targets, attention_mask, rows)
+    else:
+        logits = model.scored_logits(corruption.noisy_ids, attention_mask, rows)
+    logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
     if len(exclude):
         logits = logits.index_fill(-1, torch.tensor(list(exclude), device=logits.device), float("-inf"))
     logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[rows][:, None]).squeeze(-1)
-    out = torch.zeros(rows.shape, dtype=torch.float32, device=hidden.device)
+    out = torch.zeros(rows.shape, dtype=torch.float32, device=logits.device)
     return out.masked_scatter(rows, logp)
 
 

@@ -74,7 +74,9 @@ def _flex(q, k, v, block_mask):
 
     if q.is_cuda:
         if _compiled_flex is None:
-            _compiled_flex = torch.compile(flex_attention, dynamic=False)
+            # shapes change with every packed batch: let compile mark them dynamic rather than recompile per
+            # shape (and fall back to eager, which materialises the whole score matrix, past its limit)
+            _compiled_flex = torch.compile(flex_attention)
         return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
     return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
 

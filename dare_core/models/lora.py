@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
@@ -58,17 +58,34 @@ def adapter_disabled(model) -> Iterator[None]:
             layer.enable_adapters(True)
 
 
-def merged_state_dict(model) -> dict[str, torch.Tensor]:
-    """Generic-named base weights with every adapter folded in (W + scale * B A), for export."""
-    state = {}
-    lora_modules = {name: m for name, m in model.net.named_modules() if "lora_A" in dict(m.named_children())}
-    for name, tensor in model.net.state_dict().items():
+def base_tensors(net: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, Optional[torch.nn.Module]]]:
+    """(generic name, base tensor, the LoRA layer that adapts it or None) for every tensor of `net`'s
+    state dict but the adapters' own, in state-dict order; wrapper names are cleaned
+    ("q_proj.base_layer.weight" -> "q_proj.weight"). Nothing is computed or copied."""
+    adapted = {name: m for name, m in net.named_modules() if "lora_A" in dict(m.named_children())}
+    for name, tensor in net.state_dict().items():
         if "lora_" in name:
             continue
         clean = name.replace(".base_layer.", ".")
         owner = clean.rsplit(".", 1)[0]
-        if owner in lora_modules and clean.endswith(".weight"):
-            layer = lora_modules[owner]
-            tensor = tensor + layer.get_delta_weight("default").to(tensor.dtype)
-        state[clean] = tensor.detach()
-    return state
+        layer = adapted.get(owner) if clean.endswith(".weight") else None
+        yield clean, tensor, layer
+
+
+def fold(weight: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
+    """W + scale * B A for one adapted weight, computed on W's device and stored in W's dtype (a GPU
+    model merges on the GPU; nothing goes through a float32 copy on the host)."""
+    with torch.no_grad():
+        return weight.detach() + layer.get_delta_weight("default").to(weight.dtype)
+
+
+def merged_tensors(net: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Generic-named base weights with every adapter folded in, one at a time: an export that writes
+    each before asking for the next holds at most one merged weight, never a merged copy of the model."""
+    for name, tensor, layer in base_tensors(net):
+        yield name, fold(tensor, layer) if layer is not None else tensor.detach()
+
+
+def merged_state_dict(model) -> dict[str, torch.Tensor]:
+    """Generic-named base weights with every adapter folded in (W + scale * B A), all at once."""
+    return dict(merged_tensors(model.net))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Union
@@ -16,8 +17,8 @@ from typing import Any, Callable, Iterator, Optional, Union
 import torch
 import torch.nn as nn
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
+from dare_core.models.safetensors_io import SHARD_BYTES, nbytes, plan_shards, write_shard
 from dare_core.models.transformer import KVCache, Transformer, TransformerConfig, default_position_ids
 from dare_core.registry import Registry
 from dare_core.storage import atomic_dir, read_json
@@ -97,6 +98,8 @@ class DiffusionLM(nn.Module):
         self.hf_config = dict(hf_config)
         self.config = family.config_from_hf(hf_config)
         self.net = Transformer(self.config)
+        # training forwards over real tokens only: auto | on | off (dare_core/models/packing.py)
+        self.packing = "off"
         ids = {k: hf_config.get(v) for k, v in family.token_id_keys.items()}
         self.mask_token_id: int = ids["mask"]
         self.eos_token_id: int = ids["eos"]
@@ -164,6 +167,22 @@ class DiffusionLM(nn.Module):
             raise ValueError(f"window starting at column {window_start} cannot predict column {lo}")
         return self.net.lm_head(hidden[:, a:a + hi - lo])
 
+    def scored_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Logits [N, V] for the real positions in the boolean [B, S] `rows` (row-major order),
+        position i predicting token i: what training scores. Under `self.packing` the forward runs
+        over the real tokens only (`dare_core.models.packing`), else over the padded batch."""
+        from dare_core.models.packing import PackedLayout, packed_backend
+
+        backend = packed_backend(self.packing, input_ids.device, self.block_size is not None)
+        if backend is None:
+            return self.logits_at(self.hidden_states(input_ids, attention_mask), rows, attention_mask)
+        from dare_core.models.attention import packed_context
+
+        layout = PackedLayout.of(attention_mask)
+        ctx = packed_context(layout.lens, backend, input_ids.device, self.block_size, layout.positions)
+        hidden = self.net.hidden_states(input_ids[layout.valid][None], None, layout.positions[None], ctx)[0]
+        return self.net.lm_head(hidden[layout.sources(rows, self.family.shift_logits)])
+
     def forward_packed(self, input_ids: torch.Tensor, seq_lens: list[int], backend: str = "sdpa") -> torch.Tensor:
         """Logits [T, V] of sequences packed back to back in the 1-D `input_ids` (no padding);
         positions restart at 0 per sequence and no token attends across sequences."""
@@ -212,21 +231,39 @@ class DiffusionLM(nn.Module):
         src = self._shift_source(b, i, attention_mask)
         return logits.gather(1, src[..., None].expand(-1, -1, logits.shape[-1]))
 
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """Checkpoint-named tensors: parameters and persistent buffers (e.g. an expert bias); a tied
-        head is stored once, as the embedding."""
-        if getattr(self, "lora", None) is not None:  # export folds the adapter into the weights
-            from dare_core.models.lora import merged_state_dict
+    def _export_entries(self) -> Iterator[tuple[str, torch.Tensor, Optional[nn.Module]]]:
+        """(generic name, stored tensor, its LoRA layer or None), in state-dict order; a tied head is
+        left out (stored once, as the embedding). References only: nothing is computed."""
+        if getattr(self, "lora", None) is not None:
+            from dare_core.models.lora import base_tensors
 
-            state = merged_state_dict(self)
+            entries = base_tensors(self.net)
         else:
-            state = self.net.state_dict()
-        if self.config.tie_embeddings:
-            state.pop("lm_head.weight", None)
-        return {self.family.to_hf_name(k): v for k, v in state.items()}
+            entries = ((k, v, None) for k, v in self.net.state_dict().items())
+        for name, tensor, layer in entries:
+            if not (self.config.tie_embeddings and name == "lm_head.weight"):
+                yield name, tensor, layer
+
+    def hf_layout(self) -> dict[str, tuple[tuple, torch.dtype]]:
+        """Checkpoint name -> (shape, dtype) of every exported tensor, in export order, computing
+        nothing (a LoRA-merged weight has its base weight's shape and dtype)."""
+        return {self.family.to_hf_name(k): (tuple(v.shape), v.dtype) for k, v, _ in self._export_entries()}
+
+    def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(checkpoint name, tensor) one at a time, in `hf_layout` order: parameters and persistent
+        buffers (e.g. an expert bias), each adapted weight merged with its LoRA adapter as it is
+        reached, on the device the weights are on."""
+        from dare_core.models.lora import fold
+
+        for name, tensor, layer in self._export_entries():
+            yield self.family.to_hf_name(name), fold(tensor, layer) if layer is not None else tensor.detach()
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Checkpoint-named tensors, all at once (LoRA merged); `hf_tensors` streams them."""
+        return dict(self.hf_tensors())
 
     def hf_parameter_shapes(self) -> dict[str, tuple]:
-        return {k: tuple(v.shape) for k, v in self.hf_state_dict().items()}
+        return {k: shape for k, (shape, _) in self.hf_layout().items()}
 
     def set_gradient_checkpointing(self, enabled: bool = True) -> None:
         self.net.gradient_checkpointing = enabled
@@ -251,6 +288,19 @@ def build_model(hf_config: dict, device: Union[str, torch.device] = "cpu", dtype
     return model
 
 
+def empty_model(hf_config: dict, device: Union[str, torch.device] = "cpu", dtype: Optional[torch.dtype] = None) -> DiffusionLM:
+    """The model with its tensors allocated on `device` (floating ones in `dtype`) and left
+    uninitialised, for a caller that sets every one (`Transformer.init_weights`): no default init
+    is computed and nothing is allocated anywhere else first."""
+    model = build_model(hf_config, device="meta")
+    if dtype is not None:
+        model = model.to(dtype)  # on meta: free
+    model.to_empty(device=device)
+    if model.config.tie_embeddings:  # to_empty gives each module its own new tensor: tie again
+        model.net.lm_head.weight = model.net.embed.weight
+    return model
+
+
 def _read_config(folder: Path) -> dict:
     if not folder.exists():
         raise FileNotFoundError(f"model folder not found: {folder}")
@@ -266,10 +316,10 @@ def _read_config(folder: Path) -> dict:
 
 
 @contextlib.contextmanager
-def _open_shard(path: Path) -> Iterator[Any]:
+def _open_shard(path: Path, device: Union[str, torch.device] = "cpu") -> Iterator[Any]:
     """safe_open, with a truncated or corrupt file named (safetensors' own error names no file)."""
     try:
-        handle = safe_open(path, "pt", device="cpu")
+        handle = safe_open(path, "pt", device=str(device))
     except SafetensorError as exc:
         raise ModelLoadError(f"{path}: not a readable safetensors file ({exc}); truncated or corrupt?") from exc
     with handle as f:
@@ -350,10 +400,30 @@ def _open_folder(folder: Path) -> tuple[DiffusionLM, dict[str, str]]:
     unexpected = sorted(set(weight_map) - set(expected))
     if unexpected:
         raise ModelLoadError(f"{folder / weight_map[unexpected[0]]}: unexpected parameter '{unexpected[0]}' for {hf_config.get('model_type')}")
-    for shard in sorted(set(weight_map.values())):
-        with _open_shard(folder / shard):  # headers only: a truncated shard fails here, before any load
-            pass
+    for shard, names in _by_shard(weight_map).items():
+        _check_header(folder / shard, names, expected)
     return model, weight_map
+
+
+def _by_shard(weight_map: dict[str, str]) -> dict[str, list[str]]:
+    """shard file -> the parameter names the index places in it, shards in name order."""
+    shards: dict[str, list[str]] = {}
+    for name, shard in sorted(weight_map.items(), key=lambda item: item[1]):
+        shards.setdefault(shard, []).append(name)
+    return shards
+
+
+def _check_header(path: Path, names: list[str], expected: dict[str, tuple]) -> None:
+    """Headers only: a truncated shard, a tensor the index places here but the file lacks, or a
+    shape the config does not imply fails here, before any weight is read."""
+    with _open_shard(path) as f:
+        present = set(f.keys())
+        for name in names:
+            if name not in present:
+                raise ModelLoadError(f"{path}: lacks parameter '{name}' (the index places it in this file)")
+            shape = tuple(f.get_slice(name).get_shape())
+            if shape != expected[name]:
+                raise ModelLoadError(f"{path}: parameter '{name}' has shape {shape}, config implies {expected[name]}")
 
 
 def inspect_model(folder: Union[str, Path]) -> DiffusionLM:
@@ -363,58 +433,97 @@ def inspect_model(folder: Union[str, Path]) -> DiffusionLM:
 
 
 def load_model(folder: Union[str, Path], dtype: Optional[torch.dtype] = None, device: Union[str, torch.device] = "cpu") -> DiffusionLM:
-    """Load a Hugging Face checkpoint folder (config.json + safetensors) into our stack."""
+    """Load a Hugging Face checkpoint folder (config.json + safetensors) into our stack, on `device`,
+    floating tensors in `dtype` (None: as stored).
+
+    The model is built on the meta device and each tensor, read shard by shard straight onto
+    `device` and cast there, becomes its parameter: no random init that the weights then overwrite,
+    no float32 copy of the whole model on the host."""
     folder = Path(folder)
+    device = _concrete(torch.device(device))
     model, weight_map = _open_folder(folder)
-    expected = model.hf_parameter_shapes()
     state: dict[str, torch.Tensor] = {}
-    for shard in sorted(set(weight_map.values())):
-        with _open_shard(folder / shard) as f:
-            for hf_name in f.keys():
-                t = f.get_tensor(hf_name)
-                if tuple(t.shape) != expected[hf_name]:
-                    raise ModelLoadError(f"{folder / shard}: parameter '{hf_name}' has shape {tuple(t.shape)}, config implies {expected[hf_name]}")
-                # a fresh (64-byte aligned) buffer: kernels may round differently on misaligned data,
-                # and a reload must reproduce the saved model's logits bit for bit
-                state[model.family.from_hf_name(hf_name)] = t.clone()
+    shards = _by_shard(weight_map)
+    # shards are read in parallel: one reader thread faults the memory-mapped file in page by page
+    # and reaches a fraction of what an NVMe disk (or the page cache) delivers
+    with ThreadPoolExecutor(max_workers=min(READ_THREADS, len(shards))) as pool:
+        parts = pool.map(lambda item: _read_shard(folder / item[0], item[1], model.family, dtype, device), shards.items())
+        for part in parts:
+            state.update(part)
     if model.config.tie_embeddings:
         state["lm_head.weight"] = state["embed.weight"]
     model.net.load_state_dict(state, assign=True, strict=True)
     if model.config.tie_embeddings:
         model.net.lm_head.weight = model.net.embed.weight
-    if dtype is not None:
-        model = model.to(dtype)
-    return model.to(device)
+    _check_materialised(model)
+    return model
+
+
+READ_THREADS = 4
+
+
+def _concrete(device: torch.device) -> torch.device:
+    """"cuda" -> "cuda:<current>", so that safetensors and torch agree on the GPU."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _read_shard(path: Path, names: list[str], family: Family, dtype: Optional[torch.dtype], device: torch.device) -> dict[str, torch.Tensor]:
+    """The tensors `names` of one shard, generic-named, read onto `device` and cast there."""
+    out = {}
+    with _open_shard(path, device) as f:
+        for hf_name in names:
+            try:
+                t = f.get_tensor(hf_name)
+            except SafetensorError as exc:
+                raise ModelLoadError(f"{path}: cannot read parameter '{hf_name}' ({exc}); truncated or corrupt?") from exc
+            if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+                t = t.to(dtype)
+            elif t.device.type == "cpu":
+                # on the CPU safetensors hands out views of the memory-mapped file: take a fresh
+                # (64-byte aligned) buffer, since kernels may round differently on misaligned data
+                # and a reload must reproduce the saved model's logits bit for bit
+                t = t.clone()
+            out[family.from_hf_name(hf_name)] = t
+    return out
+
+
+def _check_materialised(model: nn.Module) -> None:
+    """Nothing is left on the meta device: a buffer that no checkpoint holds would be (there is
+    none today; one added later must be computed here, not silently left empty)."""
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.is_meta:
+            raise RuntimeError(f"load_model: '{name}' is not in the checkpoint and nothing computes it")
 
 
 def save_model(
     model: DiffusionLM,
     folder: Union[str, Path],
-    max_shard_bytes: int = 2 * 1024**3,
+    max_shard_bytes: int = SHARD_BYTES,
     extra_files: Optional[dict[str, Any]] = None,
     sampler: Optional[dict] = None,
 ) -> Path:
-    """Write config.json + sharded safetensors + index atomically (the folder appears complete or not at all)."""
+    """Write config.json + safetensors shards (`model-0000k-of-0000n.safetensors`) + index.
+
+    The folder is written under a temporary name and renamed into place, so it appears complete or
+    not at all (a failure midway leaves `folder` as it was). Tensors are streamed in export order:
+    each is taken from the model (a LoRA adapter merged on the device the weights are on) and written
+    while the next is prepared, so the host holds a few tensors (of a GPU model, two 64 MiB chunks),
+    never a copy of the model."""
     folder = Path(folder)
-    state = {k: v.detach().contiguous().cpu() for k, v in model.hf_state_dict().items()}
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name in sorted(state):
-        nbytes = state[name].numel() * state[name].element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = state[name]
-        size += nbytes
+    layout = model.hf_layout()
+    shards = plan_shards(layout, max_shard_bytes)
     config = dict(model.hf_config)
     config["torch_dtype"] = str(next(model.parameters()).dtype).replace("torch.", "")
     with atomic_dir(folder) as tmp:
         weight_map = {}
-        for i, shard in enumerate(shards):
+        tensors = model.hf_tensors()
+        for i, names in enumerate(shards):
             fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(tmp / fname), metadata={"format": "pt"})
-            weight_map.update({k: fname for k in shard})
-        total = sum(t.numel() * t.element_size() for t in state.values())
+            write_shard(tmp / fname, [(name, *layout[name]) for name in names], tensors)
+            weight_map.update({k: fname for k in names})
+        total = sum(nbytes(shape, dtype) for shape, dtype in layout.values())
         (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         gen_cfg = {k: config[k] for k in ("eos_token_id", "pad_token_id") if k in config}
@@ -430,3 +539,29 @@ def save_model(
             elif src is not None:
                 (tmp / name).write_bytes(src.read_bytes())
     return folder
+
+
+def verify_saved(model: DiffusionLM, folder: Union[str, Path]) -> None:
+    """Raise unless `folder` holds exactly `model`: its config gives the same architecture, family
+    and special ids, and every tensor equals the model's (LoRA merged) bit for bit. Equal config and
+    weights mean equal logits (load_model reproduces a saved model's logits bit for bit). Each stored
+    tensor is read onto the device of the model's and compared there, one at a time: no second copy
+    of the model, no forward, no trip of the model's weights to the host."""
+    folder = Path(folder)
+    saved, weight_map = _open_folder(folder)
+    same = (saved.family is model.family and saved.config == model.config and saved.block_size == model.block_size
+            and (saved.mask_token_id, saved.eos_token_id, saved.pad_token_id) == (model.mask_token_id, model.eos_token_id, model.pad_token_id))
+    if not same:
+        raise RuntimeError(f"{folder}: config.json does not describe the exported model")
+    if set(weight_map) != set(model.hf_layout()):
+        raise RuntimeError(f"{folder}: holds other tensors than the exported model")
+    with contextlib.ExitStack() as stack:
+        current, handle = None, None
+        for name, tensor in model.hf_tensors():
+            shard = weight_map[name]
+            if shard != current:  # shards hold consecutive runs of tensors: one open at a time
+                stack.close()
+                current, handle = shard, stack.enter_context(_open_shard(folder / shard, _concrete(tensor.device)))
+            stored = handle.get_tensor(name).to(tensor.device)
+            if stored.dtype != tensor.dtype or not torch.equal(stored.reshape(-1).view(torch.uint8), tensor.detach().reshape(-1).view(torch.uint8)):
+                raise RuntimeError(f"{folder / shard}: '{name}' differs from the exported model's")

@@ -221,16 +221,32 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.gradient_checkpointing = False
+        # training forwards run each layer through torch.compile (`model.compile`); rollouts and
+        # eval-mode scoring stay eager (CUDA-graph capture and KV-cache windows are their own path)
+        self.compile_training = False
 
     def init_weights(self, generator: torch.Generator, std: float = 0.02) -> None:
-        """Deterministic from-scratch init (normal(0, std), output projections scaled by depth)."""
-        for name, p in self.named_parameters():
-            with torch.no_grad():
+        """Deterministic from-scratch init (normal(0, std), output projections scaled by depth) of
+        every parameter and buffer, on whatever device and in whatever dtype they already are.
+
+        Each weight is drawn in float32 on the generator's device, one tensor at a time, and copied
+        into place (cast there). A CPU generator therefore gives the very values of a CPU float32
+        init followed by a cast, on any device; a CUDA generator draws on the GPU, so a model
+        allocated there never goes through the host (other values, as deterministic)."""
+        with torch.no_grad():
+            for name, p in self.named_parameters():
                 if p.dim() == 1:
-                    p.copy_(torch.zeros_like(p) if name.endswith("bias") else torch.ones_like(p))
+                    p.fill_(0.0 if name.endswith("bias") else 1.0)
                 else:
                     scale = std / (2 * self.cfg.n_layers) ** 0.5 if name.endswith(("o_proj.weight", "down_proj.weight")) else std
-                    p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float32) * scale)
+                    draw = torch.randn(p.shape, generator=generator, dtype=torch.float32, device=generator.device)
+                    p.copy_(draw.mul_(scale))
+            # a model allocated empty (registry.empty_model) holds garbage here too: every buffer must
+            # have a from-scratch value, and one that has none must not pass silently
+            for name, b in self.named_buffers():
+                if not name.endswith("expert_bias"):
+                    raise ValueError(f"init_weights: no from-scratch value for buffer '{name}'")
+                b.zero_()  # selection-only bias: starts neutral
 
     def hidden_states(
         self,
@@ -250,8 +266,15 @@ class Transformer(nn.Module):
             attn_mask = key_padding_mask(attention_mask)
         cos, sin = rope_cos_sin(position_ids, self.cfg.rotary_dim or self.cfg.head_dim, self.cfg.rope_theta)
         x = self.embed(input_ids)
+        compiled = self.compile_training and self.training and kv_cache is None
         for i, layer in enumerate(self.layers):
-            if self.gradient_checkpointing and self.training:
+            if compiled:
+                run = _compiled_layer()
+                if self.gradient_checkpointing:
+                    x = checkpoint(run, layer, x, cos, sin, attn_mask, use_reentrant=False)
+                else:
+                    x = run(layer, x, cos, sin, attn_mask)
+            elif self.gradient_checkpointing and self.training:
                 x = checkpoint(layer, x, cos, sin, attn_mask, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, attn_mask, kv_cache.layer(i) if kv_cache is not None else None)
@@ -265,6 +288,23 @@ class Transformer(nn.Module):
         attn_mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         return self.lm_head(self.hidden_states(input_ids, attention_mask, position_ids, attn_mask))
+
+
+def _call_layer(layer: nn.Module, x, cos, sin, mask):
+    return layer(x, cos, sin, mask)
+
+
+_COMPILED_LAYER = None
+
+
+def _compiled_layer():
+    """One compiled layer call shared by every layer of every model: the layer's weights are inputs
+    of the graph, so all layers of one shape reuse one compilation. dynamic=True: packed batches
+    change their token count every step, which must not recompile."""
+    global _COMPILED_LAYER
+    if _COMPILED_LAYER is None:
+        _COMPILED_LAYER = torch.compile(_call_layer, dynamic=True)
+    return _COMPILED_LAYER
 
 
 def default_position_ids(input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:

@@ -124,7 +124,7 @@ class Forward:
         self.model, self.canvas, self.policy, self.params = model, canvas, policy, params
         self.cfg = params.cfg_scale > 0
         self.cache: Optional[KVCache] = None
-        if policy.uses_kv:
+        if policy.uses_kv and not graphs:  # CUDA graphs bring their own (static) cache
             p = next(model.parameters())
             self.cache = KVCache(model.config, canvas.x.shape[0] * (2 if self.cfg else 1), canvas.x.shape[1], p.dtype, p.device)
         self.nfe = 0

@@ -89,6 +89,9 @@ def _show(settings: dict, key: str) -> str:
 # sums differently, which can change the floating-point result, and max_steps / num_steps set the
 # learning-rate schedule.
 COSMETIC_KEYS = ("log_every", "save_every", "keep_last")
+# model settings that change what a step costs, not what it computes (up to float rounding): a run
+# resumes across a change of them
+EXECUTION_KEYS = ("packing", "compile", "gradient_checkpointing")
 
 
 def stage_fingerprint(cfg: DareConfig, stage: str, inputs: dict[str, Path], cosmetic: tuple = ()) -> Fingerprint:
@@ -96,7 +99,8 @@ def stage_fingerprint(cfg: DareConfig, stage: str, inputs: dict[str, Path], cosm
     cosmetic keys (`COSMETIC_KEYS` and the stage's own `cosmetic`), the seed, the ZeRO stage and the
     number of ranks (they decide the data order and the checkpoint layout), and `inputs`."""
     section = {k: v for k, v in to_dict(getattr(cfg, stage)).items() if k not in COSMETIC_KEYS + cosmetic}
-    settings = {"model": to_dict(cfg.model), stage: section, "run": {"seed": cfg.run.seed},
+    model = {k: v for k, v in to_dict(cfg.model).items() if k not in EXECUTION_KEYS}
+    settings = {"model": model, stage: section, "run": {"seed": cfg.run.seed},
                 "launch": {"zero_stage": cfg.launch.zero_stage}, "world_size": planned_world_size()}
     return Fingerprint.of(settings, inputs)
 
@@ -297,24 +301,25 @@ def input_fingerprint(path: Path) -> str:
 
 def convert_checkpoint(ckpt_dir: Path, out_dir: Path, tokenizer_dir: Optional[Path] = None, tag: Optional[str] = None,
                        sampler: Optional[dict] = None) -> Path:
-    """Training checkpoint -> Hugging Face folder; verified by reloading it to identical logits."""
-    from dare_core.models.registry import build_model, load_model, save_model
+    """Training checkpoint -> Hugging Face folder (a LoRA adapter merged into the weights), verified:
+    the written config and every written tensor must reproduce the checkpoint's model bit for bit.
+
+    The checkpoint's tensors become the model's (built on the meta device, assigned, no random init
+    and no copy), and the export streams them, so the host holds the weights once."""
+    from dare_core.models.registry import build_model, save_model, verify_saved
 
     state, meta = checkpoint_state_dict(ckpt_dir, tag)
     model = build_model(meta["hf_config"], device="meta")
     if meta.get("lora"):
         from dare_core.models.lora import LoraSettings, apply_lora
 
-        model = build_model(meta["hf_config"])
-        apply_lora(model, LoraSettings(**meta["lora"]))
-        model.net.load_state_dict(state, strict=True)
-    else:
-        model.net.load_state_dict(state, strict=True, assign=True)
+        apply_lora(model, LoraSettings(**meta["lora"]))  # adapter modules on meta too: the state fills them
+    model.net.load_state_dict(state, strict=True, assign=True)
+    if model.config.tie_embeddings:
+        model.net.lm_head.weight = model.net.embed.weight
     model.eval()
     save_model(model, out_dir, extra_files={"tokenizer": tokenizer_dir} if tokenizer_dir else None, sampler=sampler)
-    reloaded = load_model(out_dir).eval()
-    probe = torch.arange(min(16, model.max_sequence_length))[None] % model.config.vocab_size
-    with torch.no_grad():
-        if not torch.equal(model(probe), reloaded(probe)):
-            raise RuntimeError(f"{out_dir}: reloaded model does not reproduce the checkpoint's logits")
+    # tensor by tensor rather than a reload and two forwards: same guarantee, no second copy of the
+    # model in memory and no 8B forward on the CPU
+    verify_saved(model, out_dir)
     return Path(out_dir)

@@ -32,6 +32,7 @@ from dare_core.training.engine import resolve_dtype
 from dare_core.training.metrics import MetricsLogger, last_logged
 from dare_core.training.preflight import check_outputs, checkpoint_bytes, model_bytes, stage_writes
 from dare_core.training.setup import prepare_for_training, sampler_dict, stage_tokenizer, tokenizer_folder
+from dare_core.training.timing import PhaseTimer, phase_times_requested
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +80,11 @@ class PreferencePlan:
     ckpt: CheckpointManager
 
 
-def check_preference(cfg: DareConfig) -> PreferencePlan:
+def check_preference(cfg: DareConfig, save_checkpoints: bool = True, export: bool = True) -> PreferencePlan:
     """Every check of the preference stage, before it writes anything or starts DeepSpeed: config,
     pairs, the SFT model (its config only), lengths, the objective's options, the checkpoints,
-    writable outputs and room on the disk."""
+    writable outputs and room on the disk (for the checkpoints and the exported model only where
+    they will be written)."""
     pcfg = cfg.preference
     check_preference_config(cfg)
     out_dir = cfg.stage_dir("preference")
@@ -105,28 +107,39 @@ def check_preference(cfg: DareConfig) -> PreferencePlan:
     ckpt_bytes = checkpoint_bytes(spec, dtype)
     ckpt = CheckpointManager(out_dir / "checkpoints", pcfg.keep_last, fingerprint, "preference", cfg.restart, ckpt_bytes)
     ckpt.check()
-    check_outputs(stage_writes(out_dir) + [out_dir / "model", Path(cfg.run.metrics_dir) / "preference.json"],
-                  [(out_dir / "checkpoints", ckpt_bytes), (out_dir / "model", model_bytes(spec, dtype))],
-                  "a preference checkpoint and the exported model")
+    writes = stage_writes(out_dir) + [Path(cfg.run.metrics_dir) / "preference.json"]
+    needs = [(out_dir / "checkpoints", ckpt_bytes)] if save_checkpoints else []
+    if export:
+        writes.append(out_dir / "model")
+        needs.append((out_dir / "model", model_bytes(spec, dtype)))
+    check_outputs(writes, needs, "a preference checkpoint and the exported model")
     return PreferencePlan(rows, prompts, chosen, rejected, ckpt)
 
 
-def run_preference(cfg: DareConfig, progress: bool = True) -> dict:
+def run_preference(cfg: DareConfig, progress: bool = True, save_checkpoints: bool = True, export: bool = True,
+                   phase_times: Optional[bool] = None) -> dict:
+    """The preference stage. `save_checkpoints` / `export` off: no training checkpoints / no final
+    export (benchmarks); `phase_times`: log where each step's time goes (None: `DARE_PHASE_TIMES`
+    decides; `dare_core.training.timing`)."""
+    timer = PhaseTimer(phase_times_requested(phase_times))
     pcfg = cfg.preference
     out_dir = cfg.stage_dir("preference")
-    plan = check_preference(cfg)
+    with timer.phase("checks"):
+        plan = check_preference(cfg, save_checkpoints, export)
     rows, prompts, chosen, rejected, ckpt = plan.rows, plan.prompts, plan.chosen, plan.rejected, plan.ckpt
 
     # every check has passed: from here on the stage may write
     device = eng.device()
-    policy = prepare_for_training(load_model(preference_start_folder(cfg), dtype=resolve_dtype(cfg.model.dtype), device=device), cfg)
+    with timer.phase("load"):
+        policy = prepare_for_training(load_model(preference_start_folder(cfg), dtype=resolve_dtype(cfg.model.dtype), device=device), cfg)
     # the reference: a frozen copy, or with LoRA the policy with its adapter disabled (no copy)
     frozen: Optional[torch.nn.Module] = None
     if cfg.model.lora is None:
         frozen = copy.deepcopy(policy).eval().requires_grad_(False)
     objective = build_preference(pcfg, policy)
 
-    engine = eng.build_engine(policy, pcfg.optim, pcfg.max_steps, pcfg.micro_batch_size, pcfg.grad_accum, cfg.launch.zero_stage)
+    with timer.phase("engine"):
+        engine = eng.build_engine(policy, pcfg.optim, pcfg.max_steps, pcfg.micro_batch_size, pcfg.grad_accum, cfg.launch.zero_stage)
     world, rank = eng.world_size(), eng.rank()
     global_pairs = pcfg.micro_batch_size * pcfg.grad_accum * world
     start = ckpt.begin(engine, "preference")
@@ -141,6 +154,7 @@ def run_preference(cfg: DareConfig, progress: bool = True) -> dict:
     t0 = time.time()
     metrics: dict = {}
     for step in bar:
+        timer.step_begin()
         idx = global_batch_indices(step, global_pairs, len(rows), cfg.run.seed)
         micro = [idx[o:o + pcfg.micro_batch_size] for o in range(0, global_pairs, pcfg.micro_batch_size)]
         batches, corruptions = [], []
@@ -151,12 +165,14 @@ def run_preference(cfg: DareConfig, progress: bool = True) -> dict:
             batches.append(b)
             corruptions.append(objective.corrupt(b, (cfg.run.seed, step)))
         # reference ELBOs once per batch, on the stored masks, before this step's updates
-        with reference_model(engine.module, frozen) as ref:
+        with timer.phase("scoring"), reference_model(engine.module, frozen) as ref:
             ref_elbos = [objective.reference_elbos(ref, b, c) for b, c in zip(batches, corruptions)]
         sums = torch.zeros(4, dtype=torch.float64)
         for b, c, r in zip(batches, corruptions, ref_elbos):
-            out = objective.update(engine.module, b, c, r, global_pairs, backward)
-            engine.step()
+            with timer.phase("forward_backward"):
+                out = objective.update(engine.module, b, c, r, global_pairs, backward)
+            with timer.phase("optimizer"):
+                engine.step()
             sums += torch.tensor([float(out.loss), out.metrics["reward_margin"], out.metrics["reward_accuracy"], out.metrics["pairs"]],
                                  dtype=torch.float64)
         sums = eng.all_reduce_sum(sums)
@@ -166,12 +182,12 @@ def run_preference(cfg: DareConfig, progress: bool = True) -> dict:
             raise FloatingPointError(f"preference step {step + 1}: the loss is {loss}")
         if (step + 1) % pcfg.log_every == 0 or step + 1 == pcfg.max_steps:
             logger.log(step + 1, {**metrics, "lr": engine.get_lr()[0],
-                                  "pairs_per_s": (step + 1 - start) * global_pairs / max(time.time() - t0, 1e-9)})
+                                  "pairs_per_s": (step + 1 - start) * global_pairs / max(time.time() - t0, 1e-9),
+                                  **timer.step_metrics()})
             bar.set_postfix(loss=f"{loss:.3f}", acc=f"{metrics['reward_accuracy']:.2f}")
-        if (step + 1) % pcfg.save_every == 0 or step + 1 == pcfg.max_steps:
+        if save_checkpoints and ((step + 1) % pcfg.save_every == 0 or step + 1 == pcfg.max_steps):
             ckpt.save(engine, step + 1, {"step": step + 1}, engine.module.hf_config)
     bar.close()
-    logger.close()
 
     summary = {
         "algorithm": pcfg.algorithm,
@@ -185,8 +201,14 @@ def run_preference(cfg: DareConfig, progress: bool = True) -> dict:
         "wall_s": round(time.time() - t0, 1),
     }
     if rank == 0:
-        save_model(engine.module, out_dir / "model", extra_files={"tokenizer": tokenizer_folder(cfg)}, sampler=sampler_dict(cfg))
+        if export:
+            export_metrics: dict = {}
+            with timer.export(export_metrics):
+                save_model(engine.module, out_dir / "model", extra_files={"tokenizer": tokenizer_folder(cfg)}, sampler=sampler_dict(cfg))
+            if export_metrics:
+                logger.log(pcfg.max_steps, export_metrics)
         atomic_write_json(Path(cfg.run.metrics_dir) / "preference.json", summary)
+    logger.close()
     return summary
 
 

@@ -32,6 +32,7 @@ from dare_core.training.metrics import MetricsLogger
 from dare_core.training.preflight import check_outputs, checkpoint_bytes, stage_writes
 from dare_core.training.rl_validation import RLValidator
 from dare_core.training.setup import prepare_for_training, stage_tokenizer
+from dare_core.training.timing import PhaseTimer, phase, phase_times_requested
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,14 @@ def rollout(sampler: RolloutEngine, model, tokenizer, rows: list[dict], cfg: Dar
         outs.append(sampler.generate(prompts[o:o + rl.sampler.batch_size], rl.sampler, generators=gens, record=record_level(requires)))
     rollout_s = time.time() - t0
     model.train()
+    with phase("reward"):
+        batch, metrics = _rewarded_batch(outs, expanded, uids, tokenizer, model, rl, requires, rollout_s)
+    return batch, metrics
+
+
+def _rewarded_batch(outs: list, expanded: list[dict], uids: list, tokenizer, model, rl, requires: frozenset,
+                    rollout_s: float) -> tuple[Batch, dict]:
+    """The rollout chunks as one training batch: decoded, rewarded, with group advantages."""
     # one common prompt width so that all rollouts form one batch
     width = max(o.prompt_len for o in outs)
     seqs, attn, texts, nfe = [], [], [], 0
@@ -154,17 +163,24 @@ class RolloutContext:
         return torch.tensor([r.score for r in results], dtype=torch.float32)
 
 
-def reference_scores(algo, policy, ref, batch: Batch, corruptions: list) -> list:
+def chunked_scores(algo, model, batch: Batch, corruption, rows: int) -> torch.Tensor:
+    """`algo.score` of the whole batch, `rows` sequences per forward (the update's micro-batch): the
+    scores' logits over the vocabulary would otherwise be held for every rollout at once."""
+    parts = [algo.score(model, batch.select(idx), corruption.select(idx)) for idx in torch.arange(len(batch)).split(rows)]
+    return torch.cat(parts)
+
+
+def reference_scores(algo, policy, ref, batch: Batch, corruptions: list, rows: int) -> list:
     """Reference-policy scores on the same corruptions: a frozen copy, or (LoRA) the policy with its
     adapter disabled, in eval mode."""
     if ref is not None:
-        return [algo.score(ref, batch, c) for c in corruptions]
+        return [chunked_scores(algo, ref, batch, c, rows) for c in corruptions]
     from dare_core.models.lora import adapter_disabled
 
     was_training = policy.training
     policy.eval()
     with adapter_disabled(policy):
-        scores = [algo.score(policy, batch, c) for c in corruptions]
+        scores = [chunked_scores(algo, policy, batch, c, rows) for c in corruptions]
     policy.train(was_training)
     return scores
 
@@ -205,11 +221,12 @@ def _check_prompt_lengths(path: Path, rows: list[dict], tokenizer, gen_length: i
                             f"model maximum {limit}")
 
 
-def check_rl(cfg: DareConfig) -> RLPlan:
+def check_rl(cfg: DareConfig, save_checkpoints: bool = True) -> RLPlan:
     """Every check of the RL stage, before it writes anything or starts DeepSpeed: the config, the
     SFT model (its config only) and the sampler's fit to its family, the algorithm's options and
     batch shapes, the prompts and their ground truths (train and val), the checkpoints (made with
-    these settings, unless --restart), writable outputs and room on the disk."""
+    these settings, unless --restart), writable outputs and room on the disk (for a checkpoint only
+    if checkpoints will be saved)."""
     rl = cfg.rl
     out_dir = cfg.stage_dir("rl")
     start_folder = rl_start_folder(cfg)
@@ -236,8 +253,8 @@ def check_rl(cfg: DareConfig) -> RLPlan:
     ckpt_bytes = checkpoint_bytes(spec, resolve_dtype(cfg.model.dtype))
     ckpt = CheckpointManager(out_dir / "checkpoints", rl.keep_last, fingerprint, "rl", cfg.restart, ckpt_bytes)
     ckpt.check()
-    check_outputs(stage_writes(out_dir) + [Path(cfg.run.metrics_dir) / "rl.json"], [(out_dir / "checkpoints", ckpt_bytes)],
-                  "an RL checkpoint")
+    check_outputs(stage_writes(out_dir) + [Path(cfg.run.metrics_dir) / "rl.json"],
+                  [(out_dir / "checkpoints", ckpt_bytes)] if save_checkpoints else [], "an RL checkpoint")
     return RLPlan(rows, validator, tokenizer, ckpt)
 
 
@@ -253,15 +270,25 @@ def check_rl_ranks(cfg: DareConfig, rows_per_prompt: int) -> None:
                          "use launch.zero_stage <= 2 or rl.validate_every: 0")
 
 
-def run_rl(cfg: DareConfig, progress: bool = True) -> dict:
+def run_rl(cfg: DareConfig, progress: bool = True, save_checkpoints: bool = True, phase_times: Optional[bool] = None) -> dict:
+    """The RL stage. `save_checkpoints` off: no training checkpoints (benchmarks); `phase_times`:
+    log where each step's time goes (None: `DARE_PHASE_TIMES` decides; `dare_core.training.timing`)."""
+    timer = PhaseTimer(phase_times_requested(phase_times))
+    with timer.active():
+        return _run_rl(cfg, progress, save_checkpoints, timer)
+
+
+def _run_rl(cfg: DareConfig, progress: bool, save_checkpoints: bool, timer: PhaseTimer) -> dict:
     rl = cfg.rl
     out_dir = cfg.stage_dir("rl")
-    plan = check_rl(cfg)
+    with timer.phase("checks"):
+        plan = check_rl(cfg, save_checkpoints)
     rows, validator, tokenizer, ckpt = plan.rows, plan.validator, plan.tokenizer, plan.ckpt
 
     # every check has passed: from here on the stage may write
     device = eng.device()
-    policy = prepare_for_training(load_model(rl_start_folder(cfg), dtype=resolve_dtype(cfg.model.dtype), device=device), cfg)
+    with timer.phase("load"):
+        policy = prepare_for_training(load_model(rl_start_folder(cfg), dtype=resolve_dtype(cfg.model.dtype), device=device), cfg)
     ref: Optional[torch.nn.Module] = None
     if rl.kl_beta > 0 and cfg.model.lora is None:
         ref = copy.deepcopy(policy).eval().requires_grad_(False)
@@ -272,7 +299,8 @@ def run_rl(cfg: DareConfig, progress: bool = True) -> dict:
     local_mini = mini // eng.planned_world_size()
     micro = min(rl.micro_batch_size, local_mini)
     updates = rl.num_steps * rl.num_iterations * rl.mini_batches
-    engine = eng.build_engine(policy, rl.optim, updates, micro, -(-local_mini // micro), cfg.launch.zero_stage)
+    with timer.phase("engine"):
+        engine = eng.build_engine(policy, rl.optim, updates, micro, -(-local_mini // micro), cfg.launch.zero_stage)
     world, rank = eng.world_size(), eng.rank()
     sampler = build_engine(rl.sampler.engine, engine.module, **rl.sampler.engine_args)
     start = ckpt.begin(engine, "RL")
@@ -291,19 +319,22 @@ def run_rl(cfg: DareConfig, progress: bool = True) -> dict:
             logger.log(0, val_metrics)
             val_postfix = _val_postfix(val_metrics)
     for step in bar:
+        timer.step_begin()
         t0 = time.time()
         # every rank draws the same prompts and keeps its own share of the rollouts
         idx = global_batch_indices(step, rl.prompts_per_step, len(rows), cfg.run.seed)
         prompt_rows = [rows[i] for i in idx]
         mine = prompt_rows[rank::world]
-        batch, metrics = algo.rollout(sampler, engine.module, tokenizer, mine, cfg, step)
+        with timer.phase("rollout"):  # less the reward, timed inside
+            batch, metrics = algo.rollout(sampler, engine.module, tokenizer, mine, cfg, step)
         t_rollout = time.time() - t0
 
-        metrics.update(algo.prepare(batch, RolloutContext(tokenizer, prompt_rows_expanded(mine, rl.group_size), rl.reward)))
-        corruptions = [algo.corrupt(batch, (cfg.run.seed, step, it)) for it in range(rl.num_iterations)]
-        with torch.no_grad():
-            old = None if trivial_ratio else [algo.score(engine.module, batch, c) for c in corruptions]
-            ref_scores = reference_scores(algo, engine.module, ref, batch, corruptions) if rl.kl_beta > 0 else None
+        with timer.phase("reward"):
+            metrics.update(algo.prepare(batch, RolloutContext(tokenizer, prompt_rows_expanded(mine, rl.group_size), rl.reward)))
+        with timer.phase("scoring"), torch.no_grad():
+            corruptions = [algo.corrupt(batch, (cfg.run.seed, step, it)) for it in range(rl.num_iterations)]
+            old = None if trivial_ratio else [chunked_scores(algo, engine.module, batch, c, micro) for c in corruptions]
+            ref_scores = reference_scores(algo, engine.module, ref, batch, corruptions, micro) if rl.kl_beta > 0 else None
         update_metrics: dict[str, float] = {}
         n_updates = 0
         local_mini = len(batch) // rl.mini_batches
@@ -318,8 +349,10 @@ def run_rl(cfg: DareConfig, progress: bool = True) -> dict:
                 for mc in mb.split(micro):
                     o = old[it][mc] if old is not None else None
                     r = ref_scores[it][mc] if ref_scores is not None else None
-                    out = algo.update(engine.module, batch.select(mc), corruptions[it].select(mc), o, r, denom, backward)
-                    engine.step()
+                    with timer.phase("forward_backward"):
+                        out = algo.update(engine.module, batch.select(mc), corruptions[it].select(mc), o, r, denom, backward)
+                    with timer.phase("optimizer"):
+                        engine.step()
                     for k, v in out.metrics.items():
                         update_metrics[k] = update_metrics.get(k, 0.0) + v
                     update_metrics["loss"] = update_metrics.get("loss", 0.0) + float(out.loss)
@@ -332,9 +365,9 @@ def run_rl(cfg: DareConfig, progress: bool = True) -> dict:
         metrics.update(val_metrics)
         val_postfix = _val_postfix(val_metrics) or val_postfix
         if (step + 1) % rl.log_every == 0 or step + 1 == rl.num_steps or val_metrics:
-            logger.log(step + 1, metrics)
+            logger.log(step + 1, {**metrics, **timer.step_metrics()})
         bar.set_postfix(reward=f"{metrics['reward']:.3f}", acc=f"{metrics['accuracy']:.2f}", **val_postfix)
-        if (step + 1) % rl.save_every == 0 or step + 1 == rl.num_steps:
+        if save_checkpoints and ((step + 1) % rl.save_every == 0 or step + 1 == rl.num_steps):
             ckpt.save(engine, step + 1, {"step": step + 1}, engine.module.hf_config)
     bar.close()
     logger.close()

@@ -8,7 +8,7 @@ import torch
 
 from dare_core.config import ConfigError, DareConfig
 from dare_core.diffusion.seeding import generator
-from dare_core.models.registry import DiffusionLM, build_model, get_family, inspect_model, load_model
+from dare_core.models.registry import DiffusionLM, build_model, empty_model, get_family, inspect_model, load_model
 from dare_core.models.tokenizer import Tokenizer, load_tokenizer
 from dare_core.training.engine import resolve_dtype
 
@@ -61,17 +61,21 @@ def initial_spec(cfg: DareConfig, tokenizer: Tokenizer) -> DiffusionLM:
 def initial_model(cfg: DareConfig, tokenizer: Tokenizer, device: Optional[torch.device] = None) -> DiffusionLM:
     """The model SFT starts from: `model.path` if set, else a seeded from-scratch init of `model.family`."""
     dtype = resolve_dtype(cfg.model.dtype)
+    device = torch.device(device or "cpu")
     if cfg.model.path:
-        model = load_model(cfg.model.path, dtype=dtype, device=device or "cpu")
+        model = load_model(cfg.model.path, dtype=dtype, device=device)
     else:
-        model = build_model(_scratch_config(cfg, tokenizer))
-        model.net.init_weights(generator(cfg.run.seed, "init"))
-        model = model.to(device=device or "cpu", dtype=dtype)
+        # allocated on the device in the training dtype and drawn there: a CPU init is the same
+        # tensors as ever (float32 draws, cast); a GPU's generator is seeded from the same seed
+        model = empty_model(_scratch_config(cfg, tokenizer), device=device, dtype=dtype)
+        model.net.init_weights(generator(cfg.run.seed, "init", device=device))
     return prepare_for_training(model, cfg)
 
 
 def prepare_for_training(model: DiffusionLM, cfg: DareConfig) -> DiffusionLM:
-    """Gradient checkpointing and LoRA, as configured."""
+    """Packing, compilation, gradient checkpointing and LoRA, as configured."""
+    model.packing = cfg.model.packing
+    model.net.compile_training = cfg.model.compile
     if cfg.model.gradient_checkpointing:
         model.set_gradient_checkpointing(True)
     if cfg.model.lora is not None:

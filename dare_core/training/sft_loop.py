@@ -6,6 +6,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 from tqdm.auto import tqdm
@@ -23,6 +24,7 @@ from dare_core.training.engine import resolve_dtype
 from dare_core.training.metrics import MetricsLogger, last_logged
 from dare_core.training.preflight import check_outputs, checkpoint_bytes, model_bytes, stage_writes
 from dare_core.training.setup import initial_model, initial_spec, sampler_dict, stage_tokenizer, tokenizer_folder
+from dare_core.training.timing import PhaseTimer, phase_times_requested
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +45,11 @@ class SFTPlan:
     ckpt: CheckpointManager
 
 
-def check_sft(cfg: DareConfig) -> SFTPlan:
+def check_sft(cfg: DareConfig, save_checkpoints: bool = True, export: bool = True) -> SFTPlan:
     """Every check of the SFT stage, before it writes anything or starts DeepSpeed: the data, the
     tokenizer, the model (its config only), prompt lengths, the loss options, the checkpoints
-    (made with these settings, unless --restart), writable outputs and room on the disk."""
+    (made with these settings, unless --restart), writable outputs and room on the disk (for the
+    checkpoints and the exported model only where they will be written)."""
     scfg = cfg.sft
     out_dir = cfg.stage_dir("sft")
     data_path = Path(cfg.data.prepared_dir) / "sft.parquet"
@@ -68,26 +71,37 @@ def check_sft(cfg: DareConfig) -> SFTPlan:
     ckpt = CheckpointManager(out_dir / "checkpoints", scfg.keep_last, stage_fingerprint(cfg, "sft", {"data file": data_path}),
                              "sft", cfg.restart, ckpt_bytes)
     ckpt.check()
-    writes = stage_writes(out_dir) + [out_dir / "model", Path(cfg.run.metrics_dir) / "sft.json"]
+    writes = stage_writes(out_dir) + [Path(cfg.run.metrics_dir) / "sft.json"]
+    needs = [(out_dir / "checkpoints", ckpt_bytes)] if save_checkpoints else []
+    if export:
+        writes.append(out_dir / "model")
+        needs.append((out_dir / "model", model_bytes(spec, dtype)))
     if not cfg.model.path:
         writes.append(cfg.base_model_dir)
-    export = model_bytes(spec, dtype) * (1 if cfg.model.path else 2)  # sft/model (and base)
-    check_outputs(writes, [(out_dir / "checkpoints", ckpt_bytes), (out_dir / "model", export)],
-                  "an SFT checkpoint and the exported model")
+        needs.append((cfg.base_model_dir, model_bytes(spec, dtype)))
+    check_outputs(writes, needs, "an SFT checkpoint and the exported model")
     return SFTPlan(rows, tokenizer, prompts, responses, algo, ckpt)
 
 
-def run_sft(cfg: DareConfig, progress: bool = True) -> dict:
+def run_sft(cfg: DareConfig, progress: bool = True, save_checkpoints: bool = True, export: bool = True,
+            phase_times: Optional[bool] = None) -> dict:
+    """The SFT stage. `save_checkpoints` / `export` off: no training checkpoints / no final export
+    (benchmarks); `phase_times`: log where each step's time goes (None: `DARE_PHASE_TIMES` decides;
+    `dare_core.training.timing`)."""
+    timer = PhaseTimer(phase_times_requested(phase_times))
     scfg = cfg.sft
     out_dir = cfg.stage_dir("sft")
-    plan = check_sft(cfg)
+    with timer.phase("checks"):
+        plan = check_sft(cfg, save_checkpoints, export)
     rows, tokenizer, prompts, responses, algo, ckpt = plan.rows, plan.tokenizer, plan.prompts, plan.responses, plan.algo, plan.ckpt
 
     # every check has passed: from here on the stage may write
-    model = initial_model(cfg, tokenizer, eng.device())
+    with timer.phase("load"):
+        model = initial_model(cfg, tokenizer, eng.device())
     if eng.planned_rank() == 0 and not cfg.model.path:
         save_model(model, cfg.base_model_dir, extra_files={"tokenizer": tokenizer_folder(cfg)})
-    engine = eng.build_engine(model, scfg.optim, scfg.max_steps, scfg.micro_batch_size, scfg.grad_accum, cfg.launch.zero_stage)
+    with timer.phase("engine"):
+        engine = eng.build_engine(model, scfg.optim, scfg.max_steps, scfg.micro_batch_size, scfg.grad_accum, cfg.launch.zero_stage)
     world, rank = eng.world_size(), eng.rank()
     global_batch = scfg.micro_batch_size * scfg.grad_accum * world
     start = ckpt.begin(engine, "SFT")
@@ -98,6 +112,7 @@ def run_sft(cfg: DareConfig, progress: bool = True) -> dict:
     t0 = time.time()
     loss = None
     for step in bar:
+        timer.step_begin()
         idx = global_batch_indices(step, global_batch, len(rows), cfg.run.seed)
         micro = [idx[o:o + scfg.micro_batch_size] for o in range(0, global_batch, scfg.micro_batch_size)]
         mine = micro[rank::world]
@@ -107,26 +122,34 @@ def run_sft(cfg: DareConfig, progress: bool = True) -> dict:
         for b in batches:
             b = _to(b, engine.device)
             gens = sample_generators((cfg.run.seed, "sft", step), b.uids)
-            out = algo.loss(engine.module, b, gens, denom)
-            engine.backward(out.loss, scale_wrt_gas=False)
-            engine.step()
+            with timer.phase("forward_backward"):
+                out = algo.loss(engine.module, b, gens, denom)
+                engine.backward(out.loss, scale_wrt_gas=False)
+            with timer.phase("optimizer"):
+                engine.step()
             loss_sum += out.loss.item()
         loss = eng.all_reduce_sum(loss_sum)
         if (step + 1) % scfg.log_every == 0 or step + 1 == scfg.max_steps:
             lr = engine.get_lr()[0]
-            logger.log(step + 1, {"loss": loss, "lr": lr, "samples_per_s": (step + 1 - start) * global_batch / (time.time() - t0)})
+            logger.log(step + 1, {"loss": loss, "lr": lr, "samples_per_s": (step + 1 - start) * global_batch / (time.time() - t0),
+                                  **timer.step_metrics()})
             bar.set_postfix(loss=f"{loss:.3f}")
-        if (step + 1) % scfg.save_every == 0 or step + 1 == scfg.max_steps:
+        if save_checkpoints and ((step + 1) % scfg.save_every == 0 or step + 1 == scfg.max_steps):
             ckpt.save(engine, step + 1, {"step": step + 1}, model.hf_config)
     bar.close()
-    logger.close()
 
     if loss is None:  # resumed at the last step: nothing trained, the logged loss stands
         loss = last_logged(out_dir, "loss")
     summary = {"final_loss": loss, "steps": scfg.max_steps, "global_batch": global_batch, "wall_s": round(time.time() - t0, 1)}
     if rank == 0:
-        save_model(engine.module, out_dir / "model", extra_files={"tokenizer": tokenizer_folder(cfg)}, sampler=sampler_dict(cfg))
+        if export:
+            export_metrics: dict = {}
+            with timer.export(export_metrics):
+                save_model(engine.module, out_dir / "model", extra_files={"tokenizer": tokenizer_folder(cfg)}, sampler=sampler_dict(cfg))
+            if export_metrics:
+                logger.log(scfg.max_steps, export_metrics)
         atomic_write_json(Path(cfg.run.metrics_dir) / "sft.json", summary)
+    logger.close()
     return summary
 
 

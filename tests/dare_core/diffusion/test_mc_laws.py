@@ -36,11 +36,8 @@ class TableModel:
         bits = (noisy[:, self.P:] == MASK).long() * (2 ** torch.arange(self.L))
         return bits.sum(-1)
 
-    def hidden_states(self, noisy, attention_mask):
-        return self.table[self.key(noisy)]
-
-    def logits_at(self, hidden, rows, attention_mask=None):
-        return hidden[rows]
+    def scored_logits(self, noisy, attention_mask, rows):
+        return self.table[self.key(noisy)][rows]
 
     def logp(self, masked: tuple, targets: torch.Tensor) -> torch.Tensor:
         """[L] log p(y_i | S masked) of the response positions, S given as a tuple of bools."""
@@ -291,11 +288,8 @@ def test_coupled_constant_logit_stub():
         def __init__(self):
             self.logits = torch.randn(V, generator=torch.Generator().manual_seed(3))
 
-        def hidden_states(self, noisy, attention_mask):
-            return self.logits.expand(*noisy.shape, V)
-
-        def logits_at(self, hidden, rows, attention_mask=None):
-            return hidden[rows]
+        def scored_logits(self, noisy, attention_mask, rows):
+            return self.logits.expand(*noisy.shape, V)[rows]
 
     stub = Stub()
     P, L = 2, 6

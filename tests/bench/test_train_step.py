@@ -1,0 +1,63 @@
+"""bench/train_step.py --tiny runs the real stage loops (LoRA SFT packed, padded and packed + compiled, one DARE
+RL step and one public-recipe RL step) on CPU and writes a results file whose every section holds
+numbers read from the loops' phase times."""
+import json
+import re
+import subprocess
+import sys
+
+from pipeline_helpers import REPO, worker_env
+
+
+def _table(text: str, heading: str) -> list[list[str]]:
+    """The data rows of the markdown table under `heading`, as cells."""
+    section = text.split(heading, 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ")][1:]  # the header row is not data
+    return [[c.strip() for c in row.strip("|").split("|")] for row in rows]
+
+
+def _number(cell: str) -> float:
+    return float(re.sub(r"[,x%]", "", cell))
+
+
+def test_tiny_run_writes_every_section(tmp_path):
+    out = tmp_path / "train_step.md"
+    cmd = [sys.executable, str(REPO / "bench" / "train_step.py"), "--tiny", "--workdir", str(tmp_path / "work"),
+           "--out", str(out), "--shapes", "llada", "--parts", "sft", "rl", "rl-public"]
+    r = subprocess.run(cmd, env=worker_env(), cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    text = out.read_text()
+
+    assert re.search(r"^Git commit: \S+", text, re.M)
+    assert re.search(r"^Command: `python3 bench/train_step.py --tiny .*` \(\d{4}-\d\d-\d\d \d\d:\d\d UTC\)", text, re.M)
+    assert re.search(r"^Hardware: .*\d+ CPU cores.*torch", text, re.M)
+
+    sft = _table(text, "## SFT")
+    assert [(row[1], row[2]) for row in sft] == [("LoRA", "on"), ("LoRA", "off"), ("LoRA", "on + compile")]
+    for row in sft:
+        sequences, real, padded, step_s, fwd_bwd, optimizer, tokens_per_s = map(_number, row[3:10])
+        assert sequences == 8 and 0 < real <= padded  # padding is counted apart from the real tokens
+        assert 0 < fwd_bwd + optimizer <= step_s
+        assert abs(tokens_per_s - real / step_s) <= 0.05 * tokens_per_s  # real tokens, not padding
+    assert sft[0][3:5] == sft[1][3:5] == sft[2][3:5]  # every variant trains on the same batches
+    assert _number(sft[0][12]) > 0  # the packed speed-up, computed against the padded row
+
+    rl = _table(text, "## RL")
+    assert [row[1] for row in rl] == ["DARE", "public d1 recipe"]
+    for row in rl:
+        phases = list(map(_number, row[3:8]))  # rollout, reward, scoring, fwd+bwd, optimizer
+        other, step_s = _number(row[8]), _number(row[9])  # other: the step less its phases
+        assert all(p >= 0 for p in phases) and phases[0] > 0 and phases[3] > 0
+        assert other >= -0.02 and sum(phases) <= step_s + 0.02  # exclusive phases: nothing counted twice
+        assert _number(row[10]) < 100  # the synthetic reward spreads every group (non-zero advantages)
+    assert _number(rl[0][12]) > 0  # DARE's speed-up over the public recipe
+
+    startup = _table(text, "## Start-up and export")
+    assert len(startup) == 5  # the three SFT runs and both RL runs
+    assert all(_number(row[2]) > 0 for row in startup)
+    assert _number(startup[0][6]) >= 0  # the packed LoRA run exported its merged model
+    assert "## Targets" in text
+
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert {r["part"] for r in data["rows"]} == {"folder", "sft", "rl", "rl-public"}
+    assert not [r for r in data["rows"] if "error" in r]
