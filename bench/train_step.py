@@ -108,9 +108,8 @@ class Settings:
     rl_lora: tuple = (128, 64)  # d1's adapter
     rl_steps: int = 2  # DARE's step is timed at the last one (the first captures graphs, compiles)
     rl_public_steps: int = 1  # nothing to warm up: no graphs, nothing compiled
-    # DARE: rollouts per sampler batch. 128 (all at once) ran out of memory at LLaDA-8B on an H100
-    # (80 GB): with CUDA graphs, `decode.Forward` allocates a KV cache beside the graph store's own
-    rollout_batch: int = 64
+    # DARE: rollouts per sampler batch: all 128 at once (one KV cache: about 30 GB at LLaDA-8B)
+    rollout_batch: int = 128
     public_chunk: int = 16  # public recipe: rollouts per generate call (its float64 tensors are [chunk, S, V])
 
     def with_overrides(self, items: list[str]) -> "Settings":
