@@ -4,7 +4,7 @@
     python3 bench/gpu_tests.py tests/dare_core/models/test_load_export.py    # some of them
 
 The file holds the commit, the command, the hardware and the date, pytest's summary line and its
-per-test outcomes (`-rA`), so what passed on which machine is read, not typed.
+per-test outcomes (`-v`, and the reasons of skips and failures), so what passed on which machine is read, not typed.
 """
 from __future__ import annotations
 
@@ -17,18 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def git_commit() -> str:
-    if os.environ.get("DARE_COMMIT"):  # a copy of the tree without a usable .git (the device machine)
-        return os.environ["DARE_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True)
-        return out.stdout.strip() + (" + uncommitted changes" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (set DARE_COMMIT)"
+from stamp import REPO, git_commit
 
 
 def hardware() -> str:
@@ -46,16 +35,20 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     paths = args.paths or sorted(str(f.relative_to(REPO)) for f in (REPO / "tests").rglob("test_*.py")
                                  if "mark.gpu" in f.read_text())
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-rA", "-p", "no:cacheprovider", *paths]
+    cmd = [sys.executable, "-m", "pytest", "-v", "-m", "gpu", "-rfEs", "-p", "no:cacheprovider", *paths]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]))
-    try:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
-        output, code = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as exc:
-        output, code = (exc.stdout or b"").decode(errors="replace") + f"\n(stopped after {args.timeout:.0f} s)", None
+    log = Path(args.out).with_suffix(".log")
+    with log.open("w") as f:  # streamed, so that a run stopped at the time limit keeps what it printed
+        try:
+            code = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
+        except subprocess.TimeoutExpired:
+            code = None
+    output = log.read_text(errors="replace") + (f"\n(stopped after {args.timeout:.0f} s)" if code is None else "")
+    log.unlink()
     lines = output.splitlines()
-    summary = next((ln for ln in reversed(lines) if re.search(r"\d+ (passed|failed|error)", ln)), "(no summary line)")
-    outcomes = [ln for ln in lines if re.match(r"(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) ", ln)]
+    summary = next((ln for ln in reversed(lines) if re.search(r"\d+ (passed|failed|errors?|skipped|deselected)", ln)), "(no summary line)")
+    outcomes = [ln for ln in lines if re.search(r"::\S+ (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)", ln)
+                or re.match(r"(FAILED|ERROR|SKIPPED) ", ln)]
     failures = output.split("= FAILURES =", 1)[1][:6000] if "= FAILURES =" in output else ""
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     shown = "python3 bench/gpu_tests.py " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -27,7 +27,6 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +40,7 @@ sys.path.insert(0, str(REPO))
 from dare_core.diffusion.seeding import generator  # noqa: E402
 from dare_core.models.lora import LoraSettings, apply_lora, lora_layers  # noqa: E402
 from dare_core.models.registry import empty_model, load_model, save_model, verify_saved  # noqa: E402
+from stamp import git_commit  # noqa: E402
 
 CONFIGS = REPO / "bench" / "configs"
 
@@ -55,15 +55,6 @@ def hardware(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)}; host {host}"
     return host
-
-
-def git_commit() -> str:
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-        return rev + (" (with uncommitted changes)" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def sync(device: torch.device) -> None:

@@ -65,6 +65,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
 import torch  # noqa: E402
+from stamp import git_commit  # noqa: E402
 
 CONFIGS = REPO / "bench" / "configs"
 SHAPES = {"llada": "LLaDA-8B-Instruct", "sdar": "SDAR-8B-Chat"}
@@ -581,23 +582,6 @@ def hardware() -> str:
         gpu = f"{torch.cuda.get_device_name()} ({torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB)"
         return f"{gpu}, {cpu}, torch {torch.__version__}, CUDA {torch.version.cuda}, DeepSpeed {ds}"
     return f"CPU only ({platform.machine()}), {cpu}, torch {torch.__version__}, DeepSpeed {ds}"
-
-
-def git_commit() -> str:
-    """The checkout's commit; DARE_COMMIT, when set, names it instead (a copy of the tree whose .git
-    is absent or stale, as on a remote GPU machine)."""
-    if os.environ.get("DARE_COMMIT"):
-        return os.environ["DARE_COMMIT"]
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-
-    try:
-        sha = git("rev-parse", "HEAD")
-        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (no git checkout here; set DARE_COMMIT)"
-    return sha + (" + uncommitted changes" if dirty else "")
 
 
 def child_env() -> dict:
