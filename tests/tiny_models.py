@@ -20,8 +20,18 @@ SMALL = {
 }
 
 
-def tiny(model_type: str, seed: int = 0):
-    cfg = get_family(model_type).tiny_config(VOCAB, MASK, EOS, **SMALL[model_type])
+# head width 64 for GPU training tests: FlexAttention's compiled backward has no kernel for width 16
+WIDE_HEADS = {
+    "llada": {"d_model": 128, "n_heads": 2, "n_kv_heads": 1},
+    "Dream": {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1},
+    "sdar": {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64},
+    "llada2_moe": {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64},
+}
+
+
+def tiny(model_type: str, seed: int = 0, wide_heads: bool = False):
+    sizes = {**SMALL[model_type], **(WIDE_HEADS[model_type] if wide_heads else {})}
+    cfg = get_family(model_type).tiny_config(VOCAB, MASK, EOS, **sizes)
     model = build_model(cfg)
     model.net.init_weights(generator(seed, model_type), std=0.3)
     for layer in model.net.layers:  # a non-trivial selection-only bias

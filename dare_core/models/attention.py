@@ -68,6 +68,10 @@ def packed_context(seq_lens: list[int], backend: str, device, block_size: Option
 _compiled_flex = None
 
 
+# Under `model.compile` a training layer is traced by torch.compile: the attention kernels stay out of
+# that graph (a graph break) and run as they do eagerly, each with its own autograd. (Traced inside
+# it, the varlen kernel's gradients came out wrong on an H100: tests/dare_core/models/test_compile.py.)
+@torch.compiler.disable
 def _flex(q, k, v, block_mask):
     global _compiled_flex
     from torch.nn.attention.flex_attention import flex_attention
@@ -81,6 +85,7 @@ def _flex(q, k, v, block_mask):
     return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
+@torch.compiler.disable
 def _varlen(q, k, v, ctx: AttentionContext):
     """q/k/v [1, H, T, D] of packed sequences."""
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))  # [T, H, D]

@@ -194,7 +194,7 @@ def test_packed_training_on_gpu_matches_padded(family):
         prompts = [p + [1] * shift * (i % 3) for i, p in enumerate(_prompts())]
         results = []
         for packing in ("off", "auto"):
-            model = tiny(family).to("cuda", torch.bfloat16).train()
+            model = tiny(family, wide_heads=True).to("cuda", torch.bfloat16).train()
             model.packing = packing
             batch = sft_batch(prompts, responses, uids, 8, model.eos_token_id, model.pad_token_id,
                               eos_padding=model.block_size is None)

@@ -78,7 +78,7 @@ def test_compiled_packed_training_on_gpu(family):
         prompts = [p + [1] * shift * (i % 3) for i, p in enumerate(PROMPTS)]
         results = []
         for compiled in (False, True):
-            model = tiny(family)
+            model = tiny(family, wide_heads=True)
             apply_lora(model, LoraSettings(r=4, alpha=8))
             model = model.to("cuda", torch.bfloat16).train()
             with torch.no_grad():
