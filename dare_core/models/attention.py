@@ -68,9 +68,9 @@ def packed_context(seq_lens: list[int], backend: str, device, block_size: Option
 _compiled_flex = None
 
 
-# Under `model.compile` a training layer is traced by torch.compile: the attention kernels stay out of
-# that graph (a graph break) and run as they do eagerly, each with its own autograd. (Traced inside
-# it, the varlen kernel's gradients came out wrong on an H100: tests/dare_core/models/test_compile.py.)
+# Under `model.compile` a training layer is traced by torch.compile; the attention kernels stay out of
+# that graph (a graph break) and run as they do eagerly: opaque kernels with their own autograd,
+# nothing around them to fuse.
 @torch.compiler.disable
 def _flex(q, k, v, block_mask):
     global _compiled_flex

@@ -29,7 +29,7 @@ def test_tiny_run_writes_every_section(tmp_path):
     text = out.read_text()
 
     assert re.search(r"^Git commit: \S+", text, re.M)
-    assert re.search(r"^Command: `python3 bench/train_step.py --tiny .*` \(\d{4}-\d\d-\d\d \d\d:\d\d UTC\)", text, re.M)
+    assert re.search(r"^Command: `python3 bench/train_step.py --tiny .*` \(\d{4}-\d\d-\d\d \d\d:\d\d UTC, commit [^)]+\)", text, re.M)
     assert re.search(r"^Hardware: .*\d+ CPU cores.*torch", text, re.M)
 
     sft = _table(text, "## SFT")
@@ -61,3 +61,10 @@ def test_tiny_run_writes_every_section(tmp_path):
     data = json.loads(out.with_suffix(".json").read_text())
     assert {r["part"] for r in data["rows"]} == {"folder", "sft", "rl", "rl-public"}
     assert not [r for r in data["rows"] if "error" in r]
+
+    # --merge rewrites a results file from runs' JSON (runs split to fit a time limit), measuring nothing
+    merged = tmp_path / "merged.md"
+    cmd = [sys.executable, str(REPO / "bench" / "train_step.py"), "--merge", str(out.with_suffix(".json")), "--out", str(merged)]
+    r = subprocess.run(cmd, env=worker_env(), cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert _table(merged.read_text(), "## SFT") == sft and "Written from those runs' JSON files" in merged.read_text()
