@@ -20,7 +20,9 @@ SMALL = {
 }
 
 
-# head width 64 for GPU training tests: FlexAttention's compiled backward has no kernel for width 16
+# head width 64 for GPU training tests. Open: on an H100 (torch 2.11) the compiled FlexAttention
+# backward found no kernel (NoValidChoicesError) for these tiny packed batches at width 16 and at 64
+# alike, while it trains SDAR-8B (bench/results/gpu_tests.md, train_step.md)
 WIDE_HEADS = {
     "llada": {"d_model": 128, "n_heads": 2, "n_kv_heads": 1},
     "Dream": {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1},
