@@ -25,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from embedded_seeds import machine  # noqa: E402
+from stamp import git_commit, utc_now  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -184,8 +185,10 @@ def main() -> None:
     plot(rows, png)
     text = (
         "# Every RL algorithm on the embedded task\n\n"
+        f"Git commit: {git_commit()}  \n"
         f"Command: `.venv/bin/python bench/algorithms.py{' --steps ' + str(args.steps) if args.steps else ''}`  \n"
         f"Machine: {machine()}  \n"
+        f"Date: {utc_now()}  \n"
         f"Budget: {steps} RL steps (block family: see its rows' step counts) x {cfg.rl.prompts_per_step} prompts x {cfg.rl.group_size} rollouts for every algorithm, "
         f"{cfg.rl.num_iterations} inner iterations, the optimiser and sampler of params.yaml; per-algorithm settings: "
         "`ALGORITHM_SETTINGS` in bench/algorithms.py. Accuracy: the eval stage (500 held-out problems, the eval sampler "

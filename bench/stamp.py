@@ -1,6 +1,7 @@
 """The commit a benchmark's results file names."""
 from __future__ import annotations
 
+import datetime
 import os
 import subprocess
 from pathlib import Path
@@ -23,3 +24,7 @@ def git_commit() -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown (no git checkout here; set DARE_COMMIT)"
     return sha + (" + uncommitted changes" if dirty else "")
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
