@@ -267,15 +267,12 @@ class Transformer(nn.Module):
         cos, sin = rope_cos_sin(position_ids, self.cfg.rotary_dim or self.cfg.head_dim, self.cfg.rope_theta)
         x = self.embed(input_ids)
         compiled = self.compile_training and self.training and kv_cache is None
+        run = _compiled_layer() if compiled else _call_layer
         for i, layer in enumerate(self.layers):
-            if compiled:
-                run = _compiled_layer()
-                if self.gradient_checkpointing:
-                    x = checkpoint(run, layer, x, cos, sin, attn_mask, use_reentrant=False)
-                else:
-                    x = run(layer, x, cos, sin, attn_mask)
-            elif self.gradient_checkpointing and self.training:
-                x = checkpoint(layer, x, cos, sin, attn_mask, use_reentrant=False)
+            if self.gradient_checkpointing and self.training:
+                x = checkpoint(run, layer, x, cos, sin, attn_mask, use_reentrant=False)
+            elif compiled:
+                x = run(layer, x, cos, sin, attn_mask)
             else:
                 x = layer(x, cos, sin, attn_mask, kv_cache.layer(i) if kv_cache is not None else None)
         return self.norm(x)
