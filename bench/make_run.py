@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from stamp import REPO, git_commit, utc_now
+from stamp import REPO, utc_now
 
 
 def timed(cmd: list[str], cwd: Path, log: Path) -> float:
@@ -44,13 +44,14 @@ def main() -> int:
     clone = Path(args.clone)
     shutil.rmtree(clone, ignore_errors=True)
     subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=clone, capture_output=True, text=True, check=True).stdout.strip()
     log = clone / "make_run.log"
     env_note = "pip cache warm" if Path(os.path.expanduser("~/.cache/pip")).exists() else "pip cache empty"
     venv_s = timed(["make", "venv"], clone, log)
     run_s = timed(["make", "run"], clone, log)
     lines = [
         "# `make run` on a fresh clone", "",
-        f"Git commit: {git_commit()}  ",
+        f"Git commit: {commit}  ",
         f"Command: `python3 bench/make_run.py` (git clone, then `make venv` and `make run`, each timed) ({utc_now()})  ",
         f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, no GPU needed, Python {platform.python_version()}, {env_note}", "",
         "| phase | wall time (s) |", "|---|---|",
