@@ -458,7 +458,8 @@ def rl_overrides(spec: dict, s: Settings, block_size: Optional[int]) -> dict:
     sampler = {
         "gen_length": s.rl_gen, "steps": s.rl_denoise_steps, "block_length": block_size or s.rl_block,
         "temperature": s.rl_temperature, "cache": "none" if public else ("block_kv" if block_size else "dual"),
-        "cuda_graphs": None if public or not cuda else True, "engine": PUBLIC if public else "native",
+        "cuda_graphs": None if public or not cuda else True, "compile_forward": cuda and not public,
+        "engine": PUBLIC if public else "native",
         "batch_size": s.public_chunk if public else s.rollout_batch,
     }
     return {
@@ -859,7 +860,7 @@ def setup_lines(s: Settings, args, runs: list[dict]) -> list[str]:
         f"{s.rl_gen}, {s.rl_denoise_steps} denoising steps, block {s.rl_block} (SDAR: its block of 4), temperature "
         f"{s.rl_temperature}, {s.rl_iterations} inner iterations, micro-batches of {s.rl_micro}, KL {s.rl_kl} (reference = "
         f"adapter disabled), LoRA r {s.rl_lora[0]}, alpha {s.rl_lora[1]}, gradient checkpointing; reward: a hash of the "
-        f"response tokens' text. DARE: dual cache (SDAR: block_kv), CUDA graphs on the GPU, {s.rollout_batch} rollouts per batch, "
+        f"response tokens' text. DARE: dual cache (SDAR: block_kv), CUDA graphs on the GPU of forwards compiled by torch.compile (`compile_forward`), {s.rollout_batch} rollouts per batch, "
         f"packed training, step {s.rl_steps} shown. Public recipe: no cache, float64 Gumbel-max and softmax, eager, "
         f"{s.public_chunk} rollouts per generate call, padded training with logits over the whole canvas, step "
         f"{s.rl_public_steps} shown. Phase times come from the loops' metrics (`DARE_PHASE_TIMES`, GPU synchronised at "

@@ -81,7 +81,10 @@ def _flex(q, k, v, block_mask):
             # shapes change with every packed batch: let compile mark them dynamic rather than recompile per
             # shape (and fall back to eager, which materialises the whole score matrix, past its limit)
             _compiled_flex = torch.compile(flex_attention)
-        return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+        # training pins the Triton kernel: AUTO picks the decode kernel for short grouped-query
+        # sequences (under 128 tokens), which has no backward (the lowering fails)
+        options = {"BACKEND": "TRITON"} if torch.is_grad_enabled() and q.requires_grad else None
+        return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1], kernel_options=options)
     return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
 
 

@@ -319,7 +319,8 @@ def generate(
             if params.stochastic:
                 rows = part.nonzero().squeeze(-1)
                 sub_gens = [generators[i] for i in rows.tolist()]
-                logits = logits[rows]
+                if rows.numel() < logits.shape[0]:  # (a copy of the whole [B, n, V] otherwise)
+                    logits = logits[rows]
             else:
                 rows, sub_gens = torch.arange(part.shape[0], device=device), None
             scores = score_block(logits, params, sub_gens, want_entropy=unmasker.needs_entropy)

@@ -33,6 +33,26 @@ def filtered_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, to
     return out
 
 
+def _perturbed_argmax(logits_row: torch.Tensor, u: torch.Tensor, temperature: float) -> torch.Tensor:
+    """argmax(l + T g) with g = -log(-log u), all in float64."""
+    return (logits_row.double() - temperature * torch.log(-torch.log(u.clamp_min(1e-300)))).argmax(-1)
+
+
+_fused_perturbed_argmax = None
+
+
+def _row_argmax(logits_row: torch.Tensor, u: torch.Tensor, temperature: float) -> torch.Tensor:
+    # eagerly the perturbation takes ~8 passes over a [block, vocab] float64 tensor per row (a GPU
+    # rollout step at batch 128 moves ~70 GB for it); compiled it is one pass that reads u and the
+    # logits and reduces. The same float64 arithmetic either way.
+    global _fused_perturbed_argmax
+    if not logits_row.is_cuda:
+        return _perturbed_argmax(logits_row, u, temperature)
+    if _fused_perturbed_argmax is None:
+        _fused_perturbed_argmax = torch.compile(_perturbed_argmax, dynamic=False)
+    return _fused_perturbed_argmax(logits_row, u, temperature)
+
+
 def gumbel_argmax(logits: torch.Tensor, temperature: float, generators: Optional[Sequence[torch.Generator]]) -> torch.Tensor:
     """argmax(l + T g), g ~ Gumbel drawn in float64 per sample: a draw from softmax(l / T); T = 0 is argmax.
 
@@ -41,9 +61,8 @@ def gumbel_argmax(logits: torch.Tensor, temperature: float, generators: Optional
         return logits.argmax(-1)
     rows = []
     for i, g in enumerate(generators):
-        u = torch.rand(logits.shape[1:], generator=g, dtype=torch.float64, device=g.device).clamp_min(1e-300)
-        noise = -torch.log(-torch.log(u)).to(logits.device)
-        rows.append((logits[i].double() + temperature * noise).argmax(-1))
+        u = torch.rand(logits.shape[1:], generator=g, dtype=torch.float64, device=g.device).to(logits.device)
+        rows.append(_row_argmax(logits[i], u, temperature))
     return torch.stack(rows)
 
 
@@ -56,15 +75,22 @@ class StepScores:
 
 def score_block(logits: torch.Tensor, params: SamplingParams, generators, want_entropy: bool = False) -> StepScores:
     """Proposal and confidence for every position of the block (logits [B, n, V], float32)."""
-    scaled = filtered_logits(logits, params.temperature, params.top_k, params.top_p)
-    # a sample from softmax(l/T) after filtering: argmax(l/T + g), i.e. gumbel_argmax(l/T, 1)
-    proposal = gumbel_argmax(scaled, 1.0 if params.temperature > 0 else 0.0, generators)
+    filtered = params.top_k or params.top_p < 1.0
+    scaled = filtered_logits(logits, params.temperature, params.top_k, params.top_p) if filtered else None
+    # a sample from softmax(l/T) after filtering: argmax(l/T + g) = argmax(l + T g); without filtering
+    # the scaled logits (a full copy of the block's [B, n, V]) are not needed for it
+    if filtered:
+        proposal = gumbel_argmax(scaled, 1.0 if params.temperature > 0 else 0.0, generators)
+    else:
+        proposal = gumbel_argmax(logits, params.temperature, generators)
     probs = None
     if params.remasking == "low_confidence":  # LLaDA: the untempered, unfiltered softmax
-        conf = torch.softmax(logits, -1).gather(-1, proposal[..., None]).squeeze(-1)
+        # p(x̂) = exp(l_x̂ - logsumexp l): one reduction, no [B, n, V] probabilities written
+        conf = torch.exp(logits.gather(-1, proposal[..., None]).squeeze(-1) - torch.logsumexp(logits, -1))
     elif params.remasking == "random":
         conf = torch.stack([torch.rand(logits.shape[1], generator=g, device=g.device) for g in generators]).to(logits.device)
     else:
+        scaled = scaled if scaled is not None else filtered_logits(logits, params.temperature)
         probs = torch.softmax(scaled, -1)
         if params.remasking == "maskgit_plus":
             conf = probs.gather(-1, proposal[..., None]).squeeze(-1)
@@ -75,7 +101,9 @@ def score_block(logits: torch.Tensor, params: SamplingParams, generators, want_e
             conf = (probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
     entropy = None
     if want_entropy:
-        probs = probs if probs is not None else torch.softmax(scaled, -1)
+        if probs is None:
+            scaled = scaled if scaled is not None else filtered_logits(logits, params.temperature)
+            probs = torch.softmax(scaled, -1)
         entropy = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
     return StepScores(proposal, conf, entropy)
 

@@ -67,35 +67,41 @@ def test_eval_forward_stays_eager():
     assert counters["frames"]["ok"] == 0
 
 
+def _gpu_loss_and_grads(family: str, shift: int, dtype: torch.dtype, compiled: bool):
+    model = tiny(family, wide_heads=True)
+    torch.manual_seed(0)  # peft draws lora_A from the global generator: the same adapter every time
+    apply_lora(model, LoraSettings(r=4, alpha=8))
+    model = model.to("cuda", dtype).train()
+    with torch.no_grad():
+        for name, p in model.net.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=generator(1, name), dtype=torch.float32).to(p))
+    model.packing, model.net.compile_training = "auto", compiled
+    model.set_gradient_checkpointing(True)
+    prompts = [p + [1] * shift * (i % 3) for i, p in enumerate(PROMPTS)]
+    batch = sft_batch(prompts, RESPONSES, UIDS, 6, model.eos_token_id, model.pad_token_id,
+                      eos_padding=model.block_size is None)
+    batch = dataclasses.replace(batch, input_ids=batch.input_ids.cuda(), attention_mask=batch.attention_mask.cuda(),
+                                response_mask=batch.response_mask.cuda())
+    cls = get_algorithm("sft")
+    algo = cls(build_options(cls, {"mask_law": "count"}, "sft"), model.mask_token_id)
+    out = algo.loss(model, batch, sample_generators((0, "sft", shift), UIDS), len(UIDS))
+    out.loss.backward()
+    return float(out.loss), grads(model).float()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["llada", "sdar"])
 def test_compiled_packed_training_on_gpu(family):
     """On CUDA, compiled packed training (varlen, FlexAttention for block diffusion) with LoRA and
-    gradient checkpointing gives the eager loss and gradient within bf16 precision, over batches of
-    changing packed length (dynamic shapes: no failure on a new length)."""
-    cls = get_algorithm("sft")
+    gradient checkpointing is as close to the float32 result as eager bf16 training is, over batches
+    of changing packed length (dynamic shapes: no failure on a new length). bf16 rounding of a tiny
+    random model moves the loss by a few per cent, so the yardstick is eager bf16's own error, not a
+    fixed tolerance."""
     for shift in range(3):
-        prompts = [p + [1] * shift * (i % 3) for i, p in enumerate(PROMPTS)]
-        results = []
-        for compiled in (False, True):
-            model = tiny(family, wide_heads=True)
-            torch.manual_seed(0)  # peft draws lora_A from the global generator: the same adapter for both
-            apply_lora(model, LoraSettings(r=4, alpha=8))
-            model = model.to("cuda", torch.bfloat16).train()
-            with torch.no_grad():
-                for name, p in model.net.named_parameters():
-                    if "lora_B" in name:
-                        p.copy_(0.05 * torch.randn(p.shape, generator=generator(1, name), dtype=torch.float32).to(p))
-            model.packing, model.net.compile_training = "auto", compiled
-            model.set_gradient_checkpointing(True)
-            batch = sft_batch(prompts, RESPONSES, UIDS, 6, model.eos_token_id, model.pad_token_id,
-                              eos_padding=model.block_size is None)
-            batch = dataclasses.replace(batch, input_ids=batch.input_ids.cuda(), attention_mask=batch.attention_mask.cuda(),
-                                        response_mask=batch.response_mask.cuda())
-            algo = cls(build_options(cls, {"mask_law": "count"}, "sft"), model.mask_token_id)
-            out = algo.loss(model, batch, sample_generators((0, "sft", shift), UIDS), len(UIDS))
-            out.loss.backward()
-            results.append((float(out.loss), grads(model).float()))
-        (loss, g), (loss_c, g_c) = results
-        assert abs(loss_c - loss) <= 0.02 * abs(loss), (shift, loss_c, loss)
-        assert torch.nn.functional.cosine_similarity(g_c, g, dim=0).item() > 0.99, shift
+        loss_ref, g_ref = _gpu_loss_and_grads(family, shift, torch.float32, False)
+        loss, g = _gpu_loss_and_grads(family, shift, torch.bfloat16, False)
+        loss_c, g_c = _gpu_loss_and_grads(family, shift, torch.bfloat16, True)
+        assert abs(loss_c - loss_ref) <= 2 * abs(loss - loss_ref) + 2e-3 * abs(loss_ref), (shift, loss_c, loss, loss_ref)
+        cos = lambda a, b: torch.nn.functional.cosine_similarity(a, b, dim=0).item()  # noqa: E731
+        assert 1 - cos(g_c, g_ref) <= 2 * (1 - cos(g, g_ref)) + 1e-3, (shift, cos(g_c, g_ref), cos(g, g_ref))
