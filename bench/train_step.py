@@ -762,6 +762,12 @@ def fmt(value, spec: str = ".2f") -> str:
     return "" if value is None else f"{value:{spec}}"
 
 
+def same_run(a: dict, b: dict) -> bool:
+    """Ratios are taken between rows of one invocation only (a merged file holds several): two runs
+    differ in machine state and, possibly, commit."""
+    return a.get("run") == b.get("run")
+
+
 def sft_table(rows: list[dict]) -> list[str]:
     lines = ["| model | training | packing | sequences / step | real tokens / step | padded tokens / step | s / step | "
              "fwd+bwd s | optimizer s | tokens/s | MFU | peak mem (GiB) | packed speed-up |",
@@ -772,7 +778,7 @@ def sft_table(rows: list[dict]) -> list[str]:
         if "error" in r:
             lines.append(f"{head} {r['error']} | | | | | | | | | |")
             continue
-        other = next((o for o in rows if o["shape"] == r["shape"] and o["training"] == r["training"]
+        other = next((o for o in rows if o["shape"] == r["shape"] and o["training"] == r["training"] and same_run(o, r)
                       and o["packing"] == "off" and not o.get("compile") and "error" not in o), None)
         speedup = f"{other['step_s'] / r['step_s']:.2f}x" if r["packing"] == "on" and other else ""
         lines.append(f"{head} {r['sequences']:.0f} | {r['real_tokens']:,.0f} | {r['padded_tokens']:,.0f} | {r['step_s']:.3f} | "
@@ -790,7 +796,8 @@ def rl_table(rows: list[dict]) -> list[str]:
         if "error" in r:
             lines.append(f"{head} | {r['error']} | | | | | | | | | |")
             continue
-        public = next((o for o in rows if o["shape"] == r["shape"] and o["recipe"] == "public" and "error" not in o), None)
+        public = next((o for o in rows if o["shape"] == r["shape"] and o["recipe"] == "public" and same_run(o, r)
+                       and "error" not in o), None)
         speedup = f"{public['step_s'] / r['step_s']:.2f}x" if r["recipe"] == "dare" and public else ""
         phases = " | ".join(f"{r[p]:.2f}" for p in RL_PHASES)
         lines.append(f"{head} {r['step']} | {phases} | {r['other']:.2f} | {r['step_s']:.2f} | {fmt(r['zero_std_ratio'], '.0%')} | "
@@ -825,12 +832,15 @@ def acceptance(rows: list[dict]) -> list[str]:
         if packed and packed.get("mfu") is not None:
             out.append(f"- packed{how} LoRA SFT at LLaDA-8B: MFU {packed['mfu']:.1%} (target >= 40 %): "
                        f"{'met' if packed['mfu'] >= 0.40 else 'not met'}")
-        if packed and padded:
+        if packed and padded and same_run(packed, padded):
             ratio = padded["step_s"] / packed["step_s"]
             out.append(f"- packed{how} vs padded LoRA SFT at LLaDA-8B: {ratio:.2f}x (target >= 1.7x): "
                        f"{'met' if ratio >= 1.7 else 'not met'}")
     ours, public = find(shape="llada", part="rl"), find(shape="llada", part="rl-public")
-    if ours and public:
+    if ours and public and not same_run(ours, public):
+        out.append(f"- RL step at LLaDA-8B vs the public recipe: not compared (DARE {ours['step_s']:.1f} s and public "
+                   f"{public['step_s']:.1f} s come from different runs)")
+    elif ours and public:
         ratio = public["step_s"] / ours["step_s"]
         out.append(f"- RL step at LLaDA-8B vs the public recipe: {ratio:.2f}x (target >= 6x): {'met' if ratio >= 6 else 'not met'}")
     for r in rows:
@@ -855,12 +865,12 @@ def setup_lines(s: Settings, args, runs: list[dict]) -> list[str]:
         f"{s.sft_lora[1]}, gradient checkpointing. tokens/s counts real tokens; MFU = model FLOPs (bench/model_throughput.py: "
         f"6 x non-embedding parameters per real token + attention; SDAR's two-stream layout counts each token twice) / time / "
         f"peak bf16. With LoRA the backward skips the frozen weights' gradients (-2N) while checkpointing recomputes the "
-        f"forward (+2N), so 6N is also about what the GPU executes. Packed: `model.packing: on`; padded: `off`; + compile: `model.compile: true` as well (the first step compiles).",
+        f"forward (+2N), so 6N is also about what the GPU executes. Packed: `model.packing: on`; padded: `off`; + compile: `model.compile: true` as well (the first step compiles; from commit 852f02c Inductor rounds to bf16 where eager does, before it the loss drifted ~3 % from eager's).",
         f"- RL: d1, {s.rl_prompts} prompts x {s.rl_group} rollouts (prompts {s.rl_prompt_min}-{s.rl_prompt_max} tokens), gen "
         f"{s.rl_gen}, {s.rl_denoise_steps} denoising steps, block {s.rl_block} (SDAR: its block of 4), temperature "
         f"{s.rl_temperature}, {s.rl_iterations} inner iterations, micro-batches of {s.rl_micro}, KL {s.rl_kl} (reference = "
         f"adapter disabled), LoRA r {s.rl_lora[0]}, alpha {s.rl_lora[1]}, gradient checkpointing; reward: a hash of the "
-        f"response tokens' text. DARE: dual cache (SDAR: block_kv), CUDA graphs on the GPU of forwards compiled by torch.compile (`compile_forward`), {s.rollout_batch} rollouts per batch, "
+        f"response tokens' text. DARE: dual cache (SDAR: block_kv), CUDA graphs on the GPU of forwards compiled by torch.compile (`compile_forward`; rows before commit deff7f6 replayed eager forwards), {s.rollout_batch} rollouts per batch, "
         f"packed training, step {s.rl_steps} shown. Public recipe: no cache, float64 Gumbel-max and softmax, eager, "
         f"{s.public_chunk} rollouts per generate call, padded training with logits over the whole canvas, step "
         f"{s.rl_public_steps} shown. Phase times come from the loops' metrics (`DARE_PHASE_TIMES`, GPU synchronised at "
@@ -928,8 +938,10 @@ def merge_files(paths: list[Path], out: Path, args) -> int:
             known = not run["hardware"].startswith("(no run finished)")  # older files: an RL-only run named none
             if first and (first["settings"] != run["settings"] or (known and first["hardware"] != run["hardware"])):
                 raise SystemExit(f"{path}: measured on other hardware or with other settings than {paths[0]}")
+        offset = len(merged["runs"])
         merged["runs"] += [dict(r) for r in data["runs"]]
-        rows = [{**r, "run": len(merged["runs"]) - 1} for r in data["rows"]]
+        # a file written by an earlier merge credits each row to one of its runs already
+        rows = [{**r, "run": offset + r.get("run", len(data["runs"]) - 1)} for r in data["rows"]]
         keys = {row_key(r) for r in rows}
         merged["rows"] = [r for r in merged["rows"] if row_key(r) not in keys] + rows
     for i, run in enumerate(merged["runs"]):  # the rows of each run that the file shows
