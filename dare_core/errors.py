@@ -8,3 +8,8 @@ from __future__ import annotations
 
 class UserError(ValueError):
     """A problem with the user's input, settings or environment (not a bug in DARE)."""
+
+
+class ModelLoadError(UserError):
+    """A model folder that cannot be loaded (a missing, truncated or inconsistent file); the message
+    names the folder, the file and, where one is at fault, the parameter."""

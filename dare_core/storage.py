@@ -124,13 +124,13 @@ def read_json(path: PathLike, error: type = UserError) -> Any:
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
-        raise error(f"{path}: not UTF-8 text (byte {exc.start})") from None
+        raise error(f"{path}: not UTF-8 text (byte {exc.start})") from exc
     except OSError as exc:
-        raise error(f"{path}: cannot read ({exc.strerror or exc})") from None
+        raise error(f"{path}: cannot read ({exc.strerror or exc})") from exc
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise error(f"{path}: invalid JSON ({exc})") from None
+        raise error(f"{path}: invalid JSON ({exc})") from exc
 
 
 # ---- checks before a stage writes anything ---------------------------------------------------------

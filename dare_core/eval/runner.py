@@ -198,7 +198,7 @@ def _worth_showing(line: str) -> bool:
     return "it/s]" in line or "s/it]" in line or "%|" in line
 
 
-# the last line of a Python traceback: `ValueError: ...`, `dare_core.models.registry.ModelLoadError: ...`
+# the last line of a Python traceback: `ValueError: ...`, `dare_core.errors.ModelLoadError: ...`
 _EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)): (.+)$")
 
 

@@ -34,5 +34,7 @@ DREAM = register_family(
         name_map=qwen_name_map(qkv_bias=True),
         shift_logits=True,
         tiny_config=tiny_config,
+        # Dream-v0's config.json: <|mask|>, <|endoftext|>
+        default_token_ids={"mask": 151666, "eos": 151643},
     )
 )

@@ -89,6 +89,8 @@ LLADA = register_family(
         variant=_moe_variant,
         config_from_hf=config_from_hf,
         tiny_config=tiny_config,
+        # LLaDA-8B's config.json and tokenizer: <|mdm_mask|>, <|endoftext|>
+        default_token_ids={"mask": 126336, "eos": 126081},
         name_map=[
             ("embed.weight", "model.transformer.wte.weight"),
             ("layers.{i}.attn_norm.weight", "model.transformer.blocks.{i}.attn_norm.weight"),
@@ -158,6 +160,8 @@ LLADA_MOE = Family(
         (f"layers.{{i}}.mlp.shared.{p}.weight", f"model.layers.{{i}}.shared_expert.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj")
     ],
     tiny_config=moe_tiny_config,
+    # LLaDA2's tokenizer (docs/families/llada_moe.md): <|mask|>, <|endoftext|>
+    default_token_ids={"mask": 156895, "eos": 156892},
 )
 # selectable by name for from-scratch configs (`model.family: llada_moe`); loading a checkpoint
 # reaches it through the "llada" model_type and `_moe_variant`

@@ -83,5 +83,7 @@ LLADA2 = register_family(
         ],
         block_size=32,
         tiny_config=tiny_config,
+        # config.json has neither (docs/families/llada2.md §5): <|mask|>, <|endoftext|>
+        default_token_ids={"mask": 156895, "eos": 156892},
     )
 )

@@ -18,15 +18,12 @@ import torch
 import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 
+from dare_core.errors import ModelLoadError
 from dare_core.models.safetensors_io import SHARD_BYTES, nbytes, plan_shards, write_shard
+from dare_core.models.tokenizer import MASK_CANDIDATES, token_content
 from dare_core.models.transformer import KVCache, Transformer, TransformerConfig, default_position_ids
 from dare_core.registry import Registry
 from dare_core.storage import atomic_dir, read_json
-
-
-class ModelLoadError(ValueError):
-    """A checkpoint folder that cannot be loaded; the message names the file and the parameter."""
-
 
 FAMILIES = Registry("model_type", error=ModelLoadError)
 
@@ -50,6 +47,18 @@ class Family:
     variant: Optional[Callable[[dict], "Family"]] = None
     # config.json keys holding special token ids
     token_id_keys: dict = field(default_factory=lambda: {"mask": "mask_token_id", "eos": "eos_token_id", "pad": "pad_token_id"})
+    # the family's published special ids ("mask"/"eos" -> id), for a config that leaves them out and a
+    # folder whose tokenizer files do not name them (SDAR-30B-A3B's and LLaDA2's config.json carry
+    # no mask id; LLaDA2's no eos id either)
+    default_token_ids: dict[str, int] = field(default_factory=dict)
+
+    def with_default_token_ids(self, hf_config: dict) -> dict:
+        """A copy of `hf_config` with each special id it lacks (absent or null) set to the family's."""
+        out = dict(hf_config)
+        for role, token_id in self.default_token_ids.items():
+            if out.get(self.token_id_keys[role]) is None:
+                out[self.token_id_keys[role]] = token_id
+        return out
 
     def to_hf_name(self, name: str) -> str:
         return _translate(name, self.name_map, 0, 1, self.model_type)
@@ -95,17 +104,18 @@ class DiffusionLM(nn.Module):
     def __init__(self, family: Family, hf_config: dict):
         super().__init__()
         self.family = family
-        self.hf_config = dict(hf_config)
+        self.hf_config = family.with_default_token_ids(hf_config)
         self.config = family.config_from_hf(hf_config)
         self.net = Transformer(self.config)
         # training forwards over real tokens only: auto | on | off (dare_core/models/packing.py)
         self.packing = "off"
-        ids = {k: hf_config.get(v) for k, v in family.token_id_keys.items()}
+        ids = {k: self.hf_config.get(v) for k, v in family.token_id_keys.items()}
         self.mask_token_id: int = ids["mask"]
         self.eos_token_id: int = ids["eos"]
         self.pad_token_id: int = ids["pad"] if ids["pad"] is not None else ids["eos"]
         if self.mask_token_id is None:
-            raise ModelLoadError(f"{family.model_type}: config has no mask token id ('{family.token_id_keys['mask']}')")
+            raise ModelLoadError(f"{family.model_type}: no mask token id in the config ('{family.token_id_keys['mask']}'), "
+                                 "the tokenizer files or the family's defaults")
         if self.pad_token_id == self.mask_token_id:
             raise ModelLoadError("pad token id equals the mask token id; padding would be read as noise")
 
@@ -301,6 +311,17 @@ def empty_model(hf_config: dict, device: Union[str, torch.device] = "cpu", dtype
     return model
 
 
+INDEX = "model.safetensors.index.json"
+
+
+def _read_json_object(path: Path) -> dict:
+    """A JSON object file of a model folder; unreadable, not JSON or not an object names the file."""
+    value = read_json(path, error=ModelLoadError)
+    if not isinstance(value, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
 def _read_config(folder: Path) -> dict:
     if not folder.exists():
         raise FileNotFoundError(f"model folder not found: {folder}")
@@ -309,47 +330,44 @@ def _read_config(folder: Path) -> dict:
     path = folder / "config.json"
     if not path.exists():
         raise ModelLoadError(f"{path}: missing (not a model folder?)")
-    config = read_json(path)
-    if not isinstance(config, dict):
-        raise ModelLoadError(f"{path}: expected a JSON object, got {type(config).__name__}")
-    return config
+    return _read_json_object(path)
 
 
 @contextlib.contextmanager
 def _open_shard(path: Path, device: Union[str, torch.device] = "cpu") -> Iterator[Any]:
-    """safe_open, with a truncated or corrupt file named (safetensors' own error names no file)."""
+    """safe_open, with a truncated, corrupt or unreadable file named (safetensors' own error names no file)."""
     try:
         handle = safe_open(path, "pt", device=str(device))
     except SafetensorError as exc:
         raise ModelLoadError(f"{path}: not a readable safetensors file ({exc}); truncated or corrupt?") from exc
+    except OSError as exc:
+        raise ModelLoadError(f"{path}: cannot open ({exc.strerror or exc})") from exc
     with handle as f:
         yield f
 
 
 def _weight_files(folder: Path) -> dict[str, str]:
     """hf parameter name -> shard file name."""
-    index = folder / "model.safetensors.index.json"
+    index = folder / INDEX
     if index.exists():
-        weight_map = read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ModelLoadError(f"{index}: no 'weight_map' object")
+        weight_map = _index_weight_map(index)
         for shard in sorted(set(weight_map.values())):
-            if not (folder / shard).exists():
+            if not (folder / shard).is_file():
                 missing = sorted(k for k, v in weight_map.items() if v == shard)
                 raise ModelLoadError(f"{folder / shard}: shard listed in {index.name} is missing (holds e.g. '{missing[0]}')")
         return weight_map
     single = folder / "model.safetensors"
     if not single.exists():
-        raise ModelLoadError(f"{folder}: neither model.safetensors.index.json nor model.safetensors found")
+        raise ModelLoadError(f"{folder}: neither {INDEX} nor model.safetensors found")
     with _open_shard(single) as f:
         return {k: single.name for k in f.keys()}
 
 
-MASK_TOKENS = ("<|mdm_mask|>", "<|mask|>", "<|MASK|>", "<MASK>")
-
-
-def _token_content(value: Any) -> Optional[str]:
-    return value.get("content") if isinstance(value, dict) else value
+def _index_weight_map(index: Path) -> dict[str, str]:
+    weight_map = _read_json_object(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ModelLoadError(f"{index}: no 'weight_map' object (tensor name -> shard file name)")
+    return weight_map
 
 
 def tokenizer_token_ids(folder: Path) -> dict[str, int]:
@@ -364,24 +382,24 @@ def tokenizer_token_ids(folder: Path) -> dict[str, int]:
         ids.setdefault(entry["content"], int(entry["id"]))
     vocab = (tok_json.get("model") or {}).get("vocab")
     if isinstance(vocab, dict):
-        for content in list(MASK_TOKENS) + [_token_content(tok_cfg.get("eos_token")), _token_content(tok_cfg.get("pad_token"))]:
+        for content in list(MASK_CANDIDATES) + [token_content(tok_cfg.get("eos_token")), token_content(tok_cfg.get("pad_token"))]:
             if content in vocab:
                 ids.setdefault(content, int(vocab[content]))
     found = {}
-    mask = _token_content(tok_cfg.get("mask_token"))
-    for name in ([mask] if mask else []) + list(MASK_TOKENS):
+    mask = token_content(tok_cfg.get("mask_token"))
+    for name in ([mask] if mask else []) + list(MASK_CANDIDATES):
         if name in ids:
             found["mask_token_id"] = ids[name]
             break
     for key in ("eos", "pad"):
-        content = _token_content(tok_cfg.get(f"{key}_token"))
+        content = token_content(tok_cfg.get(f"{key}_token"))
         if content in ids:
             found[f"{key}_token_id"] = ids[content]
     return found
 
 
 def _json_or_empty(path: Path) -> dict:
-    return read_json(path) if path.exists() else {}
+    return _read_json_object(path) if path.exists() else {}
 
 
 def _open_folder(folder: Path) -> tuple[DiffusionLM, dict[str, str]]:
@@ -391,18 +409,29 @@ def _open_folder(folder: Path) -> tuple[DiffusionLM, dict[str, str]]:
     for key, value in tokenizer_token_ids(folder).items():
         if hf_config.get(key) is None:
             hf_config[key] = value
-    model = build_model(hf_config, device="meta")
-    expected = model.hf_parameter_shapes()
+    model = _meta_model(folder / "config.json", hf_config)
+    layout = model.hf_layout()
     weight_map = _weight_files(folder)
-    missing = sorted(set(expected) - set(weight_map))
+    missing = sorted(set(layout) - set(weight_map))
     if missing:
         raise ModelLoadError(f"{folder}: checkpoint lacks parameter '{missing[0]}' ({len(missing)} missing)")
-    unexpected = sorted(set(weight_map) - set(expected))
+    unexpected = sorted(set(weight_map) - set(layout))
     if unexpected:
         raise ModelLoadError(f"{folder / weight_map[unexpected[0]]}: unexpected parameter '{unexpected[0]}' for {hf_config.get('model_type')}")
     for shard, names in _by_shard(weight_map).items():
-        _check_header(folder / shard, names, expected)
+        _check_header(folder / shard, names, layout, weight_map)
     return model, weight_map
+
+
+def _meta_model(config_path: Path, hf_config: dict) -> DiffusionLM:
+    """The model on the meta device; a config field that is missing or that our stack does not
+    support is reported against config.json (the family code names the field, not the file)."""
+    try:
+        return build_model(hf_config, device="meta")
+    except KeyError as exc:
+        raise ModelLoadError(f"{config_path}: lacks {exc}, which a '{hf_config.get('model_type')}' config needs") from exc
+    except ValueError as exc:
+        raise ModelLoadError(f"{config_path}: {exc}") from exc
 
 
 def _by_shard(weight_map: dict[str, str]) -> dict[str, list[str]]:
@@ -413,17 +442,34 @@ def _by_shard(weight_map: dict[str, str]) -> dict[str, list[str]]:
     return shards
 
 
-def _check_header(path: Path, names: list[str], expected: dict[str, tuple]) -> None:
-    """Headers only: a truncated shard, a tensor the index places here but the file lacks, or a
-    shape the config does not imply fails here, before any weight is read."""
+def _check_header(path: Path, names: list[str], layout: dict[str, tuple[tuple, torch.dtype]], weight_map: dict[str, str]) -> None:
+    """Headers only, so that a damaged folder fails before any weight is read: a truncated shard,
+    a tensor the index places here but the file lacks, one the file holds but the index does not
+    list, a shape or dtype the model cannot take."""
     with _open_shard(path) as f:
         present = set(f.keys())
+        lacking = [name for name in names if name not in present]
+        if lacking:
+            raise ModelLoadError(f"{path}: lacks parameter '{lacking[0]}' (the index places it in this file)")
+        # a tensor the index sends to another shard is harmless (that shard is read); one it does not
+        # list at all means the index and the shards were written for different models
+        unlisted = sorted(present - weight_map.keys())
+        if unlisted:
+            raise ModelLoadError(f"{path}: holds '{unlisted[0]}', which {INDEX} does not list ({len(unlisted)} unlisted)")
         for name in names:
-            if name not in present:
-                raise ModelLoadError(f"{path}: lacks parameter '{name}' (the index places it in this file)")
-            shape = tuple(f.get_slice(name).get_shape())
-            if shape != expected[name]:
-                raise ModelLoadError(f"{path}: parameter '{name}' has shape {shape}, config implies {expected[name]}")
+            _check_tensor(path, name, f.get_slice(name), *layout[name])
+
+
+def _check_tensor(path: Path, name: str, view: Any, shape: tuple, dtype: torch.dtype) -> None:
+    stored_shape = tuple(view.get_shape())
+    if stored_shape != shape:
+        raise ModelLoadError(f"{path}: parameter '{name}' has shape {stored_shape}, config implies {shape}")
+    # floating dtypes may differ (a load casts, and LLaDA2.1 keeps its expert bias in float32 beside
+    # bf16 weights); an integer or bool tensor cannot become a parameter
+    stored_dtype = view.get_dtype()
+    if stored_dtype.startswith(("F", "BF")) != dtype.is_floating_point:
+        want = "a floating-point tensor" if dtype.is_floating_point else str(dtype).removeprefix("torch.")
+        raise ModelLoadError(f"{path}: parameter '{name}' is stored as {stored_dtype}; the model needs {want}")
 
 
 def inspect_model(folder: Union[str, Path]) -> DiffusionLM:
@@ -445,7 +491,8 @@ def load_model(folder: Union[str, Path], dtype: Optional[torch.dtype] = None, de
     state: dict[str, torch.Tensor] = {}
     shards = _by_shard(weight_map)
     # shards are read in parallel: one reader thread faults the memory-mapped file in page by page
-    # and reaches a fraction of what an NVMe disk (or the page cache) delivers
+    # and reaches a fraction of what an NVMe disk (or the page cache) delivers. A reader's
+    # ModelLoadError is re-raised here by `pool.map`, as it is (its message names file and parameter)
     with ThreadPoolExecutor(max_workers=min(READ_THREADS, len(shards))) as pool:
         parts = pool.map(lambda item: _read_shard(folder / item[0], item[1], model.family, dtype, device), shards.items())
         for part in parts:
@@ -476,7 +523,7 @@ def _read_shard(path: Path, names: list[str], family: Family, dtype: Optional[to
         for hf_name in names:
             try:
                 t = f.get_tensor(hf_name)
-            except SafetensorError as exc:
+            except (SafetensorError, OSError) as exc:
                 raise ModelLoadError(f"{path}: cannot read parameter '{hf_name}' ({exc}); truncated or corrupt?") from exc
             if dtype is not None and t.is_floating_point() and t.dtype != dtype:
                 t = t.to(dtype)

@@ -47,7 +47,11 @@ def tiny_config(vocab_size: int, mask_token_id: int, eos_token_id: int, pad_toke
     return cfg
 
 
+# <|MASK|> and <|endoftext|> of the SDAR tokenizer (added_tokens.json); SDAR-30B-A3B's config.json
+# has no mask_token_id (docs/families/sdar.md)
+TOKEN_IDS = {"mask": 151669, "eos": 151643}
 SDAR = register_family(Family(model_type="sdar", config_from_hf=dense_config, name_map=qwen_name_map(qk_norm=True),
-                              block_size=4, tiny_config=tiny_config))
+                              block_size=4, tiny_config=tiny_config, default_token_ids=TOKEN_IDS))
 SDAR_MOE = register_family(Family(model_type="sdar_moe", config_from_hf=moe_config, name_map=qwen_name_map(qk_norm=True, moe=True),
-                                  block_size=4, tiny_config=lambda *a, **k: tiny_config(*a, moe=True, **k)))
+                                  block_size=4, tiny_config=lambda *a, **k: tiny_config(*a, moe=True, **k),
+                                  default_token_ids=TOKEN_IDS))

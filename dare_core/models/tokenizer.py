@@ -34,7 +34,7 @@ START_HEADER, END_HEADER, EOT = "<|start_header_id|>", "<|end_header_id|>", "<|e
 SPECIAL_TOKENS = (BOS, EOS, START_HEADER, END_HEADER, EOT, MASK)
 # Names that other checkpoints use for "end of turn" / "mask", looked up when the config is silent.
 _EOT_CANDIDATES = (EOT, "<|im_end|>")
-_MASK_CANDIDATES = (MASK, "<|mask|>", "<|MASK|>", "<MASK>")
+MASK_CANDIDATES = (MASK, "<|mask|>", "<|MASK|>", "<MASK>")
 # The named special tokens that transformers passes to a chat template (its `special_tokens_map`).
 _NAMED_SPECIALS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # transformers' Qwen2Tokenizer pre-tokenizer split (tokenization_qwen2.PRETOKENIZE_REGEX).
@@ -55,7 +55,7 @@ _UNLIMITED = int(1e30)
 CHARS = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
 
 
-def _token_content(value: Any) -> Optional[str]:
+def token_content(value: Any) -> Optional[str]:
     # HF configs store a special token either as a string or as a serialised AddedToken dict.
     if isinstance(value, dict):
         return value.get("content")
@@ -83,7 +83,7 @@ class Tokenizer:
 
     # ---- special tokens
     def _id_of_config(self, key: str) -> Optional[int]:
-        content = _token_content(self.config.get(key))
+        content = token_content(self.config.get(key))
         return None if content is None else self.backend.token_to_id(content)
 
     def _first_known(self, names: Sequence[str]) -> Optional[int]:
@@ -99,10 +99,10 @@ class Tokenizer:
         if tid is None:
             tid = model_config.get("mask_token_id")
         if tid is None:
-            tid = self._first_known(_MASK_CANDIDATES)
+            tid = self._first_known(MASK_CANDIDATES)
         if tid is None:
             raise ValueError("cannot find a mask token (tokenizer_config mask_token, config.json "
-                             f"mask_token_id, or one of {list(_MASK_CANDIDATES)})")
+                             f"mask_token_id, or one of {list(MASK_CANDIDATES)})")
         return int(tid)
 
     @property
@@ -143,7 +143,7 @@ class Tokenizer:
             template = named.get("default")
             if not template:
                 raise ValueError(f"tokenizer config has no default chat template (named: {sorted(map(str, named))})")
-        specials = {k: _token_content(self.config.get(k)) for k in _NAMED_SPECIALS}
+        specials = {k: token_content(self.config.get(k)) for k in _NAMED_SPECIALS}
         variables = {k: v for k, v in specials.items() if v is not None}
         variables.update(template_kwargs)
         return _render(template, messages=_alias_reasoning_fields(messages), tools=tools, documents=documents,
@@ -335,11 +335,11 @@ def _read_backend(path: Path) -> _HFTokenizer:
 
 def _special_contents(config: dict) -> set[str]:
     """Contents of every special token the config names (transformers marks these special)."""
-    names = {_token_content(config.get(k)) for k in _NAMED_SPECIALS}
+    names = {token_content(config.get(k)) for k in _NAMED_SPECIALS}
     for key in ("additional_special_tokens", "extra_special_tokens"):
         extra = config.get(key) or []
         values = extra.values() if isinstance(extra, dict) else extra
-        names.update(_token_content(v) for v in values)
+        names.update(token_content(v) for v in values)
     names.discard(None)
     return names
 

@@ -79,21 +79,47 @@ def test_loss_by_hand_only_valid_tokens():
     assert batch.response_mask[1].sum() == 5  # 4 tokens + the first EOS; the tail is not scored
 
 
+def _param_grads(model) -> torch.Tensor:
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in model.parameters()])
+
+
+def _hand_gradient(model, batch, corruption, scored: torch.Tensor, denom: float) -> torch.Tensor:
+    """The first update's gradient computed independently: ratio 1 and no KL make the d1 loss
+    -sum(A_b * log p(x_bi)) / denom over the scored tokens, log p from a plain forward."""
+    model.zero_grad()
+    logp = torch.log_softmax(model(corruption.noisy_ids, batch.attention_mask).double(), -1)
+    s = logp.gather(-1, batch.input_ids[..., None]).squeeze(-1)
+    (-(batch.advantages.double()[:, None] * s * scored).sum() / denom).backward()
+    g = _param_grads(model)
+    model.zero_grad()
+    return g
+
+
 def test_gradients_only_through_valid_response_scores():
     model = make_tiny_llada()
     algo = _algo(model)
     batch = _rollout_batch()
+    P = batch.prompt_len
     c = algo.corrupt(batch, (0, 0, 0))
-    emb = model.net.embed.weight
-    run_update(algo, model, batch, c, None, None, float(c.scored.sum()))
-    # tokens after the first EOS of sample 1 are not targets: zeroing their advantage changes nothing
-    g_full = emb.grad.clone()
-    model.zero_grad()
+    denom = float(c.scored.sum())
+    run_update(algo, model, batch, c, None, None, denom)
+    g_algo = _param_grads(model)
+    assert g_algo.abs().sum() > 0
+    # against the gradient of the valid tokens only (response up to and including the first EOS)
+    valid = torch.zeros_like(c.scored)
+    valid[:, P:] = batch.response_mask.bool()
+    torch.testing.assert_close(g_algo, _hand_gradient(model, batch, c, valid, denom))
+    # were the EOS tail of sample 1 scored too, the gradient would differ: the comparison can tell
+    with_tail = valid.clone()
+    with_tail[1, P:] = batch.attention_mask[1, P:].bool()
+    assert not torch.allclose(g_algo, _hand_gradient(model, batch, c, with_tail, denom))
+    # the tail's tokens rewritten (not EOS any more): nothing changes, they are neither targets nor context
     b2 = copy.deepcopy(batch)
-    b2.advantages[1] = 0.0
-    b2.advantages[1] = batch.advantages[1]
-    run_update(algo, model, b2, c, None, None, float(c.scored.sum()))
-    torch.testing.assert_close(g_full, emb.grad)
+    b2.input_ids[1, P + 5:] = (b2.input_ids[1, P + 5:] + 7) % 30
+    c2 = algo.corrupt(b2, (0, 0, 0))
+    model.zero_grad()
+    run_update(algo, model, b2, c2, None, None, denom)
+    torch.testing.assert_close(_param_grads(model), g_algo)
     # a sample with zero advantage contributes no gradient
     model.zero_grad()
     only = batch.select(torch.tensor([2]))

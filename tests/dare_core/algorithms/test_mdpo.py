@@ -106,3 +106,53 @@ def test_real_rollout_runs_one_update():
     model.zero_grad()
     res = run_update(algo, model, batch, c)
     assert torch.isfinite(res.loss)
+
+
+def test_loss_by_hand_with_step_weights_and_confidences():
+    """Two selected steps with different masked counts (lambda_t = L / |M_t| = 5/5 and 5/3), random
+    confidences, old != current, the ratio clipped for some tokens: the loss written out token by token
+    from the records, independently of the algorithm's code."""
+    model = make_tiny_llada()
+    rl = RLConfig(group_size=2, clip_eps_low=0.2, clip_eps_high=0.2, dual_clip=3.0,
+                  sampler=SamplingParams(gen_length=5, steps=3, block_length=5, temperature=1.0))
+    algo = make_algo("mdpo", model, rl, sample_train_steps=2)
+    batch = _batch()
+    P, L = batch.prompt_len, 5
+    batch.records["step_adv"] = torch.tensor([[0.5, -1.2], [-1.0, 0.7], [1.5, -0.3], [0.2, 2.0]])
+    batch.records["steps_chosen"] = torch.tensor([[0, 1]] * 4)  # steps 1 and 2
+    c = algo.corrupt(batch, (0, 0, 0))
+    shift = torch.tensor([0.5, -0.4, 0.05, -0.6, 0.3])  # per position: some ratios leave [0.8, 1.2]
+    with torch.no_grad():
+        old = algo.score(model, batch, c).clone()
+        old[..., P:] += shift
+    out = run_update(algo, model, batch, c, old, None, backward=False)
+
+    steps, decoded = batch.records["step_map"].long(), batch.records["decoded"].long()
+    x0, conf = batch.records["x0_hat"].long(), batch.records["confidence"].double()
+    total = 0.0
+    for j, t in enumerate((1, 2)):  # step t: positions committed at steps < t are known
+        step_loss, count = 0.0, 0
+        state = batch.input_ids.clone()
+        for b in range(len(batch)):
+            for i in range(L):
+                if not 0 < steps[b, i] < t:
+                    state[b, P + i] = MASK
+        with torch.no_grad():
+            logp = torch.log_softmax(model(state, batch.attention_mask).double(), -1)
+        n_masked = int((state[0, P:] == MASK).sum())  # the same pattern in every row here
+        lam = L / n_masked
+        for b in range(len(batch)):
+            a = float(batch.records["step_adv"][b, j])
+            for i in range(L):
+                if state[b, P + i] != MASK or x0[b, t - 1, i] < 0:
+                    continue
+                s = logp[b, P + i, x0[b, t - 1, i]]
+                r = float(torch.exp(s - old[b, j, P + i].double()))
+                lc = max(-a * r, -a * min(max(r, 0.8), 1.2))
+                if a < 0:
+                    lc = min(lc, -a * 3.0)
+                step_loss += lam * lc * float(conf[b, t - 1, i])
+                count += 1
+        total += step_loss / count
+    assert n_masked == 3  # the second step is weighted 5/3, not 1
+    torch.testing.assert_close(out.loss.double(), torch.tensor(total / 2, dtype=torch.float64), atol=1e-6, rtol=1e-5)

@@ -1,6 +1,8 @@
 """load_tokenizer on real checkpoint folders as downloaded (no weights): Dream and SDAR ship Qwen2
 byte-level BPE as vocab.json + merges.txt; the LLaDA reference folders ship no tokenizer model at all.
-transformers' own Qwen2Tokenizer, loaded from the same folder, is the oracle for ids and templates."""
+transformers' own Qwen2Tokenizer, loaded from the same folder, is the oracle for ids and templates.
+The tokenizer files live in ../shared/reference/checkpoints (tests that need them skip without it);
+config.json is read from tests/reference."""
 import json
 import warnings
 from pathlib import Path
@@ -8,9 +10,7 @@ from pathlib import Path
 import pytest
 
 from dare_core.models.tokenizer import load_tokenizer
-
-REF = Path(__file__).resolve().parents[4] / "shared" / "reference" / "checkpoints"
-pytestmark = pytest.mark.skipif(not REF.exists(), reason="reference checkpoints not present")
+from reference_metadata import config as reference_config, shared_checkpoint
 
 DREAM, SDAR8 = "Dream-v0-Instruct-7B", "SDAR-8B-Chat"
 # folder -> (eos, pad, mask, bos)
@@ -43,7 +43,7 @@ def ours():
 
     def get(name):
         if name not in cache:
-            cache[name] = load_tokenizer(REF / name)
+            cache[name] = load_tokenizer(shared_checkpoint(name))
         return cache[name]
     return get
 
@@ -58,7 +58,7 @@ def oracle():
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 # The class itself, never AutoTokenizer: Dream's auto_map names remote code.
-                cache[name] = transformers.Qwen2Tokenizer.from_pretrained(str(REF / name))
+                cache[name] = transformers.Qwen2Tokenizer.from_pretrained(str(shared_checkpoint(name)))
         return cache[name]
     return get
 
@@ -69,7 +69,7 @@ def test_special_token_ids(ours, name):
     eos, pad, mask, bos = SPECIAL_IDS[name]
     assert (tok.eos_token_id, tok.pad_token_id, tok.mask_token_id, tok.bos_token_id) == (eos, pad, mask, bos)
     assert tok.eot_token_id == tok.backend.token_to_id("<|im_end|>") == 151645
-    added = json.loads((REF / name / "tokenizer_config.json").read_text())["added_tokens_decoder"]
+    added = json.loads((shared_checkpoint(name) / "tokenizer_config.json").read_text())["added_tokens_decoder"]
     for tid, entry in added.items():
         assert tok.backend.token_to_id(entry["content"]) == int(tid)
     assert tok.vocab_size == max(map(int, added)) + 1
@@ -77,7 +77,7 @@ def test_special_token_ids(ours, name):
 
 def test_sdar_30b_mask_comes_from_the_added_tokens():
     # Its config.json has no mask_token_id: the id must come from the tokenizer's <|MASK|>.
-    assert "mask_token_id" not in json.loads((REF / "SDAR-30B-A3B-Chat" / "config.json").read_text())
+    assert "mask_token_id" not in reference_config("SDAR-30B-A3B-Chat")
 
 
 @pytest.mark.parametrize("name", [DREAM, SDAR8])
@@ -115,7 +115,7 @@ def test_template_keywords_reach_the_template(ours, oracle):
 
 def test_sdar_template_comes_from_chat_template_jinja(ours):
     # SDAR-30B's tokenizer_config.json has no chat_template; only the .jinja file does.
-    assert "chat_template" not in json.loads((REF / "SDAR-30B-A3B-Chat" / "tokenizer_config.json").read_text())
+    assert "chat_template" not in json.loads((shared_checkpoint("SDAR-30B-A3B-Chat") / "tokenizer_config.json").read_text())
     text = ours("SDAR-30B-A3B-Chat").apply_chat_template(CHATS[0])
     assert text == "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
 
@@ -123,7 +123,7 @@ def test_sdar_template_comes_from_chat_template_jinja(ours):
 @pytest.mark.parametrize("name", ["LLaDA-8B-Instruct", "LLaDA2.0-mini", "LLaDA2.1-mini"])
 def test_folder_without_tokenizer_model_is_a_clear_error(name):
     with pytest.raises(FileNotFoundError, match=r"tokenizer\.json, or vocab\.json \+ merges\.txt"):
-        load_tokenizer(REF / name)
+        load_tokenizer(shared_checkpoint(name))
 
 
 # ---- small synthetic folders: the error paths and the older added_tokens.json layout

@@ -1,23 +1,20 @@
 """LLaDA family: real weight names, save/load round trip, clear load errors, padding invariance."""
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import make_tiny_llada
 from dare_core.models.registry import ModelLoadError, build_model, load_model, save_model
+from reference_metadata import config as reference_config, index as reference_index
 
-REF = Path(__file__).resolve().parents[4] / "shared" / "reference" / "checkpoints" / "LLaDA-8B-Instruct"
 
-
-@pytest.mark.skipif(not REF.exists(), reason="reference checkpoints not present")
 def test_llada_8b_parameter_names_match_the_real_index():
-    config = json.loads((REF / "config.json").read_text())
+    config = reference_config("LLaDA-8B-Instruct")
     model = build_model(config, device="meta")
     shapes = model.hf_parameter_shapes()
-    index = json.loads((REF / "model.safetensors.index.json").read_text())
+    index = reference_index("LLaDA-8B-Instruct")
     assert set(shapes) == set(index["weight_map"])
     d, v, h = config["d_model"], config["embedding_size"], config["mlp_hidden_size"]
     assert shapes["model.transformer.wte.weight"] == (v, d)
