@@ -12,13 +12,14 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from stamp import REPO, header
 STAGES = ["prepare", "sft", "rl", "convert", "eval"]
 
 
@@ -70,13 +71,11 @@ def main() -> None:
     for seed in args.seeds:
         rows.append(run_seed(seed, args.params))
         print(table(rows), flush=True)
-    text = (
-        "# Embedded default: held-out accuracy over run seeds\n\n"
-        f"Command: `.venv/bin/python bench/embedded_seeds.py --seeds {' '.join(map(str, args.seeds))}`  \n"
-        f"Machine: {machine()}  \n"
-        "Config: params.yaml as committed (data seed fixed, so every run sees the same 500 held-out problems; "
-        "the run seed changes model init, data order, masks and rollouts). Accuracy = exact answer, greedy decoding.\n\n"
-        + table(rows) + "\n"
+    command = "python3 bench/embedded_seeds.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    text = "\n".join(header("Embedded default: held-out accuracy over run seeds", command, machine())) + (
+        f"\nConfig: {args.params} at that commit (data seed fixed, so every run sees the same held-out problems; the run "
+        "seed changes model init, data order, masks and rollouts). Accuracy: the eval stage's OpenCompass score of the "
+        "task benchmark (exact answer), divided by 100, with the eval sampler of the params file.\n\n" + table(rows) + "\n"
     )
     Path(args.out).write_text(text)
     print(f"wrote {args.out}")

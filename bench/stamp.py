@@ -28,3 +28,22 @@ def git_commit() -> str:
 
 def utc_now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def library_versions(names: tuple[str, ...] = ("torch", "deepspeed", "opencompass", "peft", "prefect", "dvc")) -> str:
+    """Installed versions of the libraries a result depends on ("absent" where not installed)."""
+    from importlib import metadata
+
+    def version(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "absent"
+
+    return ", ".join(f"{n} {version(n)}" for n in names)
+
+
+def header(title: str, command: str, hardware: str) -> list[str]:
+    """The top of a results file: what ran, at which commit, where, with what, when."""
+    return [f"# {title}", "", f"Git commit: {git_commit()}  ", f"Command: `{command}`  ", f"Hardware: {hardware}  ",
+            f"Libraries: {library_versions()}  ", f"Date: {utc_now()}", ""]
