@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from dare_core.models.llada2 import LING_TOKEN_IDS
 from dare_core.models.qwen import qwen_name_map
 from dare_core.models.registry import FAMILIES, Family, ModelLoadError, register_family
 from dare_core.models.transformer import MoEConfig, TransformerConfig
@@ -160,8 +161,8 @@ LLADA_MOE = Family(
         (f"layers.{{i}}.mlp.shared.{p}.weight", f"model.layers.{{i}}.shared_expert.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj")
     ],
     tiny_config=moe_tiny_config,
-    # LLaDA2's tokenizer (docs/families/llada_moe.md): <|mask|>, <|endoftext|>
-    default_token_ids={"mask": 156895, "eos": 156892},
+    # LLaDA2's tokenizer (docs/families/llada_moe.md)
+    default_token_ids=LING_TOKEN_IDS,
 )
 # selectable by name for from-scratch configs (`model.family: llada_moe`); loading a checkpoint
 # reaches it through the "llada" model_type and `_moe_variant`

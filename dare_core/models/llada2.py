@@ -7,6 +7,9 @@ from __future__ import annotations
 from dare_core.models.registry import Family, register_family
 from dare_core.models.transformer import MoEConfig, TransformerConfig
 
+# <|mask|> and <|endoftext|> of the Ling tokenizer that LLaDA2 and LLaDA-MoE share
+LING_TOKEN_IDS = {"mask": 156895, "eos": 156892}
+
 # config fields whose other values our stack does not compute
 _REQUIRED = {"use_qkv_bias": False, "use_bias": False, "use_qk_norm": True, "tie_word_embeddings": False}
 
@@ -83,7 +86,7 @@ LLADA2 = register_family(
         ],
         block_size=32,
         tiny_config=tiny_config,
-        # config.json has neither (docs/families/llada2.md §5): <|mask|>, <|endoftext|>
-        default_token_ids={"mask": 156895, "eos": 156892},
+        # config.json has neither (docs/families/llada2.md §5)
+        default_token_ids=LING_TOKEN_IDS,
     )
 )

@@ -571,7 +571,7 @@ def save_model(
             write_shard(tmp / fname, [(name, *layout[name]) for name in names], tensors)
             weight_map.update({k: fname for k in names})
         total = sum(nbytes(shape, dtype) for shape, dtype in layout.values())
-        (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         gen_cfg = {k: config[k] for k in ("eos_token_id", "pad_token_id") if k in config}
         if sampler:  # how this checkpoint is meant to be decoded (read back by `dare generate`/`dare eval`)

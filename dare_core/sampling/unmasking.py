@@ -75,7 +75,7 @@ class StepScores:
 
 def score_block(logits: torch.Tensor, params: SamplingParams, generators, want_entropy: bool = False) -> StepScores:
     """Proposal and confidence for every position of the block (logits [B, n, V], float32)."""
-    filtered = params.top_k or params.top_p < 1.0
+    filtered = bool(params.top_k) or params.top_p < 1.0
     scaled = filtered_logits(logits, params.temperature, params.top_k, params.top_p) if filtered else None
     # a sample from softmax(l/T) after filtering: argmax(l/T + g) = argmax(l + T g); without filtering
     # the scaled logits (a full copy of the block's [B, n, V]) are not needed for it
@@ -83,6 +83,10 @@ def score_block(logits: torch.Tensor, params: SamplingParams, generators, want_e
         proposal = gumbel_argmax(scaled, 1.0 if params.temperature > 0 else 0.0, generators)
     else:
         proposal = gumbel_argmax(logits, params.temperature, generators)
+
+    def sampling_probs() -> torch.Tensor:
+        return torch.softmax(scaled if scaled is not None else filtered_logits(logits, params.temperature), -1)
+
     probs = None
     if params.remasking == "low_confidence":  # LLaDA: the untempered, unfiltered softmax
         # p(x̂) = exp(l_x̂ - logsumexp l): one reduction, no [B, n, V] probabilities written
@@ -90,8 +94,7 @@ def score_block(logits: torch.Tensor, params: SamplingParams, generators, want_e
     elif params.remasking == "random":
         conf = torch.stack([torch.rand(logits.shape[1], generator=g, device=g.device) for g in generators]).to(logits.device)
     else:
-        scaled = scaled if scaled is not None else filtered_logits(logits, params.temperature)
-        probs = torch.softmax(scaled, -1)
+        probs = sampling_probs()
         if params.remasking == "maskgit_plus":
             conf = probs.gather(-1, proposal[..., None]).squeeze(-1)
         elif params.remasking == "topk_margin":
@@ -101,9 +104,7 @@ def score_block(logits: torch.Tensor, params: SamplingParams, generators, want_e
             conf = (probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
     entropy = None
     if want_entropy:
-        if probs is None:
-            scaled = scaled if scaled is not None else filtered_logits(logits, params.temperature)
-            probs = torch.softmax(scaled, -1)
+        probs = probs if probs is not None else sampling_probs()
         entropy = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
     return StepScores(proposal, conf, entropy)
 
