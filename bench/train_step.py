@@ -37,7 +37,9 @@ Parts:
                whole canvas re-encoded every step, float64 Gumbel-max sampling and softmax (the
                `reference` mode of bench/rollout.py, sampled as d1 does), eager; training padded,
                with logits over the whole canvas
-Start-up (stage start to its first step) and the merged LoRA export are measured in the runs.
+Start-up (stage start to its first step) and the merged LoRA export are measured in the runs; so is
+the time from spawning a run's process to the stage's start (interpreter, imports, config), shown
+beside it because a user's `dare stage` command pays it too.
 """
 from __future__ import annotations
 
@@ -59,7 +61,7 @@ import traceback
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
@@ -517,9 +519,10 @@ def run_sft_task(spec: dict, s: Settings) -> dict:
     cfg = stage_config({**spec, "overrides": sft_overrides(spec, s)})
     shutil.rmtree(cfg.run_dir, ignore_errors=True)
     offload = optimizer_offload() if spec["training"] == "full" else contextlib.nullcontext()
+    launch = time.time() - spec["spawned_at"]
     with offload:
         summary = run_sft(cfg, progress=False, save_checkpoints=False, export=spec["export"], phase_times=True)
-    out = {"summary": summary, "metrics": metrics_rows(cfg.stage_dir("sft")), "work": sft_step_work(cfg)}
+    out = {"summary": summary, "metrics": metrics_rows(cfg.stage_dir("sft")), "work": sft_step_work(cfg), "launch_s": launch}
     shutil.rmtree(cfg.stage_dir("sft") / "model", ignore_errors=True)  # 16 GB of the disk
     return out
 
@@ -536,8 +539,9 @@ def run_rl_task(spec: dict, s: Settings) -> dict:
     start = rl_start_folder(cfg)
     start.parent.mkdir(parents=True)
     start.symlink_to(spec["folder"], target_is_directory=True)
+    launch = time.time() - spec["spawned_at"]
     summary = run_rl(cfg, progress=False, save_checkpoints=False, phase_times=True)
-    return {"summary": summary, "metrics": metrics_rows(cfg.stage_dir("rl"))}
+    return {"summary": summary, "metrics": metrics_rows(cfg.stage_dir("rl")), "launch_s": launch}
 
 
 def run_task(spec: dict) -> dict:
@@ -611,7 +615,7 @@ class Runner:
         result_path = spec_path.with_suffix(".result.json")
         log_path = spec_path.with_suffix(".log")
         result_path.unlink(missing_ok=True)
-        spec_path.write_text(json.dumps(spec))
+        spec_path.write_text(json.dumps({**spec, "spawned_at": time.time()}))
         print(f"[train_step] {name} ...", flush=True)
         t0 = time.perf_counter()
         with log_path.open("w") as log:
@@ -660,8 +664,9 @@ def sft_row(shape: str, training: str, packing: str, result: dict, s: Settings, 
         tokens_per_s=sum(w["real_tokens"] for w in work) / seconds,
         mfu=sum(w["flops"] for w in work) / seconds / result["peak_flops"] if result["peak_flops"] else None,
         peak_gib=max((m["memory/peak_gib"] for m in timed if "memory/peak_gib" in m), default=None),
-        **startup(steps),
+        **startup(steps, result),
         export_s=next((m["time/export_s"] for m in result["metrics"] if "time/export_s" in m), None),
+        export_disk_wait_s=next((m["time/export_disk_wait_s"] for m in result["metrics"] if "time/export_disk_wait_s" in m), None),
         loss=steps[-1].get("loss") if steps else None,
     )
     return row
@@ -671,10 +676,10 @@ RL_PHASES = ("rollout", "reward", "scoring", "forward_backward", "optimizer")
 STARTUP_PHASES = ("checks", "load", "engine")
 
 
-def startup(steps: list[dict]) -> dict:
+def startup(steps: list[dict], result: dict) -> dict:
     """Start-up seconds and their phases, from the first logged step."""
     first = steps[0] if steps else {}
-    return {"startup_s": first.get("time/startup_s"),
+    return {"startup_s": first.get("time/startup_s"), "launch_s": result.get("launch_s"),
             "startup_parts": {p: first.get(f"time/startup_{p}_s") for p in STARTUP_PHASES}}
 
 
@@ -685,7 +690,7 @@ def rl_row(shape: str, recipe: str, result: dict) -> dict:
     steps = [m for m in result["metrics"] if "time/step_s" in m]
     last = steps[-1]
     row.update({p: last.get(f"time/{p}_s", 0.0) for p in RL_PHASES})
-    row.update(step=last["step"], step_s=last["time/step_s"], **startup(steps),
+    row.update(step=last["step"], step_s=last["time/step_s"], **startup(steps, result),
                zero_std_ratio=last.get("zero_std_ratio"), reward_std=last.get("reward_std"),
                peak_gib=last.get("memory/peak_gib"), response_tokens=last.get("response_tokens"))
     row["other"] = row["step_s"] - sum(row[p] for p in RL_PHASES)
@@ -702,11 +707,28 @@ def peak_bf16() -> Optional[float]:
     return next((v for k, v in PEAK_BF16.items() if k in name), 989e12)
 
 
-def run_shape(shape: str, parts: list[str], args, s: Settings, runner: Runner) -> list[dict]:
+class Rows(list):
+    """The rows measured so far; each one added rewrites the results file, so a run stopped by a
+    time limit still leaves what it measured (its file says which runs it has)."""
+
+    def __init__(self, save: Callable[[list[dict]], None]):
+        super().__init__()
+        self.save = save
+
+    def append(self, row: dict) -> None:
+        super().append(row)
+        self.save(list(self))
+
+    def __iadd__(self, rows):
+        for row in rows:
+            self.append(row)
+        return self
+
+
+def run_shape(shape: str, parts: list[str], args, s: Settings, runner: Runner, rows: list[dict]) -> list[dict]:
     """Every selected run at one shape, on its folder (written first if this work folder lacks it)."""
     base = Path(args.workdir) / ("tiny" if args.tiny else "8b") / shape
     folder, data = base / "model", base / "data"
-    rows: list[dict] = []
     if not (folder / "config.json").exists():
         result = runner(f"{shape}-folder", {"kind": "folder", "shape": shape, "folder": str(folder), "tiny": args.tiny,
                                             "settings": dataclasses.asdict(s)})
@@ -806,15 +828,17 @@ def rl_table(rows: list[dict]) -> list[str]:
 
 
 def startup_table(rows: list[dict]) -> list[str]:
-    lines = ["| model | run | start-up s (target <= 30) | checks s | load s | engine s | export of the merged model s (target <= 30) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| model | run | process start to stage s | start-up s (target <= 30) | checks s | load s | engine s | "
+             "export of the merged model s (target <= 30) | of which waiting for the disk s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["part"] == "folder" or "error" in r or r.get("startup_s") is None:
             continue
         run = (f"SFT {r['training']} packing {r['packing']}{' + compile' if r.get('compile') else ''}"
                if r["part"].startswith("sft") else f"RL ({r['recipe']})")
         parts = " | ".join(fmt(r["startup_parts"].get(p), ".1f") for p in STARTUP_PHASES)
-        lines.append(f"| {SHAPES[r['shape']]} | {run} | {r['startup_s']:.1f} | {parts} | {fmt(r.get('export_s'), '.1f')} |")
+        lines.append(f"| {SHAPES[r['shape']]} | {run} | {fmt(r.get('launch_s'), '.1f')} | {r['startup_s']:.1f} | {parts} | "
+                     f"{fmt(r.get('export_s'), '.1f')} | {fmt(r.get('export_disk_wait_s'), '.1f')} |")
     return lines
 
 
@@ -997,22 +1021,34 @@ def main(argv: Optional[list[str]] = None) -> int:
     out = Path(args.out)
     commit = git_commit()
     command = "python3 bench/train_step.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
-    rows = []
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    previous = None
+
+    def save(rows: list[dict]) -> str:
+        nonlocal previous
+        hw = next((r["hardware"] for r in rows if r.get("hardware")), None) or f"(no run finished) {platform.machine()}"
+        run = {"commit": commit, "command": command, "hardware": hw, "settings": dataclasses.asdict(s), "date": date}
+        if previous is None:  # read once: later saves rewrite the file this run is writing
+            previous = merge_previous(out.with_suffix(".json"), run, args.add)
+        done = {row_key(r) for r in rows}
+        data = {"runs": previous["runs"] + [run], "rows": [r for r in previous["rows"] if row_key(r) not in done] + rows}
+        text = report(data, s, args)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(out, text)
+        write_atomic(out.with_suffix(".json"), json.dumps(data, indent=1))
+        return text
+
+    rows = Rows(save)
     for shape in args.shapes:
-        rows += run_shape(shape, args.parts, args, s, runner)
-    hw = next((r["hardware"] for r in rows if r.get("hardware")), None) or f"(no run finished) {platform.machine()}"
-    run = {"commit": commit, "command": command, "hardware": hw, "settings": dataclasses.asdict(s),
-           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
-    data = merge_previous(out.with_suffix(".json"), run, args.add)
-    done = {row_key(r) for r in rows}
-    data["rows"] = [r for r in data["rows"] if row_key(r) not in done] + rows
-    data["runs"].append(run)
-    text = report(data, s, args)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
-    out.with_suffix(".json").write_text(json.dumps(data, indent=1))
-    print(text)
+        run_shape(shape, args.parts, args, s, runner, rows)
+    print(save(list(rows)))
     return 0
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

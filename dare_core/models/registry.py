@@ -550,6 +550,7 @@ def save_model(
     max_shard_bytes: int = SHARD_BYTES,
     extra_files: Optional[dict[str, Any]] = None,
     sampler: Optional[dict] = None,
+    stats: Optional[dict] = None,
 ) -> Path:
     """Write config.json + safetensors shards (`model-0000k-of-0000n.safetensors`) + index.
 
@@ -557,18 +558,19 @@ def save_model(
     not at all (a failure midway leaves `folder` as it was). Tensors are streamed in export order:
     each is taken from the model (a LoRA adapter merged on the device the weights are on) and written
     while the next is prepared, so the host holds a few tensors (of a GPU model, two 64 MiB chunks),
-    never a copy of the model."""
+    never a copy of the model. `stats`, when given, receives `disk_wait_s`: how long of the export
+    was spent waiting for the disk (the rest merged and copied tensors)."""
     folder = Path(folder)
     layout = model.hf_layout()
     shards = plan_shards(layout, max_shard_bytes)
     config = dict(model.hf_config)
     config["torch_dtype"] = str(next(model.parameters()).dtype).replace("torch.", "")
     with atomic_dir(folder) as tmp:
-        weight_map = {}
+        weight_map, disk_wait = {}, 0.0
         tensors = model.hf_tensors()
         for i, names in enumerate(shards):
             fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            write_shard(tmp / fname, [(name, *layout[name]) for name in names], tensors)
+            disk_wait += write_shard(tmp / fname, [(name, *layout[name]) for name in names], tensors)
             weight_map.update({k: fname for k in names})
         total = sum(nbytes(shape, dtype) for shape, dtype in layout.values())
         (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
@@ -585,6 +587,8 @@ def save_model(
                         (tmp / f.name).write_bytes(f.read_bytes())
             elif src is not None:
                 (tmp / name).write_bytes(src.read_bytes())
+    if stats is not None:
+        stats["disk_wait_s"] = disk_wait
     return folder
 
 

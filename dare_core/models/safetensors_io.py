@@ -7,6 +7,7 @@ import collections
 import json
 import math
 import struct
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -41,10 +42,11 @@ def plan_shards(layout: dict[str, tuple[tuple, torch.dtype]], max_shard_bytes: i
     return shards
 
 
-def write_shard(path: Path, specs: list[tuple[str, tuple, torch.dtype]], tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+def write_shard(path: Path, specs: list[tuple[str, tuple, torch.dtype]], tensors: Iterator[tuple[str, torch.Tensor]]) -> float:
     """One safetensors file holding `specs` (name, shape, dtype), their data taken from `tensors` one
     at a time. The header is known from the specs alone, so each tensor is written as soon as it is
-    produced (safetensors' own save_file wants them all in memory, then copies them once more)."""
+    produced (safetensors' own save_file wants them all in memory, then copies them once more).
+    Returns the seconds spent waiting for the disk rather than preparing tensors."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, shape, dtype in specs:
@@ -60,6 +62,7 @@ def write_shard(path: Path, specs: list[tuple[str, tuple, torch.dtype]], tensors
             if got != name or tuple(t.shape) != shape or t.dtype != dtype:
                 raise RuntimeError(f"export: expected '{name}' {shape} {dtype}, the model gave '{got}' {tuple(t.shape)} {t.dtype}")
             out.write_tensor(t)
+    return out.wait_s
 
 
 class StreamWriter:
@@ -80,6 +83,14 @@ class StreamWriter:
         self.staging: list[torch.Tensor] = []
         self.staged: list[Optional[Future]] = []  # the write still reading each staging buffer
         self.turn = 0
+        self.wait_s = 0.0  # seconds the caller stood waiting for the disk (export diagnostics)
+
+    def _wait(self, future: Future) -> None:
+        t = time.perf_counter()
+        try:
+            future.result()
+        finally:
+            self.wait_s += time.perf_counter() - t
 
     def __enter__(self) -> "StreamWriter":
         return self
@@ -87,13 +98,13 @@ class StreamWriter:
     def __exit__(self, *exc) -> None:
         try:
             while self.inflight:  # the file must not close under a pending write; its error surfaces here
-                self.inflight.popleft().result()
+                self._wait(self.inflight.popleft())
         finally:
             self.pool.shutdown(wait=True)
 
     def write(self, data) -> Future:
         while len(self.inflight) >= self.IN_FLIGHT:
-            self.inflight.popleft().result()
+            self._wait(self.inflight.popleft())
         future = self.pool.submit(self.f.write, data)
         self.inflight.append(future)
         return future
@@ -116,5 +127,5 @@ class StreamWriter:
             self.staged = [None, None]
         self.turn = 1 - self.turn
         if self.staged[self.turn] is not None:
-            self.staged[self.turn].result()
+            self._wait(self.staged[self.turn])
         return self.staging[self.turn]

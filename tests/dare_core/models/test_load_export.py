@@ -322,3 +322,26 @@ def test_gpu_load_init_and_lora_export(tmp_path, monkeypatch, model_type):
     verify_saved(on_gpu, out)
     reloaded = load_model(out).hf_state_dict()
     assert reloaded.keys() == merged.keys() and all(torch.equal(reloaded[k], merged[k]) for k in merged)
+
+
+def test_stream_writer_counts_the_time_spent_waiting_for_a_slow_disk():
+    import time
+
+    from dare_core.models.safetensors_io import StreamWriter
+
+    class SlowFile:
+        def __init__(self):
+            self.data = bytearray()
+
+        def write(self, b):
+            time.sleep(0.05)
+            self.data += bytes(b)
+
+    f = SlowFile()
+    tensors = [torch.full((4,), i, dtype=torch.float32) for i in range(6)]
+    with StreamWriter(f) as out:
+        for t in tensors:
+            out.write_tensor(t)
+    assert bytes(f.data) == b"".join(t.numpy().tobytes() for t in tensors)
+    # six 50 ms writes, at most two in flight: the caller stood waiting for most of them
+    assert out.wait_s >= 0.2
