@@ -151,12 +151,14 @@ class DiffusionLM(nn.Module):
         position_ids: torch.Tensor,
         key_end: int,
         cache: Optional[KVCache] = None,
+        compiled: bool = False,
     ) -> torch.Tensor:
         """Hidden states of the canvas columns `cols` (ascending, contiguous), whose tokens are
         `window_ids`, attending to the canvas keys [0, key_end) under the family's pattern.
 
-        With a `KVCache` the window's keys/values are written into it and the other keys come from it;
-        without one the window must be the keys themselves (cols = 0..key_end-1)."""
+        With a `KVCache` the window's keys/values are written into it and the other keys come from it
+        (`compiled`: through the compiled layer call); without one the window must be the keys
+        themselves (cols = 0..key_end-1)."""
         if cache is None and (cols.numel() != key_end or int(cols[0]) != 0):
             raise ValueError("without a KV cache the window must cover columns 0..key_end-1")
         mask = attention_mask[:, None, None, :key_end].bool()
@@ -165,7 +167,8 @@ class DiffusionLM(nn.Module):
             q_block = pos // self.block_size
             k_block = position_ids[:, :key_end] // self.block_size
             mask = mask & (k_block[:, None, None, :] <= q_block[:, None, :, None])
-        return self.net.hidden_states(window_ids, None, pos, mask, kv_cache=cache.window(cols, key_end) if cache is not None else None)
+        return self.net.hidden_states(window_ids, None, pos, mask, kv_cache=cache.window(cols, key_end) if cache is not None else None,
+                                      compiled_layers=compiled)
 
     def column_logits(self, hidden: torch.Tensor, window_start: int, lo: int, hi: int) -> torch.Tensor:
         """Logits [B, hi-lo, V] predicting canvas columns [lo, hi) from the hidden states of a window

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from dare_core.models.attention import attend, key_padding_mask
+from dare_core.models.compiled import LazyCompiled
 
 
 @dataclass
@@ -255,11 +256,13 @@ class Transformer(nn.Module):
         position_ids: Optional[torch.Tensor] = None,
         attn_mask: Optional[torch.Tensor] = None,
         kv_cache: Optional["KVCache"] = None,
+        compiled_layers: bool = False,
     ) -> torch.Tensor:
         """Final-norm hidden states [B, S, d]. `attn_mask` (bool, broadcastable to [B,H,S,S]) overrides
         the default bidirectional key-padding mask built from `attention_mask`. With `kv_cache`, the
         input is a window of the cached sequence (its columns are `kv_cache.cols`) and `attn_mask`
-        is [B, 1, S, key_end] over the cache's keys."""
+        is [B, 1, S, key_end] over the cache's keys; `compiled_layers` runs each layer of such a
+        window through one torch.compile'd layer call (the rollouts' `compile_forward`)."""
         if position_ids is None:
             position_ids = default_position_ids(input_ids, attention_mask)
         if attn_mask is None and attention_mask is not None:
@@ -267,12 +270,14 @@ class Transformer(nn.Module):
         cos, sin = rope_cos_sin(position_ids, self.cfg.rotary_dim or self.cfg.head_dim, self.cfg.rope_theta)
         x = self.embed(input_ids)
         compiled = self.compile_training and self.training and kv_cache is None
-        run = _compiled_layer() if compiled else _call_layer
+        run = compiled_layer if compiled else _call_layer
         for i, layer in enumerate(self.layers):
             if self.gradient_checkpointing and self.training:
                 x = checkpoint(run, layer, x, cos, sin, attn_mask, use_reentrant=False)
             elif compiled:
                 x = run(layer, x, cos, sin, attn_mask)
+            elif kv_cache is not None and compiled_layers:
+                x = compiled_window_layer(layer, x, cos, sin, attn_mask, kv_cache.layer(i))
             else:
                 x = layer(x, cos, sin, attn_mask, kv_cache.layer(i) if kv_cache is not None else None)
         return self.norm(x)
@@ -287,24 +292,22 @@ class Transformer(nn.Module):
         return self.lm_head(self.hidden_states(input_ids, attention_mask, position_ids, attn_mask))
 
 
-def _call_layer(layer: nn.Module, x, cos, sin, mask):
-    return layer(x, cos, sin, mask)
+def _call_layer(layer: nn.Module, x, cos, sin, mask, cache=None):
+    return layer(x, cos, sin, mask, cache)
 
 
-_COMPILED_LAYER = None
+# Training (`model.compile`). dynamic=True: packed batches change their token count every step, which
+# must not recompile. emulate_precision_casts: fused kernels round where eager rounds to bf16; without
+# it Inductor keeps float32 across the casts, which on an LLaDA-8B LoRA step moved the loss by ~3 %
+# (the numbers drift from the eager run's, not towards float32's); with it a tiny model's compiled
+# bf16 loss equals the eager one bit for bit.
+compiled_layer = LazyCompiled(_call_layer, dynamic=True, options={"emulate_precision_casts": True})
 
-
-def _compiled_layer():
-    """One compiled layer call shared by every layer of every model: the layer's weights are inputs
-    of the graph, so all layers of one shape reuse one compilation. dynamic=True: packed batches
-    change their token count every step, which must not recompile. emulate_precision_casts: fused
-    kernels round where eager rounds to bf16; without it Inductor keeps float32 across the casts, which
-    on an LLaDA-8B LoRA step moved the loss by ~3 % (the numbers drift from the eager run's, not
-    towards float32's); with it a tiny model's compiled bf16 loss equals the eager one bit for bit."""
-    global _COMPILED_LAYER
-    if _COMPILED_LAYER is None:
-        _COMPILED_LAYER = torch.compile(_call_layer, dynamic=True, options={"emulate_precision_casts": True})
-    return _COMPILED_LAYER
+# Rollout windows (`compile_forward`, replayed as CUDA graphs): one compilation per window shape (a
+# block, or the whole canvas at a refresh), shared by the 32 layers of an 8B model, where compiling
+# the whole forward traced all of them once per shape (minutes of an RL run's first step). Rounded
+# as eager rounds, so rollouts sample from the probabilities that training scores.
+compiled_window_layer = LazyCompiled(_call_layer, dynamic=False, options={"emulate_precision_casts": True})
 
 
 def default_position_ids(input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:

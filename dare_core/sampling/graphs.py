@@ -21,8 +21,8 @@ class GraphedWindow:
         self.graphs: dict = {}
         self.pool = None
         # torch.compile fuses the many small kernels of a layer (norms, RoPE, SwiGLU gating), which
-        # inside a graph still cost a few microseconds each; compiled once per batch size
-        self.fn = torch.compile(self._run, dynamic=False) if compile_forward else self._run
+        # inside a graph still cost a few microseconds each (`compiled_window_layer`)
+        self.compiled = compile_forward
 
     def reset(self) -> None:
         """Forget captured graphs (the batch or the cache tensors changed). Their memory pool goes
@@ -30,8 +30,8 @@ class GraphedWindow:
         self.graphs.clear()
         self.pool = None
 
-    def _run(self, ids, cols, attn, pos, cache):
-        return self.model.window_hidden(ids, cols, attn, pos, cache.length, cache)
+    def fn(self, ids, cols, attn, pos, cache):
+        return self.model.window_hidden(ids, cols, attn, pos, cache.length, cache, compiled=self.compiled)
 
     def _capture(self, ids, start, attn, pos, cache):
         ids_buf = ids.clone()

@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from dare_core.models.compiled import LazyCompiled
 from dare_core.registry import Registry
 from dare_core.sampling.params import SamplingParams
 
@@ -38,18 +39,15 @@ def _perturbed_argmax(logits_row: torch.Tensor, u: torch.Tensor, temperature: fl
     return (logits_row.double() - temperature * torch.log(-torch.log(u.clamp_min(1e-300)))).argmax(-1)
 
 
-_fused_perturbed_argmax = None
+_fused_perturbed_argmax = LazyCompiled(_perturbed_argmax, dynamic=False)
 
 
 def _row_argmax(logits_row: torch.Tensor, u: torch.Tensor, temperature: float) -> torch.Tensor:
     # eagerly the perturbation takes ~8 passes over a [block, vocab] float64 tensor per row (a GPU
     # rollout step at batch 128 moves ~70 GB for it); compiled it is one pass that reads u and the
     # logits and reduces. The same float64 arithmetic either way.
-    global _fused_perturbed_argmax
     if not logits_row.is_cuda:
         return _perturbed_argmax(logits_row, u, temperature)
-    if _fused_perturbed_argmax is None:
-        _fused_perturbed_argmax = torch.compile(_perturbed_argmax, dynamic=False)
     return _fused_perturbed_argmax(logits_row, u, temperature)
 
 

@@ -109,3 +109,33 @@ def test_compiled_packed_training_on_gpu(family):
         assert abs(loss_c - loss) <= 1e-3 * abs(loss), (shift, loss_c, loss)
         cos = lambda a, b: torch.nn.functional.cosine_similarity(a, b, dim=0).item()  # noqa: E731
         assert 1 - cos(g_c, g_ref) <= 2 * (1 - cos(g, g_ref)) + 1e-3, (shift, cos(g_c, g_ref), cos(g, g_ref))
+
+
+@pytest.mark.parametrize("family", ["llada", "sdar"])
+def test_compiled_cached_window_matches_eager_with_one_compilation_for_all_layers(family):
+    """`compile_forward`'s window: every layer goes through one compiled layer call (compiled once per
+    window shape, not once per layer), writes the same KV cache and gives the eager hidden states."""
+    import torch._dynamo
+
+    from dare_core.models.transformer import KVCache
+
+    torch._dynamo.reset()
+    model = tiny(family).double().eval()
+    n = 12
+    ids = torch.randint(0, 60, (2, n), generator=generator(0, "ids"))
+    attn, pos = torch.ones_like(ids), torch.arange(n).expand(2, n)
+    out, caches = {}, {}
+    for compiled in (False, True):
+        counters.clear()
+        cache = KVCache(model.net.cfg, 2, n, torch.float64, "cpu")
+        with torch.no_grad():
+            model.window_hidden(ids, torch.arange(n), attn, pos, n, cache)  # fill the cache
+            cols = torch.arange(4, 8)
+            out[compiled] = model.window_hidden(ids[:, 4:8], cols, attn, pos, n, cache, compiled=compiled)
+        caches[compiled] = cache.k + cache.v
+        assert counters["stats"]["unique_graphs"] == (1 if compiled else 0)
+    assert len(model.net.layers) > 1
+    # float64 models whose RMSNorm and RoPE run in float32: fused, those sums round differently
+    torch.testing.assert_close(out[True], out[False], rtol=1e-5, atol=1e-5)
+    for a, b in zip(caches[True], caches[False]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
