@@ -561,19 +561,20 @@ def save_model(
     not at all (a failure midway leaves `folder` as it was). Tensors are streamed in export order:
     each is taken from the model (a LoRA adapter merged on the device the weights are on) and written
     while the next is prepared, so the host holds a few tensors (of a GPU model, two 64 MiB chunks),
-    never a copy of the model. `stats`, when given, receives `disk_wait_s`: how long of the export
-    was spent waiting for the disk (the rest merged and copied tensors)."""
+    never a copy of the model. `stats`, when given, receives where the time went (`write_shard`'s
+    produce_s, copy_s, disk_wait_s)."""
     folder = Path(folder)
     layout = model.hf_layout()
     shards = plan_shards(layout, max_shard_bytes)
     config = dict(model.hf_config)
     config["torch_dtype"] = str(next(model.parameters()).dtype).replace("torch.", "")
     with atomic_dir(folder) as tmp:
-        weight_map, disk_wait = {}, 0.0
+        weight_map, times = {}, {}
         tensors = model.hf_tensors()
         for i, names in enumerate(shards):
             fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            disk_wait += write_shard(tmp / fname, [(name, *layout[name]) for name in names], tensors)
+            for key, seconds in write_shard(tmp / fname, [(name, *layout[name]) for name in names], tensors).items():
+                times[key] = times.get(key, 0.0) + seconds
             weight_map.update({k: fname for k in names})
         total = sum(nbytes(shape, dtype) for shape, dtype in layout.values())
         (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
@@ -591,7 +592,7 @@ def save_model(
             elif src is not None:
                 (tmp / name).write_bytes(src.read_bytes())
     if stats is not None:
-        stats["disk_wait_s"] = disk_wait
+        stats.update(times)
     return folder
 
 

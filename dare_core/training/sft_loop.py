@@ -149,7 +149,7 @@ def run_sft(cfg: DareConfig, progress: bool = True, save_checkpoints: bool = Tru
                 save_model(engine.module, out_dir / "model", extra_files={"tokenizer": tokenizer_folder(cfg)}, sampler=sampler_dict(cfg),
                            stats=export_stats)
             if export_metrics:
-                export_metrics["time/export_disk_wait_s"] = export_stats["disk_wait_s"]
+                export_metrics.update({f"time/export_{k}": v for k, v in export_stats.items()})
                 logger.log(scfg.max_steps, export_metrics)
         atomic_write_json(Path(cfg.run.metrics_dir) / "sft.json", summary)
     logger.close()
