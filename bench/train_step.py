@@ -674,7 +674,7 @@ def sft_row(shape: str, training: str, packing: str, result: dict, s: Settings, 
 
 RL_PHASES = ("rollout", "reward", "scoring", "forward_backward", "optimizer")
 STARTUP_PHASES = ("checks", "load", "engine")
-EXPORT_PHASES = ("produce", "copy", "disk_wait")  # merging the adapter in, copying off the GPU, waiting for the disk
+EXPORT_PHASES = ("produce", "copy", "disk_wait", "other")  # merging the adapter in, copying off the GPU, waiting for the disk, opening and closing files
 
 
 def startup(steps: list[dict], result: dict) -> dict:
@@ -835,8 +835,8 @@ def export_parts(row: dict) -> dict:
 
 def startup_table(rows: list[dict]) -> list[str]:
     lines = ["| model | run | process start to stage s | start-up s (target <= 30) | checks s | load s | engine s | "
-             "export of the merged model s (target <= 30) | export: merge s | export: copy off the GPU s | export: waiting for the disk s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "export of the merged model s (target <= 30) | export: merge s | export: copy off the GPU s | export: waiting for the disk s | export: open/close s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["part"] == "folder" or "error" in r or r.get("startup_s") is None:
             continue

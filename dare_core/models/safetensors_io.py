@@ -47,7 +47,7 @@ def write_shard(path: Path, specs: list[tuple[str, tuple, torch.dtype]], tensors
     at a time. The header is known from the specs alone, so each tensor is written as soon as it is
     produced (safetensors' own save_file wants them all in memory, then copies them once more).
     Returns where the time went: `produce_s` computing the tensors (a LoRA merge), `copy_s` taking
-    them off the device, `disk_wait_s` waiting for the disk."""
+    them off the device, `disk_wait_s` waiting for the disk, `other_s` the rest (open, close)."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, shape, dtype in specs:
@@ -56,7 +56,10 @@ def write_shard(path: Path, specs: list[tuple[str, tuple, torch.dtype]], tensors
         offset = end
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # as safetensors pads it: the data starts 8-byte aligned
-    with open(path, "wb") as f, StreamWriter(f) as out:
+    # "xb", a new file: a file opened with O_TRUNC is flushed to the disk when it closes on ext4
+    # (auto_da_alloc, its guard against truncate-and-rewrite), which is not what an export wants
+    t_open = time.perf_counter()
+    with open(path, "xb") as f, StreamWriter(f) as out:
         out.write(struct.pack("<Q", len(blob)) + blob)
         produce = copy = 0.0
         for name, shape, dtype in specs:
@@ -69,7 +72,8 @@ def write_shard(path: Path, specs: list[tuple[str, tuple, torch.dtype]], tensors
             out.write_tensor(t)
             produce += t1 - t0
             copy += time.perf_counter() - t1 - (out.wait_s - wait)
-    return {"produce_s": produce, "copy_s": copy, "disk_wait_s": out.wait_s}
+    total = time.perf_counter() - t_open
+    return {"produce_s": produce, "copy_s": copy, "disk_wait_s": out.wait_s, "other_s": total - produce - copy - out.wait_s}
 
 
 class StreamWriter:
