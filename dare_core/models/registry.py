@@ -20,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 
 from dare_core.errors import ModelLoadError
 from dare_core.models.safetensors_io import SHARD_BYTES, nbytes, plan_shards, write_shard
-from dare_core.models.tokenizer import MASK_CANDIDATES, token_content
+from dare_core.models.tokenizer import MASK_CANDIDATES, TOKENIZER_FILES, token_content
 from dare_core.models.transformer import KVCache, Transformer, TransformerConfig, default_position_ids
 from dare_core.registry import Registry
 from dare_core.storage import atomic_dir, read_json
@@ -561,8 +561,9 @@ def save_model(
     not at all (a failure midway leaves `folder` as it was). Tensors are streamed in export order:
     each is taken from the model (a LoRA adapter merged on the device the weights are on) and written
     while the next is prepared, so the host holds a few tensors (of a GPU model, two 64 MiB chunks),
-    never a copy of the model. `stats`, when given, receives where the time went (`write_shard`'s
-    produce_s, copy_s, disk_wait_s)."""
+    never a copy of the model. `extra_files`: {name: file} copied in as `name`, or {name: folder}
+    whose tokenizer files (`TOKENIZER_FILES`) are copied in. `stats`, when given, receives where the
+    time went (`write_shard`'s produce_s, copy_s, disk_wait_s, other_s)."""
     folder = Path(folder)
     layout = model.hf_layout()
     shards = plan_shards(layout, max_shard_bytes)
@@ -586,9 +587,11 @@ def save_model(
         for name, content in (extra_files or {}).items():
             src = Path(content) if isinstance(content, (str, Path)) else None
             if src is not None and src.is_dir():
-                for f in src.iterdir():
-                    if f.is_file():
-                        (tmp / f.name).write_bytes(f.read_bytes())
+                # a tokenizer folder is often the source checkpoint itself (`model.path`): its
+                # tokenizer files only, never its weights, config or index over the ones just written
+                for f in TOKENIZER_FILES:
+                    if (src / f).is_file():
+                        (tmp / f).write_bytes((src / f).read_bytes())
             elif src is not None:
                 (tmp / name).write_bytes(src.read_bytes())
     if stats is not None:

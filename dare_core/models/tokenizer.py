@@ -35,6 +35,10 @@ SPECIAL_TOKENS = (BOS, EOS, START_HEADER, END_HEADER, EOT, MASK)
 # Names that other checkpoints use for "end of turn" / "mask", looked up when the config is silent.
 _EOT_CANDIDATES = (EOT, "<|im_end|>")
 MASK_CANDIDATES = (MASK, "<|mask|>", "<|MASK|>", "<MASK>")
+# What a checkpoint folder holds of its tokenizer, in either layout (copied into exports; never the
+# weights, config.json or the index that share the folder).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+                   "merges.txt", "chat_template.jinja", "tokenizer.model")
 # The named special tokens that transformers passes to a chat template (its `special_tokens_map`).
 _NAMED_SPECIALS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # transformers' Qwen2Tokenizer pre-tokenizer split (tokenization_qwen2.PRETOKENIZE_REGEX).

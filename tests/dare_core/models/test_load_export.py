@@ -345,3 +345,21 @@ def test_stream_writer_counts_the_time_spent_waiting_for_a_slow_disk():
     assert bytes(f.data) == b"".join(t.numpy().tobytes() for t in tensors)
     # six 50 ms writes, at most two in flight: the caller stood waiting for most of them
     assert out.wait_s >= 0.2
+
+
+def test_export_from_a_model_folder_copies_its_tokenizer_not_its_weights(tmp_path):
+    """SFT from `model.path` exports with that folder as the tokenizer source: only its tokenizer files
+    may come along. Copying the folder whole put the base model's shards, index and config over the
+    merged export (the exported model was the base model) and copied 16 GB at the 8B shape."""
+    base = save_model(tiny("llada"), tmp_path / "base", max_shard_bytes=30_000)
+    (base / "tokenizer.json").write_text('{"stand-in": true}')
+    (base / "tokenizer_config.json").write_text("{}")
+    model = _tuned_lora("llada")
+    merged = build_model(model.hf_config)
+    merged.net.load_state_dict(merged_state_dict(model), strict=True)
+    out = save_model(model, tmp_path / "out", max_shard_bytes=30_000, extra_files={"tokenizer": base})
+    assert sorted(p.name for p in out.iterdir() if not p.name.endswith(".safetensors")) == [
+        "config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json"]
+    assert (out / "tokenizer.json").read_text() == '{"stand-in": true}'
+    _assert_same_tensors(merged, load_model(out))
+    verify_saved(model, out)
