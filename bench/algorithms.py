@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from embedded_seeds import machine  # noqa: E402
-from stamp import git_commit, utc_now  # noqa: E402
+from stamp import git_commit, header  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -83,10 +84,10 @@ def link_sft(run: str, sft_run: str, runs_dir: Path) -> None:
 def run_algorithm(algo: str, kind: str, sft_run: str, base_sets: list[str], params: str, runs_dir: Path) -> dict:
     run = f"algos_{kind}_{algo.replace(':', '_')}"
     done = runs_dir / run / "bench.json"
-    if done.exists():  # finished in an earlier invocation with the same settings: reuse its row
+    if done.exists():  # finished in an earlier invocation of this commit, same settings: reuse its row
         row = json.loads(done.read_text())
-        if row.get("sets") == base_sets + ALGORITHM_SETTINGS.get(algo, []):
-            return row
+        if row.get("sets") == base_sets + ALGORITHM_SETTINGS.get(algo, []) and row.get("commit") == git_commit():
+            return {**row, "reused": True}
     link_sft(run, sft_run, runs_dir)
     sets = base_sets + [f"run.name={run}", f"run.metrics_dir={runs_dir}/{run}/metrics", f"rl.algorithm={algo.split(':')[0]}"] + ALGORITHM_SETTINGS.get(algo, [])
     wall = stage("rl", sets, params)
@@ -99,7 +100,7 @@ def run_algorithm(algo: str, kind: str, sft_run: str, base_sets: list[str], para
         "algorithm": algo, "kind": kind, "sft": acc["sft"]["arithmetic"] / 100, "rl": acc["rl"]["arithmetic"] / 100,
         "step_s": statistics.mean(m["step_time_s"] for m in log), "rollout_s": statistics.mean(m["rollout_time_s"] for m in log),
         "wall_s": wall, "reward": [(m["step"], m["reward"]) for m in log], "sets": base_sets + ALGORITHM_SETTINGS.get(algo, []),
-        "steps": len(log),
+        "steps": len(log), "commit": git_commit(),
     }
     done.write_text(json.dumps(row))
     return row
@@ -174,25 +175,18 @@ def main() -> None:
             print(f"== {kind}: {algo}", flush=True)
             rows.append(run_algorithm(algo, kind, sft_run, base_sets, args.params, runs_dir))
             print(table(rows), flush=True)
-    for kind in ("masked", "block"):  # families not run this time: their rows from earlier invocations
-        if kind not in args.kinds:
-            for algo in (MASKED if kind == "masked" else BLOCK):
-                done = runs_dir / f"algos_{kind}_{algo.replace(':', '_')}" / "bench.json"
-                if done.exists():
-                    rows.append(json.loads(done.read_text()))
     rows.sort(key=lambda r: (r["kind"] != "masked",))
     png = Path(args.out).with_name("algorithms_reward.png")
     plot(rows, png)
+    command = "python3 bench/algorithms.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     text = (
-        "# Every RL algorithm on the embedded task\n\n"
-        f"Git commit: {git_commit()}  \n"
-        f"Command: `.venv/bin/python bench/algorithms.py{' --steps ' + str(args.steps) if args.steps else ''}`  \n"
-        f"Machine: {machine()}  \n"
-        f"Date: {utc_now()}  \n"
+        "\n".join(header("Every RL algorithm on the embedded task", command.strip(), machine())) + "\n"
         f"Budget: {steps} RL steps (block family: see its rows' step counts) x {cfg.rl.prompts_per_step} prompts x {cfg.rl.group_size} rollouts for every algorithm, "
         f"{cfg.rl.num_iterations} inner iterations, the optimiser and sampler of params.yaml; per-algorithm settings: "
         "`ALGORITHM_SETTINGS` in bench/algorithms.py. Accuracy: the eval stage (500 held-out problems, the eval sampler "
-        f"of params.yaml). Total wall time {time.time() - t_start:.0f} s.\n\n"
+        f"of params.yaml). Total wall time {time.time() - t_start:.0f} s"
+        + (f" (rows of {', '.join(r['algorithm'] for r in rows if r.get('reused'))} were measured by an earlier invocation of "
+           "this commit and reused)" if any(r.get("reused") for r in rows) else "") + ".\n\n"
         + table(rows) + f"\n\n![rollout reward per step]({png.name})\n"
     )
     Path(args.out).write_text(text)

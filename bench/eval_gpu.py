@@ -26,6 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
 
+from stamp import git_commit, library_versions, utc_now  # noqa: E402
+
 SETTINGS = {
     "none": {"cache": "none"},
     "prefix": {"cache": "prefix", "cuda_graphs": False},
@@ -68,7 +70,8 @@ def run(args) -> list[dict]:
         acc = sum(get_benchmark("gsm8k").grade(r, x) for r, x in zip(rows, texts)) / len(rows)
         row = {"setting": name, "sampler": settings, "prompts": len(rows), "batch_size": args.batch_size,
                "prompt_tokens_mean": sum(map(len, ids)) / len(ids), "wall_s": round(wall, 2),
-               "tokens_per_s": round(len(rows) * GSM8K["gen_length"] / wall, 1), "accuracy": acc, "hardware": hardware()}
+               "tokens_per_s": round(len(rows) * GSM8K["gen_length"] / wall, 1), "accuracy": acc,
+               "hardware": hardware(), "commit": git_commit(), "libraries": library_versions()}
         print(json.dumps(row), flush=True)
         out.append(row)
         if args.out:  # after every setting: a run cut short keeps what it measured
@@ -79,7 +82,9 @@ def run(args) -> list[dict]:
 def report(paths: list[str]) -> str:
     rows = [r for p in paths for r in json.loads(Path(p).read_text())]
     base = next((r["wall_s"] for r in rows if r["setting"] == "none"), None)
-    lines = [f"# GSM8K-style evaluation on {rows[0]['hardware']}", "",
+    commits = sorted({r.get("commit", "unknown (not recorded)") for r in rows})
+    lines = [f"# GSM8K-style evaluation on {rows[0]['hardware']}", "", f"Git commit: {', '.join(commits)}  ",
+             f"Command: `python3 bench/eval_gpu.py --report {' '.join(paths)}` (from the runs' JSON)  ", f"Date: {utc_now()}", "",
              f"LLaDA-8B-Instruct config, random bf16 weights, {rows[0]['prompts']} GSM8K fixture prompts "
              f"(mean {rows[0]['prompt_tokens_mean']:.0f} prompt tokens, char tokenizer), batch {rows[0]['batch_size']}, "
              "gen length 256, 256 steps, block 8, greedy (`bench/eval_gpu.py`).", "",

@@ -28,6 +28,7 @@ import argparse
 import json
 import math
 import platform
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -35,8 +36,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dare_core.models.registry import build_model  # noqa: E402
+from stamp import header  # noqa: E402
 from dare_core.sampling.decode import Canvas, generate  # noqa: E402
 from dare_core.sampling.params import SamplingParams  # noqa: E402
 
@@ -161,10 +164,6 @@ def speed(args) -> list[dict]:
 
 def speed_table(rows: list[dict], args) -> list[str]:
     lines = [
-        "## Denoising step time, random bf16 weights at the real 8B configs",
-        "",
-        f"Command: `python3 bench/rollout.py speed --gen {' '.join(map(str, args.gen))} --batch {' '.join(map(str, args.batch))} --steps {args.steps}`  ",
-        f"Hardware: {hardware()}  ",
         f"Prompt {args.prompt} tokens, greedy; LLaDA: block 32, one token per step; SDAR: block 4, 4 steps per block (static). "
         f"Timed over the first {args.steps} denoising steps of each run, after one warm-up run.",
         "",
@@ -223,10 +222,6 @@ def threshold(args) -> list[str]:
         print(table[-1], flush=True)
     base = table[0]
     lines = [
-        "## Threshold decoding on a trained model",
-        "",
-        f"Command: `python3 bench/rollout.py threshold --model {args.model} --data {args.data} --gen-length {gen} --limit {args.limit}`  ",
-        f"Hardware: {hardware()}  ",
         f"{len(rows)} held-out prompts, greedy, gen length {gen}, block {args.block_length or gen}, batch {args.batch_size}. "
         "tokens/s counts response tokens up to and including the first EOS (Fast-dLLM's measure); "
         "tokens/step counts every canvas position the sampler committed.",
@@ -263,6 +258,9 @@ def main() -> None:
     t.add_argument("--out", default="bench/results/rollout_threshold.md")
     args = p.parse_args()
     lines = speed_table(speed(args), args) if args.part == "speed" else threshold(args)
+    title = ("Denoising step time, random bf16 weights at the real 8B configs" if args.part == "speed"
+             else "Threshold decoding on a trained model")
+    lines = header(title, "python3 bench/rollout.py " + shlex.join(sys.argv[1:]), hardware()) + lines
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

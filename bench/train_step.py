@@ -900,7 +900,7 @@ def setup_lines(s: Settings, args, runs: list[dict]) -> list[str]:
         f"{s.rl_gen}, {s.rl_denoise_steps} denoising steps, block {s.rl_block} (SDAR: its block of 4), temperature "
         f"{s.rl_temperature}, {s.rl_iterations} inner iterations, micro-batches of {s.rl_micro}, KL {s.rl_kl} (reference = "
         f"adapter disabled), LoRA r {s.rl_lora[0]}, alpha {s.rl_lora[1]}, gradient checkpointing; reward: a hash of the "
-        f"response tokens' text. DARE: dual cache (SDAR: block_kv), CUDA graphs on the GPU of forwards compiled by torch.compile (`compile_forward`; rows before commit deff7f6 replayed eager forwards), {s.rollout_batch} rollouts per batch, "
+        f"response tokens' text. DARE: dual cache (SDAR: block_kv), CUDA graphs on the GPU of forwards whose layers run through one torch.compile'd layer call (`compile_forward`; from commit 92d9a75, before it the whole forward was compiled per window shape), {s.rollout_batch} rollouts per batch, "
         f"packed training, step {s.rl_steps} shown. Public recipe: no cache, float64 Gumbel-max and softmax, eager, "
         f"{s.public_chunk} rollouts per generate call, padded training with logits over the whole canvas, step "
         f"{s.rl_public_steps} shown. Phase times come from the loops' metrics (`DARE_PHASE_TIMES`, GPU synchronised at "

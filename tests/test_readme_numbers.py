@@ -39,5 +39,29 @@ def test_every_readme_number_is_in_the_results_file_it_links():
 
 
 def test_the_check_catches_a_number_typed_by_hand():
-    readme = "DARE trains 2.13x faster ([bench/results/train_step.md](bench/results/train_step.md)) at 99.9% MFU."
+    measured = re.search(r"\d+\.\d+x", (REPO / "bench/results/train_step.md").read_text()).group()
+    readme = f"DARE trains {measured} faster ([bench/results/train_step.md](bench/results/train_step.md)) at 99.9% MFU."
     assert unsourced(readme) == [("99.9%", ["bench/results/train_step.md"])]
+
+
+COMMIT = re.compile(r"\b[0-9a-f]{7,40}\b")
+
+
+def test_linked_results_were_measured_on_this_history():
+    """Each commit a linked results file names on its 'Git commit' / 'Commit' line is this checkout's
+    HEAD or one of its ancestors: a number measured on a branch that was dropped cannot stand."""
+    import shutil
+    import subprocess
+
+    import pytest
+
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("no git checkout: the results' commits cannot be looked up")
+    files = set(LINK.findall((REPO / "README.md").read_text()))
+    assert files
+    for f in sorted(files):
+        head = [line for line in (REPO / f).read_text().splitlines()[:12] if line.startswith(("Git commit:", "Commit:"))]
+        assert head, f"{f}: no commit line at the top"
+        for commit in COMMIT.findall(head[0]):
+            ok = subprocess.run(["git", "merge-base", "--is-ancestor", commit, "HEAD"], cwd=REPO, capture_output=True).returncode == 0
+            assert ok, f"{f}: commit {commit} is not in this checkout's history"
