@@ -792,11 +792,11 @@ def same_run(a: dict, b: dict) -> bool:
 
 
 def sft_table(rows: list[dict]) -> list[str]:
-    lines = ["| model | training | packing | sequences / step | real tokens / step | padded tokens / step | s / step | "
+    lines = ["| run | model | training | packing | sequences / step | real tokens / step | padded tokens / step | s / step | "
              "fwd+bwd s | optimizer s | tokens/s | MFU | peak mem (GiB) | packed speed-up |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        head = (f"| {SHAPES[r['shape']]} | {'LoRA' if r['training'] == 'lora' else 'full (ZeRO-3, CPU optimizer)'} | "
+        head = (f"| {fmt(r.get('run'), 'd')} | {SHAPES[r['shape']]} | {'LoRA' if r['training'] == 'lora' else 'full (ZeRO-3, CPU optimizer)'} | "
                 f"{r['packing']}{' + compile' if r.get('compile') else ''} |")
         if "error" in r:
             lines.append(f"{head} {r['error']} | | | | | | | | | |")
@@ -811,11 +811,11 @@ def sft_table(rows: list[dict]) -> list[str]:
 
 
 def rl_table(rows: list[dict]) -> list[str]:
-    lines = ["| model | recipe | step | rollout s | reward s | old+ref scoring s | fwd+bwd s | optimizer s | other s | "
+    lines = ["| run | model | recipe | step | rollout s | reward s | old+ref scoring s | fwd+bwd s | optimizer s | other s | "
              "step s | groups with zero reward spread | peak mem (GiB) | speed-up vs public |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        head = f"| {SHAPES[r['shape']]} | {'DARE' if r['recipe'] == 'dare' else 'public d1 recipe'} |"
+        head = f"| {fmt(r.get('run'), 'd')} | {SHAPES[r['shape']]} | {'DARE' if r['recipe'] == 'dare' else 'public d1 recipe'} |"
         if "error" in r:
             lines.append(f"{head} | {r['error']} | | | | | | | | | |")
             continue
@@ -834,22 +834,39 @@ def export_parts(row: dict) -> dict:
 
 
 def startup_table(rows: list[dict]) -> list[str]:
-    lines = ["| model | run | process start to stage s | start-up s (target <= 30) | checks s | load s | engine s | "
+    lines = ["| run | model | stage | process start to stage s | start-up s (target <= 30) | checks s | load s | engine s | "
              "export of the merged model s (target <= 30) | export: merge s | export: copy off the GPU s | export: waiting for the disk s | export: open/close s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["part"] == "folder" or "error" in r or r.get("startup_s") is None:
             continue
         run = (f"SFT {r['training']} packing {r['packing']}{' + compile' if r.get('compile') else ''}"
                if r["part"].startswith("sft") else f"RL ({r['recipe']})")
         parts = " | ".join(fmt(r["startup_parts"].get(p), ".1f") for p in STARTUP_PHASES)
-        lines.append(f"| {SHAPES[r['shape']]} | {run} | {fmt(r.get('launch_s'), '.1f')} | {r['startup_s']:.1f} | {parts} | "
+        lines.append(f"| {fmt(r.get('run'), 'd')} | {SHAPES[r['shape']]} | {run} | {fmt(r.get('launch_s'), '.1f')} | {r['startup_s']:.1f} | {parts} | "
                      f"{fmt(r.get('export_s'), '.1f')} | " + " | ".join(fmt(export_parts(r).get(p), ".1f") for p in EXPORT_PHASES) + " |")
     return lines
 
 
-def acceptance(rows: list[dict]) -> list[str]:
-    """The issue's targets, computed from the rows (LLaDA-8B shape)."""
+def acceptance(rows: list[dict], runs: Optional[list[dict]] = None) -> list[str]:
+    """The issue's targets, computed from each run's own rows (a merged file holds several runs)."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault(r.get("run"), []).append(r)
+    if len(groups) <= 1:
+        return run_acceptance(rows)
+    out = []
+    for run, group in sorted(groups.items(), key=lambda item: -1 if item[0] is None else item[0]):
+        lines = run_acceptance(group)
+        if lines != ["- nothing to compare in this run"]:
+            commit = runs[run]["commit"][:7] if runs and run is not None and run < len(runs) else "?"
+            out.append(f"- run {run} (commit {commit}):")
+            out += ["  " + line for line in lines]
+    return out or ["- nothing to compare in this run"]
+
+
+def run_acceptance(rows: list[dict]) -> list[str]:
+    """The targets from the rows of one run (LLaDA-8B shape)."""
     def find(**keys):
         return next((r for r in rows if all(r.get(k) == v for k, v in keys.items()) and "error" not in r), None)
 
@@ -915,9 +932,9 @@ def report(data: dict, s: Settings, args) -> str:
     lines = [f"# Training step on one GPU: the stage loops at the LLaDA-8B and SDAR-8B shapes{tiny}", ""]
     commits = list(dict.fromkeys(run["commit"] for run in runs))
     lines.append(f"Git commit: {', '.join(commits)}  ")
-    for run in runs:
+    for i, run in enumerate(runs):
         what = f"; rows: {', '.join(run['rows'])}" if run.get("rows") else ("; its rows were measured again later" if "rows" in run else "")
-        lines.append(f"Command: `{run['command']}` ({run['date']}, commit {run['commit']}{what})  ")
+        lines.append(f"Command{f' (run {i})' if len(runs) > 1 else ''}: `{run['command']}` ({run['date']}, commit {run['commit']}{what})  ")
     lines.append(f"Hardware: {runs[-1]['hardware']}")
     lines += [""] + setup_lines(s, args, rows) + [""]
     sft = [r for r in rows if r["part"] in ("sft", "sft-full")]
@@ -931,7 +948,7 @@ def report(data: dict, s: Settings, args) -> str:
         lines += ["## RL: one d1 step, DARE vs the public d1 recipe (seconds)", ""] + rl_table(rl) + [""]
     if sft or rl:
         lines += ["## Start-up and export", ""] + startup_table(sft + rl) + [""]
-    lines += ["## Targets", ""] + acceptance(rows) + [""]
+    lines += ["## Targets", ""] + acceptance(rows, runs) + [""]
     return "\n".join(lines)
 
 
@@ -957,7 +974,7 @@ def run_label(row: dict) -> str:
         (" + compile" if row.get("compile") else "")
 
 
-def merge_files(paths: list[Path], out: Path, args) -> int:
+def merge_files(paths: list[Path], out: Path, args) -> int:  # noqa: C901
     """One results file from several runs' JSON (runs of one machine and settings, split to fit a time
     limit, possibly at different commits): each run is listed with the rows it measured."""
     merged: dict = {"runs": [], "rows": []}
@@ -972,12 +989,14 @@ def merge_files(paths: list[Path], out: Path, args) -> int:
         merged["runs"] += [dict(r) for r in data["runs"]]
         # a file written by an earlier merge credits each row to one of its runs already
         rows = [{**r, "run": offset + r.get("run", len(data["runs"]) - 1)} for r in data["rows"]]
-        keys = {row_key(r) for r in rows}
-        merged["rows"] = [r for r in merged["rows"] if row_key(r) not in keys] + rows
+        if not args.keep_all:
+            keys = {row_key(r) for r in rows}
+            merged["rows"] = [r for r in merged["rows"] if row_key(r) not in keys]
+        merged["rows"] += rows
     for i, run in enumerate(merged["runs"]):  # the rows of each run that the file shows
         run["rows"] = [run_label(r) for r in merged["rows"] if r.get("run") == i and r["part"] != "folder"]
     s = Settings(**merged["runs"][-1]["settings"])
-    command = "python3 bench/train_step.py --merge " + " ".join(shlex.quote(str(p)) for p in paths)
+    command = "python3 bench/train_step.py " + ("--keep-all " if args.keep_all else "") + "--merge " + " ".join(shlex.quote(str(p)) for p in paths)
     text = report(merged, s, args).replace("Hardware:", f"Written from those runs' JSON files by `{command}`  \nHardware:", 1)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
@@ -1010,6 +1029,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
                    help="run nothing: write --out from the rows of these results files (earlier ones first, a later "
                         "row replaces an earlier one of the same measurement), each row credited to its run")
+    p.add_argument("--keep-all", action="store_true", help="with --merge: keep every run's rows (each run's ratios and targets "
+                   "stay computable) instead of a later row replacing an earlier one of the same measurement")
     args = p.parse_args(argv)
     if args.task is not None:
         return task_main(args.task)
