@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from stamp import REPO, git_commit
+from stamp import REPO, git_commit, library_versions
 
 
 def hardware() -> str:
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     shown = "python3 bench/gpu_tests.py " + " ".join(argv if argv is not None else sys.argv[1:])
     text = [
         "# GPU-marked tests on the device machine", "",
-        f"Git commit: {git_commit()}  ", f"Command: `{shown.strip()}` (runs `{' '.join(cmd[1:])}`) ({date})  ",
+        f"Git commit: {git_commit()}  ", f"Libraries: {library_versions()}  ", f"Command: `{shown.strip()}` (runs `{' '.join(cmd[1:])}`) ({date})  ",
         f"Hardware: {hardware()}", "",
         f"Result: {summary.strip('= ')} (pytest exit code {code})", "",
         "```", *outcomes, "```", "",

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from stamp import REPO, utc_now
+from stamp import REPO, library_versions, utc_now
 
 
 def timed(cmd: list[str], cwd: Path, log: Path) -> float:
@@ -51,7 +51,7 @@ def main() -> int:
     run_s = timed(["make", "run"], clone, log)
     lines = [
         "# `make run` on a fresh clone", "",
-        f"Git commit: {commit}  ",
+        f"Git commit: {commit}  ", f"Libraries: {library_versions()}  ",
         f"Command: `python3 bench/make_run.py` (git clone, then `make venv` and `make run`, each timed) ({utc_now()})  ",
         f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, no GPU needed, Python {platform.python_version()}, {env_note}", "",
         "| phase | wall time (s) |", "|---|---|",

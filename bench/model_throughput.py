@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dare_core.models.registry import build_model  # noqa: E402
-from stamp import git_commit, utc_now  # noqa: E402
+from stamp import git_commit, library_versions, utc_now  # noqa: E402
 
 # the real config.json files of the checkpoints (copied from their public releases)
 CONFIGS = Path(__file__).resolve().parent / "configs"
@@ -153,7 +153,7 @@ def main() -> None:
     lines = [
         "# Model throughput: padded vs packed, real 8B configs, random bf16 weights",
         "",
-        f"Git commit: {git_commit()}  ",
+        f"Git commit: {git_commit()}  ", f"Libraries: {library_versions()}  ",
         f"Date: {utc_now()}  ",
         f"Command: `python3 bench/model_throughput.py --batch {args.batch} --min-len {args.min_len} --max-len {args.max_len} --micro {args.micro}`  ",
         f"Hardware: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU (smoke run)'} (peak bf16 dense taken as 989 TFLOP/s), torch {torch.__version__}, Python {platform.python_version()}  ",

@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO))
 from dare_core.diffusion.seeding import generator  # noqa: E402
 from dare_core.models.lora import LoraSettings, apply_lora, lora_layers  # noqa: E402
 from dare_core.models.registry import empty_model, load_model, save_model, verify_saved  # noqa: E402
-from stamp import git_commit  # noqa: E402
+from stamp import git_commit, library_versions  # noqa: E402
 
 CONFIGS = REPO / "bench" / "configs"
 
@@ -214,7 +214,7 @@ def write_report(args, argv, device: torch.device, config_path: Path, facts: dic
     lines = [
         "# Stage start-up and export: load, from-scratch init, LoRA-merged export",
         "",
-        f"Commit: {git_commit()}  ",
+        f"Commit: {git_commit()}  ", f"Libraries: {library_versions()}  ",
         f"Command: `{command.strip()}`  ",
         f"Hardware: {hardware(device)}  ",
         f"Date: {started:%Y-%m-%d %H:%M} UTC  ",

@@ -67,7 +67,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
 import torch  # noqa: E402
-from stamp import git_commit  # noqa: E402
+from stamp import git_commit, library_versions  # noqa: E402
 
 CONFIGS = REPO / "bench" / "configs"
 SHAPES = {"llada": "LLaDA-8B-Instruct", "sdar": "SDAR-8B-Chat"}
@@ -935,7 +935,8 @@ def report(data: dict, s: Settings, args) -> str:
     for i, run in enumerate(runs):
         what = f"; rows: {', '.join(run['rows'])}" if run.get("rows") else ("; its rows were measured again later" if "rows" in run else "")
         lines.append(f"Command{f' (run {i})' if len(runs) > 1 else ''}: `{run['command']}` ({run['date']}, commit {run['commit']}{what})  ")
-    lines.append(f"Hardware: {runs[-1]['hardware']}")
+    lines.append(f"Hardware: {runs[-1]['hardware']}  ")
+    lines.append(f"Libraries: {runs[-1].get('libraries', '(not recorded by these runs)')}")
     lines += [""] + setup_lines(s, args, rows) + [""]
     sft = [r for r in rows if r["part"] in ("sft", "sft-full")]
     rl = [r for r in rows if r["part"] in ("rl", "rl-public")]
@@ -1054,7 +1055,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     def save(rows: list[dict]) -> str:
         nonlocal previous
         hw = next((r["hardware"] for r in rows if r.get("hardware")), None) or f"(no run finished) {platform.machine()}"
-        run = {"commit": commit, "command": command, "hardware": hw, "settings": dataclasses.asdict(s), "date": date}
+        run = {"commit": commit, "command": command, "hardware": hw, "settings": dataclasses.asdict(s), "date": date,
+           "libraries": library_versions()}
         if previous is None:  # read once: later saves rewrite the file this run is writing
             previous = merge_previous(out.with_suffix(".json"), run, args.add)
         done = {row_key(r) for r in rows}

@@ -10,10 +10,10 @@ from pipeline_helpers import REPO, worker_env
 
 
 def _table(text: str, heading: str) -> list[list[str]]:
-    """The data rows of the markdown table under `heading`, as cells."""
+    """The data rows of the markdown table under `heading`, as cells, less the first (the row's run)."""
     section = text.split(heading, 1)[1].split("\n## ", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("| ")][1:]  # the header row is not data
-    return [[c.strip() for c in row.strip("|").split("|")] for row in rows]
+    return [[c.strip() for c in row.strip("|").split("|")][1:] for row in rows]
 
 
 def _number(cell: str) -> float:
@@ -54,8 +54,8 @@ def test_tiny_run_writes_every_section(tmp_path):
 
     startup = _table(text, "## Start-up and export")
     assert len(startup) == 5  # the three SFT runs and both RL runs
-    assert all(_number(row[2]) > 0 for row in startup)
-    assert _number(startup[0][6]) >= 0  # the packed LoRA run exported its merged model
+    assert all(_number(row[2]) > 0 and _number(row[3]) > 0 for row in startup)  # process start, stage start-up
+    assert _number(startup[0][7]) >= 0  # the packed LoRA run exported its merged model
     assert "## Targets" in text
 
     data = json.loads(out.with_suffix(".json").read_text())
