@@ -155,7 +155,7 @@ def main() -> None:
     steps = args.steps or cfg.rl.num_steps
     common = [f"rl.num_steps={steps}", f"rl.save_every={steps}", "rl.log_every=1"]
     rows: list[dict] = []
-    t_start = time.time()
+    t_start, commit = time.time(), git_commit()  # the code the run starts with (a long run outlives commits)
     for kind in args.kinds:
         if kind == "masked":
             sft_run, base_sets = args.sft_run, list(common)
@@ -180,7 +180,7 @@ def main() -> None:
     plot(rows, png)
     command = "python3 bench/algorithms.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     text = (
-        "\n".join(header("Every RL algorithm on the embedded task", command.strip(), machine())) + "\n"
+        "\n".join(header("Every RL algorithm on the embedded task", command.strip(), machine(), commit)) + "\n"
         f"Budget: {steps} RL steps (block family: see its rows' step counts) x {cfg.rl.prompts_per_step} prompts x {cfg.rl.group_size} rollouts for every algorithm, "
         f"{cfg.rl.num_iterations} inner iterations, the optimiser and sampler of params.yaml; per-algorithm settings: "
         "`ALGORITHM_SETTINGS` in bench/algorithms.py. Accuracy: the eval stage (500 held-out problems, the eval sampler "

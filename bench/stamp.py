@@ -5,6 +5,7 @@ import datetime
 import os
 import subprocess
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -43,7 +44,8 @@ def library_versions(names: tuple[str, ...] = ("torch", "deepspeed", "opencompas
     return ", ".join(f"{n} {version(n)}" for n in names)
 
 
-def header(title: str, command: str, hardware: str) -> list[str]:
-    """The top of a results file: what ran, at which commit, where, with what, when."""
-    return [f"# {title}", "", f"Git commit: {git_commit()}  ", f"Command: `{command}`  ", f"Hardware: {hardware}  ",
+def header(title: str, command: str, hardware: str, commit: Optional[str] = None) -> list[str]:
+    """The top of a results file: what ran, at which commit (`commit`: as read when the run began;
+    default: now), where, with what, when."""
+    return [f"# {title}", "", f"Git commit: {commit or git_commit()}  ", f"Command: `{command}`  ", f"Hardware: {hardware}  ",
             f"Libraries: {library_versions()}  ", f"Date: {utc_now()}", ""]

@@ -22,6 +22,7 @@ RL_OVER_SFT = 0.05
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # about 5 minutes on 2 idle cores (SFT ~200 s); far more when the cores are shared
 def test_embedded_default_sft_beats_base_and_rl_beats_sft(tmp_path):
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     params["run"].update(seed=0, runs_dir=str(tmp_path / "runs"), models_dir=str(tmp_path / "models"),
