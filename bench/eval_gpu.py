@@ -3,7 +3,7 @@ config, 64 fixture prompts, through `EvalModel` (the class OpenCompass calls for
 the GPU machine has no OpenCompass, the OpenCompass wrapper adds nothing per token).
 
     python3 bench/eval_gpu.py --settings none,dual+graph --out bench/results/eval_gpu_a.json
-    python3 bench/eval_gpu.py --report bench/results/eval_gpu_*.json > bench/results/eval_gpu.md
+    python3 bench/eval_gpu.py --report bench/results/eval_gpu.json > bench/results/eval_gpu.md
 
 Settings use GSM8K's published LLaDA evaluation: gen length 256, 256 steps, block 8, greedy. The
 prompts are the fixture's GSM8K questions with the \\boxed instruction, rendered with the chat
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import tempfile
 import time
@@ -71,7 +72,8 @@ def run(args) -> list[dict]:
         row = {"setting": name, "sampler": settings, "prompts": len(rows), "batch_size": args.batch_size,
                "prompt_tokens_mean": sum(map(len, ids)) / len(ids), "wall_s": round(wall, 2),
                "tokens_per_s": round(len(rows) * GSM8K["gen_length"] / wall, 1), "accuracy": acc,
-               "hardware": hardware(), "commit": git_commit(), "libraries": library_versions()}
+               "hardware": hardware(), "commit": git_commit(), "libraries": library_versions(),
+               "command": "python3 bench/eval_gpu.py " + shlex.join(sys.argv[1:]), "date": utc_now()}
         print(json.dumps(row), flush=True)
         out.append(row)
         if args.out:  # after every setting: a run cut short keeps what it measured
@@ -79,20 +81,35 @@ def run(args) -> list[dict]:
     return out
 
 
+def run_command(rows: list[dict]) -> str:
+    """The command a run's rows came from (runs before the rows recorded it: rebuilt from the
+    settings, prompt count and batch size they did record)."""
+    if "command" in rows[0]:
+        return rows[0]["command"]
+    return (f"python3 bench/eval_gpu.py --settings {','.join(r['setting'] for r in rows)} --n {rows[0]['prompts']} "
+            f"--batch-size {rows[0]['batch_size']}")
+
+
 def report(paths: list[str]) -> str:
-    rows = [r for p in paths for r in json.loads(Path(p).read_text())]
-    base = next((r["wall_s"] for r in rows if r["setting"] == "none"), None)
-    commits = sorted({r.get("commit", "unknown (not recorded)") for r in rows})
-    lines = [f"# GSM8K-style evaluation on {rows[0]['hardware']}", "", f"Git commit: {', '.join(commits)}  ",
-             f"Command: `python3 bench/eval_gpu.py --report {' '.join(paths)}` (from the runs' JSON)  ", f"Date: {utc_now()}", "",
-             f"LLaDA-8B-Instruct config, random bf16 weights, {rows[0]['prompts']} GSM8K fixture prompts "
-             f"(mean {rows[0]['prompt_tokens_mean']:.0f} prompt tokens, char tokenizer), batch {rows[0]['batch_size']}, "
-             "gen length 256, 256 steps, block 8, greedy (`bench/eval_gpu.py`).", "",
-             "| setting | wall time (s) | output tokens/s | vs no cache |", "|---|---|---|---|"]
-    for r in rows:
-        speed = f"{base / r['wall_s']:.2f}x" if base else ""
-        lines.append(f"| {r['setting']} | {r['wall_s']:.1f} | {r['tokens_per_s']:.0f} | {speed} |")
-    return "\n".join(lines) + "\n"
+    """One section per run (per JSON file), each with its own stamp; speed-ups only within a run."""
+    lines = ["# GSM8K-style evaluation wall time on a GPU", "",
+             f"Written by `python3 bench/eval_gpu.py --report {' '.join(Path(p).name for p in paths)}` from the runs' JSON "
+             f"({utc_now()}).", ""]
+    for i, path in enumerate(paths):
+        rows = json.loads(Path(path).read_text())
+        base = next((r["wall_s"] for r in rows if r["setting"] == "none"), None)
+        lines += [f"## Run {i}", "", f"Git commit: {rows[0].get('commit', 'unknown (not recorded)')}  ",
+                  f"Command: `{run_command(rows)}`  ", f"Hardware: {rows[0]['hardware']}  ",
+                  f"Libraries: {rows[0].get('libraries', 'not recorded')}  ", f"Date: {rows[0].get('date', 'not recorded')}", "",
+                  f"LLaDA-8B-Instruct config, random bf16 weights, {rows[0]['prompts']} GSM8K fixture prompts "
+                  f"(mean {rows[0]['prompt_tokens_mean']:.0f} prompt tokens, char tokenizer), batch {rows[0]['batch_size']}, "
+                  "gen length 256, 256 steps, block 8, greedy.", "",
+                  "| setting | wall time (s) | output tokens/s | vs no cache (this run) |", "|---|---|---|---|"]
+        for r in rows:
+            speed = f"{base / r['wall_s']:.2f}x" if base else ""
+            lines.append(f"| {r['setting']} | {r['wall_s']:.1f} | {r['tokens_per_s']:.0f} | {speed} |")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def main() -> None:

@@ -182,18 +182,35 @@ def speed_table(rows: list[dict], args) -> list[str]:
 
 
 def threshold(args) -> list[str]:
+    """One table per model (--model may name several: checkpoints compared in one run)."""
     from dare_core.data.schema import read_rows
+
+    data = Path(args.data)
+    # a .jsonl copy of the eval split lets the bench run where pyarrow is not installed
+    rows = ([json.loads(line) for line in data.read_text().splitlines()] if data.suffix == ".jsonl" else read_rows(data, "eval"))[: args.limit]
+    lines = [
+        f"{len(rows)} held-out prompts of `{args.data}`, greedy, gen length {args.gen_length}, block "
+        f"{args.block_length or args.gen_length}, batch {args.batch_size}. "
+        "tokens/s counts response tokens up to and including the first EOS (Fast-dLLM's measure); "
+        "tokens/step counts every canvas position the sampler committed. Speed-ups are against the same "
+        "model's plain row.",
+    ]
+    for path in args.model:
+        lines += ["", f"### `{path}`", "", "| setting | accuracy | tokens / step | steps / sample | tokens/s | speed-up |",
+                  "|---|---|---|---|---|---|"]
+        lines += threshold_table(path, rows, args)
+    return lines
+
+
+def threshold_table(path: str, rows: list[dict], args) -> list[str]:
     from dare_core.eval.scoring import score_texts
     from dare_core.models.registry import load_model
     from dare_core.models.tokenizer import load_tokenizer
     from dare_core.sampling.decode import decode_responses
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = load_model(args.model, device=device).eval()
-    tok = load_tokenizer(args.model)
-    data = Path(args.data)
-    # a .jsonl copy of the eval split lets the bench run where pyarrow is not installed
-    rows = ([json.loads(line) for line in data.read_text().splitlines()] if data.suffix == ".jsonl" else read_rows(data, "eval"))[: args.limit]
+    model = load_model(path, device=device).eval()
+    tok = load_tokenizer(path)
     prompts = [tok.encode(r["prompt_text"]) for r in rows]
     gen = args.gen_length
     plain = dict(gen_length=gen, block_length=args.block_length or gen, steps=gen)
@@ -208,8 +225,7 @@ def threshold(args) -> list[str]:
         params = SamplingParams(**kw)
 
         def run_all(p=params):
-            outs = [generate(model, prompts[i:i + args.batch_size], p) for i in range(0, len(prompts), args.batch_size)]
-            return outs
+            return [generate(model, prompts[i:i + args.batch_size], p) for i in range(0, len(prompts), args.batch_size)]
 
         sec, outs = time_run(run_all)
         texts = [t for o in outs for t in decode_responses(tok, o)]
@@ -219,20 +235,10 @@ def threshold(args) -> list[str]:
         table.append({"setting": label, "accuracy": acc, "tokens_per_step": len(rows) * gen / steps,
                       "steps": steps / len(rows), "nfe": sum(o.nfe for o in outs), "sec": sec,
                       "tokens_per_s": useful / sec})
-        print(table[-1], flush=True)
+        print(path, table[-1], flush=True)
     base = table[0]
-    lines = [
-        f"{len(rows)} held-out prompts, greedy, gen length {gen}, block {args.block_length or gen}, batch {args.batch_size}. "
-        "tokens/s counts response tokens up to and including the first EOS (Fast-dLLM's measure); "
-        "tokens/step counts every canvas position the sampler committed.",
-        "",
-        "| setting | accuracy | tokens / step | steps / sample | tokens/s | speed-up |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in table:
-        lines.append(f"| {r['setting']} | {r['accuracy']:.3f} | {r['tokens_per_step']:.2f} | {r['steps']:.1f} | "
-                     f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base['tokens_per_s']:.1f}x |")
-    return lines
+    return [f"| {r['setting']} | {r['accuracy']:.3f} | {r['tokens_per_step']:.2f} | {r['steps']:.1f} | "
+            f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base['tokens_per_s']:.1f}x |" for r in table]
 
 
 def main() -> None:
@@ -248,7 +254,7 @@ def main() -> None:
     s.add_argument("--smoke", action="store_true", help="2 small layers on CPU: checks the script, measures nothing")
     s.add_argument("--out", default="bench/results/rollout_speed.md")
     t = sub.add_parser("threshold")
-    t.add_argument("--model", required=True)
+    t.add_argument("--model", nargs="+", required=True, help="checkpoint folders, one table each")
     t.add_argument("--data", required=True)
     t.add_argument("--gen-length", type=int, default=6)
     t.add_argument("--block-length", type=int, default=0)
