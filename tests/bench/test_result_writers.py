@@ -1,0 +1,48 @@
+"""Results files written by bench scripts: each run keeps its own stamp, ratios stay inside a run."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from dare_core.models.tokenizer import char_tokenizer
+from eval_helpers import tiny_folder
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def eval_row(setting: str, wall: float, commit: str) -> dict:
+    return {"setting": setting, "wall_s": wall, "tokens_per_s": 64 * 256 / wall, "prompts": 64, "batch_size": 64,
+            "prompt_tokens_mean": 171.0, "hardware": "GPU X", "commit": commit, "libraries": "torch 9"}
+
+
+def test_eval_report_gives_each_run_its_own_section_and_ratio(tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps([eval_row("none", 200.0, "aaa1111"), eval_row("dual+graph", 40.0, "aaa1111")]))
+    b.write_text(json.dumps([eval_row("dual+graph", 10.0, "bbb2222")]))  # no baseline in this run
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "eval_gpu.py"), "--report", str(a), str(b)],
+                         capture_output=True, text=True, check=True).stdout
+    run0, run1 = out.split("## Run 0")[1].split("## Run 1")
+    assert "Git commit: aaa1111" in run0 and "| dual+graph | 40.0 | 410 | 5.00x |" in run0
+    assert "--settings none,dual+graph --n 64 --batch-size 64" in run0  # rebuilt for rows without a command
+    # a ratio across runs (200 / 10 = 20x) would be a number no single run measured
+    assert "Git commit: bbb2222" in run1 and "| dual+graph | 10.0 | 1638 |  |" in run1 and "20.00x" not in out
+
+
+def test_threshold_table_covers_every_model_in_one_stamped_file(tmp_path):
+    tok = char_tokenizer()
+    rows = [{"prompt": f"{i}+{i}=", "prompt_text": tok.apply_chat_template([{"role": "user", "content": f"{i}+{i}="}]),
+             "ground_truth": str(2 * i), "task": "arithmetic", "uid": f"e{i}"} for i in range(4)]
+    data = tmp_path / "eval.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    models = [str(tiny_folder(tmp_path, "llada", seed)) for seed in (0, 1)]
+    out = tmp_path / "threshold.md"
+    subprocess.run([sys.executable, str(REPO / "bench" / "rollout.py"), "threshold", "--model", *models, "--data", str(data),
+                    "--gen-length", "4", "--taus", "0.9", "--out", str(out)], check=True, capture_output=True, text=True)
+    text = out.read_text()
+    assert text.startswith("# Threshold decoding on a trained model") and "Git commit: " in text and "Libraries: " in text
+    for model in models:
+        table = text.split(f"### `{model}`")[1].split("###")[0]
+        assert "| plain (1 token/step) |" in table and "| 1.0x |" in table
+        assert len([line for line in table.splitlines() if line.startswith("| ")]) == 1 + 4  # header + 4 settings
