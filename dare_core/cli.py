@@ -13,7 +13,10 @@ import os
 import shutil
 import subprocess
 import sys
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from dare_core.config import DareConfig
 
 STAGES = {
     # name: (worker module, needs the distributed launcher)
@@ -54,10 +57,12 @@ def cmd_stage(args: argparse.Namespace) -> int:
 
         return importlib.import_module(module).main(worker_args)
     from dare_core.config import load_config
+    from dare_core.training.threads import launcher_env
 
     cfg = load_config(args.params, args.set)
     cmd = launch_command(module, cfg.launch.launcher, cfg.launch.nproc, worker_args)
-    env = dict(os.environ)
+    # each rank starts with its share of the cores (torchrun would otherwise give every rank one)
+    env = launcher_env(cfg.launch.threads, cfg.launch.nproc, os.environ)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     return subprocess.call(cmd, env=env)
 
@@ -91,6 +96,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from dare_core.eval.configs import get_benchmark, parse_benchmarks
+    from dare_core.eval.labels import checkpoint_labels
     from dare_core.eval.report import results_table
     from dare_core.eval.runner import benchmark_specs, evaluate_folders
 
@@ -105,12 +111,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             notes.append(f"note: {name} has no '{mode}' mode; it ran as gen")
             mode = "gen"
         bench_args[name] = {"mode": mode, "shots": args.shots, **({"sampler": overrides} if overrides else {})}
-    models: dict = {}
-    for folder in args.model:
-        abbr = Path(folder).resolve().name or "model"
-        while abbr in models:
-            abbr += "_"
-        models[abbr] = Path(folder)
+    models = checkpoint_labels(args.model, args.name, _project_config(args.params))
     specs = benchmark_specs(names, Path(args.data), bench_args, args.max_samples)
     options = {"seed": args.seed, "chat": not args.no_chat, "ll_mc_num": args.ll_mc_num}
     run_dir = Path(args.work_dir) / time.strftime("%Y%m%d_%H%M%S")
@@ -120,6 +121,20 @@ def cmd_eval(args: argparse.Namespace) -> int:
     print(results_table(results))
     print(f"\npredictions and OpenCompass summary: {run_dir}")
     return 0
+
+
+def _project_config(params: Optional[str]) -> DareConfig:
+    """The config whose run layout tells `dare eval` which folders are stage outputs. An explicit
+    --params must load; the default params.yaml only where it does: `dare eval` also runs outside a
+    project, or in one whose params.yaml is being edited, and labels are not worth failing for."""
+    from dare_core.config import DareConfig, load_config
+
+    if params is not None:
+        return load_config(params)
+    try:
+        return load_config("params.yaml")
+    except (ValueError, OSError):  # missing, unreadable or invalid
+        return DareConfig()
 
 
 def _at_least(args: argparse.Namespace, minimum: int, *flags: str) -> None:
@@ -199,6 +214,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--ll-mc-num", type=int, default=32, help="Monte-Carlo rows per option in ll mode")
     e.add_argument("--no-chat", action="store_true", help="do not apply the chat template (base models)")
     e.add_argument("--work-dir", default="runs/dare-eval", help="where the OpenCompass run is written")
+    e.add_argument("--name", action="append", default=None,
+                   help="the table's label for each --model, in order (default: the DARE stage that wrote the "
+                        "folder, e.g. sft or rl, else the folder's name)")
+    e.add_argument("--params", default=None,
+                   help="the project config whose runs_dir/models_dir locate stage outputs (default: params.yaml if it loads)")
     _sampler_args(e, many=True).set_defaults(func=cmd_eval)
     return p
 

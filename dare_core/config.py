@@ -39,6 +39,14 @@ def _at_least(section: Any, minimum: float, *names: str) -> None:
             raise FieldError(name, f"must be >= {minimum}, got {value}")
 
 
+def _int_or_auto(section: Any, name: str) -> None:
+    value = getattr(section, name)
+    if isinstance(value, str) and value != "auto":
+        raise FieldError(name, f"must be a positive integer or auto, got {value!r}")
+    if isinstance(value, int) and value < 1:
+        raise FieldError(name, f"must be >= 1, got {value}")
+
+
 def _one_of(section: Any, name: str, allowed: tuple) -> None:
     value = getattr(section, name)
     if value not in allowed:
@@ -61,8 +69,17 @@ class RunConfig:
 class DataConfig:
     task: str = "arithmetic"
     task_args: dict = field(default_factory=dict)
-    # raw input instead of a synthetic task: a JSONL or parquet file with prompt/answer columns
+    # raw input instead of a synthetic task: a JSONL or parquet file with prompt, response and
+    # ground_truth columns (task, uid optional); `task` above then names the built-in task whose
+    # answer-format instruction and reward its rows follow (rl.reward overrides the reward)
     source: Optional[str] = None
+    # the name scores are labelled by; null: the source file's stem (else the task's name). A row's
+    # own `task` column wins
+    task_name: Optional[str] = None
+    # the user's own test / validation files (prompt, ground_truth; task, uid optional): used as they
+    # are, never carved from `source`; null carves num_eval / num_val rows out of the pool
+    eval_source: Optional[str] = None
+    val_source: Optional[str] = None
     # preference pairs: a JSONL or parquet file with prompt/chosen/rejected columns (task, uid
     # optional), used whole; null derives up to num_preference pairs from the training problems
     # (chosen = the correct answer, rejected = the task's own demonstration error where it made
@@ -138,11 +155,16 @@ class LaunchConfig:
     launcher: str = "local"  # local (one process) | torchrun | deepspeed
     nproc: int = 1
     zero_stage: int = 0
+    # torch CPU threads per rank: auto = physical cores available / local ranks (an explicit
+    # OMP_NUM_THREADS wins over auto); an int wins over both (dare_core/training/threads.py)
+    threads: Union[str, int] = "auto"
 
     def __post_init__(self) -> None:
         _one_of(self, "launcher", ("local", "torchrun", "deepspeed"))
         _one_of(self, "zero_stage", (0, 1, 2, 3))
-        _at_least(self, 1, "nproc")
+        _at_least(self, 1, "nproc", "threads")
+        if isinstance(self.threads, str) and self.threads != "auto":
+            raise FieldError("threads", f"must be 'auto' or a number of threads, got {self.threads!r}")
 
 
 @dataclass
@@ -150,13 +172,34 @@ class SamplerConfig(SamplingParams):
     """The sampler's own settings (validated on load), how many prompts decode at once, and which
     rollout engine runs them (`native`: our loop; `lmdeploy`: block diffusion through lmdeploy)."""
 
+    # or auto: derived from the data by the prepare stage (dare_core/data/lengths.py)
+    gen_length: Union[int, str] = 8
+    steps: Union[int, str] = 8
+    block_length: Union[int, str] = 8
     batch_size: int = 64
     engine: str = "native"
     engine_args: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        lengths = {k: getattr(self, k) for k in ("gen_length", "block_length", "steps")}
+        for key, value in lengths.items():
+            _int_or_auto(self, key)
+        if "auto" in lengths.values():
+            # the other settings are checked now, the lengths once the data has fixed them: stand-ins
+            # that satisfy every rule the explicit ones leave open
+            gen = lengths["gen_length"] if lengths["gen_length"] != "auto" else (
+                lengths["block_length"] if lengths["block_length"] != "auto" else 1)
+            block = lengths["block_length"] if lengths["block_length"] != "auto" else gen
+            steps = lengths["steps"] if lengths["steps"] != "auto" else gen
+            SamplingParams(**{**{f.name: getattr(self, f.name) for f in dataclasses.fields(SamplingParams)},
+                              "gen_length": gen, "block_length": block, "steps": steps})
+        else:
+            super().__post_init__()
         _at_least(self, 1, "batch_size")
+
+    @property
+    def resolved(self) -> bool:
+        return "auto" not in (self.gen_length, self.block_length, self.steps)
 
 
 @dataclass
@@ -164,8 +207,9 @@ class SFTConfig:
     max_steps: int = 1000
     micro_batch_size: int = 64
     grad_accum: int = 1
-    # response canvas: responses are right-padded with EOS to this length (the sampler's gen_length)
-    pad_to: int = 8
+    # response canvas: responses are right-padded with EOS to this length (the sampler's gen_length);
+    # auto: the longest tokenized response + 1 EOS, derived by the prepare stage
+    pad_to: Union[int, str] = 8
     loss_norm: str = "answer_length"  # answer_length | token | batch
     mask_law: str = "bernoulli"  # bernoulli (t ~ U(eps,1), LLaDA) | count (l ~ U{1..n}, bounded 1/p weights)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -174,7 +218,8 @@ class SFTConfig:
     keep_last: int = 2
 
     def __post_init__(self) -> None:
-        _at_least(self, 1, "max_steps", "micro_batch_size", "grad_accum", "pad_to", "log_every", "save_every", "keep_last")
+        _at_least(self, 1, "max_steps", "micro_batch_size", "grad_accum", "log_every", "save_every", "keep_last")
+        _int_or_auto(self, "pad_to")
 
 
 @dataclass
@@ -183,8 +228,13 @@ class RLConfig:
     # options per algorithm, e.g. {d1: {p_mask_prompt: 0.0}, bgpo: {mc_num: 8}}: switching
     # `algorithm` picks that algorithm's entry (defaults where it has none)
     algorithm_args: dict = field(default_factory=dict)
-    # reward function name; "auto" takes the reward of each row's task
+    # the reward: a registered name (exact_match, numeric, math, ...), a function of your own as
+    # "module:function" (importable from the repository root), or "auto": each row's own `reward`
+    # column, else its task's reward
     reward: str = "auto"
+    # options of rl.reward, passed to it as keyword arguments, e.g. {case: false} for exact_match;
+    # needs a reward named above (with "auto", a row's options come from its `reward_args` column)
+    reward_args: dict = field(default_factory=dict)
     num_steps: int = 100
     prompts_per_step: int = 16
     group_size: int = 8
@@ -222,6 +272,11 @@ class RLConfig:
         _at_least(self, 0, "clip_eps_low", "clip_eps_high", "kl_beta")
         if self.dual_clip < 0 or 0 < self.dual_clip <= 1:
             raise FieldError("dual_clip", f"must be > 1 (or 0: off), got {self.dual_clip}")
+        if not self.reward:
+            raise FieldError("reward", "is empty; name a reward, a module:function, or auto")
+        # "auto" may pick a different reward per row: options meant for one would be rejected by another
+        if self.reward == "auto" and self.reward_args:
+            raise FieldError("reward_args", f"needs rl.reward set to a reward, not auto (got {self.reward_args})")
 
 
 @dataclass
@@ -242,15 +297,17 @@ class PreferenceConfig:
     micro_batch_size: int = 16
     grad_accum: int = 1
     # response canvas, as in SFT: chosen and rejected are right-padded with EOS to this length
-    pad_to: int = 8
+    # (auto: the longest of them + 1 EOS)
+    pad_to: Union[int, str] = 8
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=5e-7))
     log_every: int = 10
     save_every: int = 50
     keep_last: int = 2
 
     def __post_init__(self) -> None:
-        _at_least(self, 1, "mc_num", "rows_per_forward", "max_steps", "micro_batch_size", "grad_accum", "pad_to",
+        _at_least(self, 1, "mc_num", "rows_per_forward", "max_steps", "micro_batch_size", "grad_accum",
                   "log_every", "save_every", "keep_last")
+        _int_or_auto(self, "pad_to")
         if self.beta <= 0:
             raise FieldError("beta", f"must be > 0, got {self.beta}")
 

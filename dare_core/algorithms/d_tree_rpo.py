@@ -206,7 +206,7 @@ class DTreeRPO(RLAlgorithm):
             if model.eos_token_id in row:
                 row = row[: row.index(model.eos_token_id)]
             texts.append(tokenizer.decode(row, skip_special_tokens=True))
-        results = score_texts([r for r in rows for _ in range(n_leaves)], texts, rl.reward)
+        results = score_texts([r for r in rows for _ in range(n_leaves)], texts, rl.reward, rl.reward_args)
         rewards = torch.tensor([r.score for r in results], dtype=torch.float32).view(len(rows), n_leaves)
         batch, info = self.transition_batch(tree, prompts, uids, rewards, step / max(rl.num_steps, 1), model.pad_token_id,
                                             next(model.parameters()).device)

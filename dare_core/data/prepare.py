@@ -1,8 +1,12 @@
 """Raw or synthetic data -> `<prepared_dir>/{sft,rl,eval,val,preference}.parquet` + `summary.json`.
 
 Eval problems never appear in sft, rl or preference; val problems (in-loop RL validation) never in
-sft, rl, eval or derived preference pairs (sft and rl may share problems when the pool is small;
-preference pairs are built on training problems).
+sft, rl, eval or derived preference pairs (preference pairs are built on training problems). sft and
+rl are disjoint when the pool is large enough, else they share problems and the summary says how
+many. `data.eval_source` / `data.val_source` replace the carved eval / val splits with the user's own
+files, used as they are (prompts they share with the training data are counted in the summary).
+Lengths set to `auto` are derived here from the tokenized data (lengths.py) and recorded in the
+summary, which every later stage reads them from.
 Every row is validated, including that prompt + generation canvas fit the model and that the reward
 that will grade it can parse its ground truth, before anything is written; the prepared folder and
 the tokenizer (from scratch) are then written to temporary folders and swapped in together, so an
@@ -16,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from dare_core.config import DareConfig
+from dare_core.data import lengths as derived
 from dare_core.data.schema import DataError, check_ground_truths, read_rows, validate_rows, write_rows
+from dare_core.data.sources import check_size, dedupe, reward_of, side_rows, source_pool, task_label
 from dare_core.data.tasks import get_task
 from dare_core.models.tokenizer import Tokenizer, char_tokenizer, load_tokenizer
 from dare_core.rewards.instructions import add_instruction, check_rows
@@ -27,22 +33,10 @@ SPLITS = ("sft", "rl", "eval", "val", "preference")
 DEFAULT_MAX_LENGTH = 128
 # Synthetic pools are drawn with doubling sizes until enough distinct problems appear; this bounds it.
 _MAX_DOUBLINGS = 12
-# A text of n characters has at least n / (SLACK * longest token) tokens: the longest vocabulary entry
-# covers that many characters at most, and SLACK allows for a normalizer that shortens the text
-# (combining accents). It rejects an oversized text without tokenizing it (a 20 MB prompt).
-_SLACK = 4
-# how the splits a reward grades are graded: RL and its validation with rl.reward, eval by task
-_GRADED_BY = {"rl": "rl", "val": "rl", "eval": "auto"}
-
-
-def _dedupe(rows: list[dict]) -> list[dict]:
-    seen: set[str] = set()
-    unique = []
-    for row in rows:
-        if row["prompt"] not in seen:
-            seen.add(row["prompt"])
-            unique.append(row)
-    return unique
+# Before the data fixes a from-scratch model's length (lengths.py), no text may exceed this many tokens.
+_UNSIZED_LIMIT = 1 << 16
+# the splits a reward grades (their rows carry the reward: one grader for RL, validation and eval)
+_GRADED = ("rl", "val", "eval")
 
 
 def _max_length(cfg: DareConfig) -> int:
@@ -64,10 +58,16 @@ def _max_length(cfg: DareConfig) -> int:
     raise ValueError(f"{path}: has neither max_sequence_length nor max_position_embeddings")
 
 
+def _carved(cfg: DareConfig) -> tuple[int, int]:
+    """How many eval and val problems come out of the training pool (none for a split that has its
+    own file)."""
+    return (0 if cfg.data.eval_source else cfg.data.num_eval), (0 if cfg.data.val_source else cfg.data.num_val)
+
+
 def _need_min(cfg: DareConfig) -> int:
     """The fewest distinct problems that keep eval and val disjoint from each other and from training."""
-    data = cfg.data
-    return data.num_eval + data.num_val + max(data.num_sft, data.num_rl)
+    n_eval, n_val = _carved(cfg)
+    return n_eval + n_val + max(cfg.data.num_sft, cfg.data.num_rl)
 
 
 _NEED_MIN = "num_eval + num_val + max(num_sft, num_rl)"
@@ -84,7 +84,7 @@ def _synthetic_pool(cfg: DareConfig, need: int, need_min: int) -> list[dict]:
     target = need if possible is None else min(need, possible)
     draws = max(target, 1)
     for _ in range(_MAX_DOUBLINGS):
-        unique = _dedupe(task.generate(draws, data.seed, **data.task_args))
+        unique = dedupe(task.generate(draws, data.seed, **data.task_args))
         if len(unique) >= target:
             return unique[:target]
         draws *= 2
@@ -94,66 +94,9 @@ def _synthetic_pool(cfg: DareConfig, need: int, need_min: int) -> list[dict]:
                     f"in {draws // 2} draws; need {_NEED_MIN} = {need_min}")
 
 
-def _check_unique(rows: list[dict], path: str) -> None:
-    """Two rows with one uid, or with one prompt and different ground truths, are a broken file (a
-    silent pick of one would train on an arbitrary answer); an exact repeat is merely dropped."""
-    uids: dict[str, tuple[int, tuple]] = {}
-    truths: dict[str, tuple[int, str]] = {}
-    for index, row in enumerate(rows):
-        uid, content = row.get("uid"), tuple(row.get(c) for c in ("prompt", "response", "ground_truth", "task"))
-        if uid is not None:
-            first_uid = uids.setdefault(uid, (index, content))
-            if first_uid[1] != content:
-                raise DataError(f"{path}: rows {first_uid[0]} and {index} have the same uid {uid!r}")
-        first = truths.setdefault(row["prompt"], (index, row["ground_truth"]))
-        if first[1] != row["ground_truth"]:
-            raise DataError(f"{path}: rows {first[0]} and {index} have the same prompt but different ground truths "
-                            f"({_clip(first[1])!r} and {_clip(row['ground_truth'])!r})")
-
-
-def _clip(text: str, limit: int = 60) -> str:
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _max_token_chars(tokenizer: Tokenizer) -> int:
-    return max((len(token) for token in tokenizer.backend.get_vocab()), default=1)
-
-
-def _check_size(rows: list[dict], columns: tuple[str, ...], tokenizer: Tokenizer, limit: int, path: str) -> None:
-    """Reject a text that cannot fit the model whatever its tokens, before any tokenizing."""
-    per_token = _SLACK * _max_token_chars(tokenizer)
-    for index, row in enumerate(rows):
-        for column in columns:
-            text = row.get(column)
-            if isinstance(text, str) and len(text) > per_token * limit:
-                raise DataError(f"{path}: row {index}: column '{column}' is {len(text)} characters, at least "
-                                f"{len(text) // per_token} tokens > max sequence length {limit}")
-
-
-def _source_pool(cfg: DareConfig, tokenizer: Tokenizer, limit: int) -> list[dict]:
-    path = cfg.data.source
-    rows = read_rows(path, "source")
-    _check_size(rows, ("prompt", "response"), tokenizer, limit, str(path))
-    # Raw math/gsm8k prompts rarely ask for the format the reward parses (\boxed{}): append it, unless
-    # task_args.append_instruction is false (prompts already templated; then they are only checked).
-    append = cfg.data.task_args.get("append_instruction", True)
-    for index, row in enumerate(rows):
-        if not row.get("task"):
-            row["task"] = cfg.data.task
-        if append and isinstance(row.get("prompt"), str):
-            row["prompt"] = add_instruction(row["task"], row["prompt"])
-        row["_where"] = f"{path}: row {index}"
-    _check_unique(rows, str(path))
-    # every row may land in rl, val or eval: its ground truth must suit the reward that grades it
-    check_ground_truths(rows, cfg.rl.reward, str(path))
-    rows = _dedupe(rows)
-    # A file may be ordered (by source, by difficulty); eval must be a fair sample of it.
-    random.Random(cfg.data.seed).shuffle(rows)
-    return rows
-
-
 def _split(pool: list[dict], cfg: DareConfig, origin: str) -> dict[str, list[dict]]:
-    n_sft, n_rl, n_eval, n_val = cfg.data.num_sft, cfg.data.num_rl, cfg.data.num_eval, cfg.data.num_val
+    n_sft, n_rl = cfg.data.num_sft, cfg.data.num_rl
+    n_eval, n_val = _carved(cfg)
     need_min = _need_min(cfg)
     if len(pool) < need_min:
         raise DataError(f"{origin}: {len(pool)} distinct prompts, need {_NEED_MIN} = {need_min} "
@@ -161,9 +104,9 @@ def _split(pool: list[dict], cfg: DareConfig, origin: str) -> dict[str, list[dic
     # Eval at the head, val at the tail: a synthetic pool only grows at its end (a task's draws do not
     # depend on how many are asked for), so adding val leaves sft, rl and eval as they were.
     train = _train(pool, cfg)
-    # Disjoint sft/rl when the pool allows; otherwise rl takes the tail and overlaps sft.
+    # Disjoint sft/rl when the pool allows; otherwise rl takes the tail and overlaps sft (reported).
     splits = {"sft": train[:n_sft], "rl": train[len(train) - n_rl:], "eval": pool[:n_eval],
-              "val": pool[len(pool) - n_val:]}
+              "val": pool[len(pool) - n_val:] if n_val else []}
     for split, rows in splits.items():
         for index, row in enumerate(rows):
             row.setdefault("_where", f"{origin}: {split} row {index}")
@@ -172,7 +115,8 @@ def _split(pool: list[dict], cfg: DareConfig, origin: str) -> dict[str, list[dic
 
 def _train(pool: list[dict], cfg: DareConfig) -> list[dict]:
     """The training problems of the pool: neither eval (the head) nor val (the tail)."""
-    return pool[cfg.data.num_eval:len(pool) - cfg.data.num_val]
+    n_eval, n_val = _carved(cfg)
+    return pool[n_eval:len(pool) - n_val]
 
 
 def _wrong_digit(text: str, rng: random.Random) -> str | None:
@@ -218,7 +162,7 @@ def _derived_pairs(train: list[dict], cfg: DareConfig, origin: str) -> list[dict
         else:
             continue
         pairs.append({"prompt": row["prompt"], "chosen": chosen, "rejected": rejected, "task": row["task"],
-                      "_where": f"{origin}: preference row {len(pairs)}"})
+                      "_label": row.get("_label", row["task"]), "_where": f"{origin}: preference row {len(pairs)}"})
     return pairs
 
 
@@ -229,13 +173,14 @@ def _preference_rows(cfg: DareConfig, train: list[dict], eval_rows: list[dict], 
     path = cfg.data.preference_source
     if path:
         rows = read_rows(path, "preference_source")
-        _check_size(rows, ("prompt", "chosen", "rejected"), tokenizer, limit, str(path))
+        check_size(rows, ("prompt", "chosen", "rejected"), tokenizer, limit, str(path))
         seen: dict[str, int] = {}
         for index, row in enumerate(rows):
             if row["chosen"] == row["rejected"]:
                 raise DataError(f"{path}: row {index}: columns 'chosen' and 'rejected' are identical")
             if row.get("uid") is not None and seen.setdefault(row["uid"], index) != index:
                 raise DataError(f"{path}: rows {seen[row['uid']]} and {index} have the same uid {row['uid']!r}")
+            row["_label"] = row.get("task") or task_label(cfg)
             row.setdefault("task", cfg.data.task)
             row["_where"] = f"{path}: row {index}"
             if cfg.data.task_args.get("append_instruction", True):  # the same prompt format as sft/rl
@@ -248,13 +193,23 @@ def _preference_rows(cfg: DareConfig, train: list[dict], eval_rows: list[dict], 
     return kept, {"origin": origin if path else f"derived from {origin}", "dropped_eval_prompts": len(rows) - len(kept)}
 
 
-def _finish(split: str, rows: list[dict], tokenizer: Tokenizer) -> list[dict]:
+def _finish(split: str, rows: list[dict], tokenizer: Tokenizer, cfg: DareConfig) -> list[dict]:
+    """Rows as written: the prompt rendered with the chat template, a uid, the task's label as `task`
+    (the task followed stays as `_kind` for the checks) and, on graded splits, the reward."""
     out = []
     for index, row in enumerate(rows):
         prompt_text = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}],
                                                     add_generation_prompt=True)
         uid = row.get("uid") or f"{split}-{index}"
-        out.append({**row, "uid": uid, "prompt_text": prompt_text})
+        done = {**row, "uid": uid, "prompt_text": prompt_text, "_kind": row["task"], "task": row.get("_label", row["task"])}
+        if split in _GRADED and "reward" not in row:
+            try:
+                done["reward"], reward_args = reward_of(cfg, row["task"])
+            except DataError as exc:
+                raise DataError(f"{row['_where']}: {exc}") from None
+            if reward_args:
+                done["reward_args"] = reward_args
+        out.append(done)
     return out
 
 
@@ -265,23 +220,44 @@ def _encode(tokenizer: Tokenizer, text: str, where: str, column: str) -> list[in
         raise DataError(f"{where}: column '{column}': {exc}") from exc
 
 
-def _check_lengths(split: str, rows: list[dict], tokenizer: Tokenizer, canvas: int, limit: int) -> int:
-    """Raise unless prompt + generation canvas fits the model; return the longest prompt in tokens."""
-    longest = 0
+def _longest(rows: list[dict], columns: tuple[str, ...], tokenizer: Tokenizer) -> int:
+    return max((len(_encode(tokenizer, row[c], row["_where"], c)) for row in rows for c in columns if row.get(c)), default=0)
+
+
+def _check_lengths(split: str, rows: list[dict], tokenizer: Tokenizer, canvas: int, limit: int, key: str) -> None:
+    """Raise unless prompt + generation canvas fits the model and every response fits its canvas."""
     for row in rows:
         n = len(_encode(tokenizer, row["prompt_text"], row["_where"], "prompt_text"))
         if n + canvas > limit:
             raise DataError(f"{row['_where']}: prompt is {n} tokens (with chat template) + {canvas} "
-                            f"{split} generation tokens = {n + canvas} > max sequence length {limit}")
+                            f"{split} generation tokens ({key}) = {n + canvas} > max sequence length {limit}")
         # The canvas must hold the response and at least one EOS (how the model learns to stop);
         # a longer response would be silently truncated.
         for column in {"sft": ("response",), "preference": ("chosen", "rejected")}.get(split, ()):
             r = len(_encode(tokenizer, row[column], row["_where"], column))
             if r + 1 > canvas:
                 name = "response is" if column == "response" else f"column '{column}' is"
-                raise DataError(f"{row['_where']}: {name} {r} tokens + 1 EOS > {split}.pad_to {canvas}")
-        longest = max(longest, n)
-    return longest
+                raise DataError(f"{row['_where']}: {name} {r} tokens + 1 EOS > {key} {canvas}")
+
+
+def _overlaps(splits: dict[str, list[dict]], train_rows: list[dict]) -> dict[str, int]:
+    """Prompts shared between splits that should not share them (the manifest reports them); eval and
+    val against every training problem of the pool, used or not."""
+    prompts = {split: {r["prompt"] for r in rows} for split, rows in splits.items()}
+    train = {r["prompt"] for r in train_rows}
+    return {"sft_rl": len(prompts["sft"] & prompts["rl"]), "eval_train": len(prompts["eval"] & train),
+            "val_train": len(prompts["val"] & train), "eval_val": len(prompts["eval"] & prompts["val"])}
+
+
+def _warnings(overlaps: dict[str, int], counts: dict[str, int]) -> list[str]:
+    out = []
+    if overlaps["sft_rl"]:
+        out.append(f"{overlaps['sft_rl']} of the {counts['rl']} RL prompts are also SFT prompts: the source has too few "
+                   f"distinct prompts for data.num_sft + data.num_rl; lower them for disjoint splits")
+    for key, what in (("eval_train", "test"), ("val_train", "validation")):
+        if overlaps[key]:
+            out.append(f"{overlaps[key]} {what} prompts also appear in the training data (data.source)")
+    return out
 
 
 def prepare(cfg: DareConfig) -> dict[str, Any]:
@@ -291,42 +267,59 @@ def prepare(cfg: DareConfig) -> dict[str, Any]:
     for output in outputs:
         check_writable(output)
     tokenizer = char_tokenizer() if from_scratch else load_tokenizer(cfg.model.path)
-    limit = _max_length(cfg)
+    length_key = derived.model_length_key(cfg)  # a from-scratch model sized by the data
+    limit = _UNSIZED_LIMIT if length_key else _max_length(cfg)
     counts = (cfg.data.num_sft, cfg.data.num_rl, cfg.data.num_eval, cfg.data.num_val)
     if min(counts) < 0:
         raise DataError(f"data.num_sft, num_rl, num_eval and num_val must be >= 0, got {counts}")
     if cfg.data.source:
-        origin, pool = str(cfg.data.source), _source_pool(cfg, tokenizer, limit)
+        origin, pool = str(cfg.data.source), source_pool(cfg, tokenizer, limit)
     else:
         origin, pool = f"task {cfg.data.task}", _synthetic_pool(cfg, sum(counts), _need_min(cfg))
-    # val is decoded by in-loop RL validation, with rl.sampler's canvas
-    canvas = {"sft": cfg.sft.pad_to, "rl": cfg.rl.sampler.gen_length, "eval": cfg.eval.sampler.gen_length,
-              "val": cfg.rl.sampler.gen_length, "preference": cfg.preference.pad_to}
     splits = _split(pool, cfg, origin)
+    for split, path in (("eval", cfg.data.eval_source), ("val", cfg.data.val_source)):
+        if path:
+            splits[split] = side_rows(cfg, path, tokenizer, limit)
     splits["preference"], preference_info = _preference_rows(cfg, _train(pool, cfg), splits["eval"], origin, tokenizer, limit)
-    prepared, longest = {}, 0
-    for split, rows in splits.items():
-        rows = _finish(split, rows, tokenizer)
+    prepared = {split: _finish(split, rows, tokenizer, cfg) for split, rows in splits.items()}
+    for split, rows in prepared.items():
         validate_rows(rows, split, f"{origin} ({split})")
-        if split in _GRADED_BY:  # the splits a reward grades
+        if split in _GRADED:
             try:
-                check_rows(rows, split)
+                check_rows([{**r, "task": r["_kind"]} for r in rows], split)
             except ValueError as exc:
                 raise DataError(str(exc)) from None
-            check_ground_truths(rows, cfg.rl.reward if _GRADED_BY[split] == "rl" else "auto", f"{origin} ({split})")
-        longest = max(longest, _check_lengths(split, rows, tokenizer, canvas[split], limit))
-        prepared[split] = rows
+            check_ground_truths(rows, "auto", f"{origin} ({split})")  # each row names its reward
+
+    lengths = derived.canvases(cfg, _longest(prepared["sft"], ("response",), tokenizer),
+                               _longest(prepared["preference"], ("chosen", "rejected"), tokenizer))
+    longest = max(_longest(rows, ("prompt_text",), tokenizer) for rows in prepared.values())
+    if length_key:
+        limit = lengths["model.length"] = derived.model_length(longest, lengths)
+    # val is decoded by in-loop RL validation, with rl.sampler's canvas
+    canvas_key = {"sft": "sft.pad_to", "rl": "rl.sampler.gen_length", "eval": "eval.sampler.gen_length",
+                  "val": "rl.sampler.gen_length", "preference": "preference.pad_to"}
+    for split, rows in prepared.items():
+        _check_lengths(split, rows, tokenizer, lengths[canvas_key[split]], limit, canvas_key[split])
 
     tasks = sorted({row["task"] for rows in prepared.values() for row in rows})
+    counts_out = {split: len(rows) for split, rows in prepared.items()}
+    overlaps = _overlaps(prepared, _train(pool, cfg))
     summary = {
         "task": tasks[0] if len(tasks) == 1 else None,
         "tasks": tasks,
         "source": cfg.data.source,
+        "eval_source": cfg.data.eval_source,
+        "val_source": cfg.data.val_source,
         "seed": cfg.data.seed,
-        "counts": {split: len(rows) for split, rows in prepared.items()},
+        "counts": counts_out,
+        "overlaps": overlaps,
+        "warnings": _warnings(overlaps, counts_out),
+        "rewards": sorted({row["reward"] for split in _GRADED for row in prepared[split]}),
         "preference": preference_info,
         "max_prompt_tokens": longest,
         "max_length": limit,
+        "lengths": lengths,
         "vocab_size": tokenizer.vocab_size,
     }
     # Everything is valid: only now touch the disk, all outputs at once

@@ -13,7 +13,7 @@ import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Union
+from typing import Iterable, Iterator, Optional, Union
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -37,14 +37,20 @@ class Schema:
         return self.required + self.optional
 
 
+GRADED_OPTIONAL = ("reward", "reward_args")
+
 SCHEMAS: dict[str, Schema] = {
     "source": Schema(("prompt", "response", "ground_truth"), ("task", "uid")),
     # ground_truth rides along in sft so SFT-time accuracy can be graded with the same reward.
     "sft": Schema(("prompt", "response", "task", "uid", "prompt_text"), ("ground_truth",)),
-    "rl": Schema(("prompt", "ground_truth", "task", "uid", "prompt_text")),
-    "eval": Schema(("prompt", "ground_truth", "task", "uid", "prompt_text")),
+    # graded rows may carry their own reward: `reward` (a name or module:function) and `reward_args`
+    # (a JSON object of its options), used where rl.reward is "auto" (dare_core/eval/scoring.py)
+    "rl": Schema(("prompt", "ground_truth", "task", "uid", "prompt_text"), GRADED_OPTIONAL),
+    "eval": Schema(("prompt", "ground_truth", "task", "uid", "prompt_text"), GRADED_OPTIONAL),
     # held-out prompts of in-loop RL validation: graded like eval, never trained or evaluated on
-    "val": Schema(("prompt", "ground_truth", "task", "uid", "prompt_text")),
+    "val": Schema(("prompt", "ground_truth", "task", "uid", "prompt_text"), GRADED_OPTIONAL),
+    # the user's own test / validation file (data.eval_source, data.val_source): used as it is
+    "eval_source": Schema(("prompt", "ground_truth"), ("task", "uid", "response")),
     "preference_source": Schema(("prompt", "chosen", "rejected"), ("task", "uid")),
     # a pair: one prompt, the preferred response y_w and the dispreferred y_l (ALGORITHMS.md 4)
     "preference": Schema(("prompt", "chosen", "rejected", "task", "uid", "prompt_text")),
@@ -84,24 +90,54 @@ def _clip(text: str, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 
-def check_ground_truths(rows: list[dict], reward: str, source: str) -> None:
-    """Raise DataError at the first row whose ground truth the reward that grades it (`reward`, or
-    with "auto" its task's) could not parse: such a row would stop RL or evaluation mid-run."""
-    from dare_core.config import ConfigError
-    from dare_core.eval.scoring import reward_name_for
-    from dare_core.rewards import REWARDS, check_ground_truth
+def _check_row_reward(row: dict, where: str) -> None:
+    """The row's own `reward`/`reward_args` columns name a usable reward (read where rl.reward is auto)."""
+    from dare_core.eval.scoring import parse_reward_args
+    from dare_core.rewards import RewardError, get_reward
 
-    if reward != "auto" and reward not in REWARDS:
-        raise ConfigError(f"rl.reward: unknown reward {reward!r}; known: {sorted(REWARDS)} or auto")
+    try:
+        args = parse_reward_args(row.get("reward_args"))
+    except ValueError as exc:  # names the column
+        raise DataError(f"{where}: {_clip(str(exc))}") from None
+    if not row.get("reward"):
+        return
+    try:
+        get_reward(row["reward"], args)
+    except RewardError as exc:  # names the reward and what is wrong with it or its options
+        raise DataError(f"{where}: {_clip(str(exc))}") from None
+    except ValueError as exc:  # an unknown name
+        raise DataError(f"{where}: column 'reward': {_clip(str(exc))}") from None
+
+
+def check_ground_truths(rows: list[dict], reward: str, source: str, reward_args: Optional[dict] = None) -> None:
+    """Raise DataError at the first row whose ground truth the reward that grades it (`reward` with
+    `reward_args`, or with "auto" the row's own `reward` column, else its task's) could not parse:
+    such a row would stop RL or evaluation mid-run. A configured reward that cannot be used (unknown
+    name or option, a `module:function` that does not load) is a ConfigError."""
+    from dare_core.config import ConfigError
+    from dare_core.eval.scoring import reward_for
+    from dare_core.rewards import REWARDS, RewardError, check_ground_truth, get_reward
+
+    if reward != "auto":
+        try:
+            get_reward(reward, reward_args)
+        except ValueError as exc:
+            raise ConfigError(f"rl.reward: {exc}") from None
     for index, row in enumerate(rows):
         where = row.get("_where") or f"{source}: row {index}"
+        if reward == "auto":
+            _check_row_reward(row, where)
         try:
-            name = reward_name_for(row, reward)
+            name, args = reward_for(row, reward, reward_args)
         except ValueError:
             raise DataError(f"{where}: no reward grades task {row.get('task')!r} (rewards: {sorted(REWARDS)}; or set "
-                            f"rl.reward)") from None
+                            f"rl.reward, or the row's 'reward' column)") from None
         try:
-            check_ground_truth(name, row["ground_truth"])
+            check_ground_truth(name, row["ground_truth"], args)
+        except RewardError as exc:  # the reward or its options, not the ground truth, are at fault
+            if reward != "auto":
+                raise ConfigError(f"rl.reward: {_clip(str(exc))} (at {where})") from None
+            raise DataError(f"{where}: {_clip(str(exc))}") from None
         except ValueError as exc:
             raise DataError(f"{where}: column 'ground_truth': {_clip(str(exc))}") from None
 

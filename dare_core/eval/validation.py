@@ -6,7 +6,7 @@ reproducible and do not depend on the batch size or on which prompts share a bat
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 from dare_core.diffusion.seeding import generator
 from dare_core.eval.scoring import score_texts
@@ -49,7 +49,7 @@ def at_k_metrics(groups: Sequence[Sequence[Sample]]) -> dict[str, float]:
 
 
 def validate(model, tokenizer, rows: Sequence[dict], params: SamplingParams, k: int, seed: int, step: int,
-             batch_size: int, reward: str = "auto") -> dict:
+             batch_size: int, reward: str = "auto", reward_args: Optional[dict] = None) -> dict:
     """Sample k responses to every row, grade them with the row's reward and return `at_k_metrics`
     plus `k`, `prompts` and `nfe`. The model is left in the train/eval mode it came in."""
     if k < 1:
@@ -73,7 +73,7 @@ def validate(model, tokenizer, rows: Sequence[dict], params: SamplingParams, k: 
             nfe += out.nfe
     finally:
         model.train(was_training)
-    results = score_texts([rows[i] for i, _ in samples], texts, reward)
+    results = score_texts([rows[i] for i, _ in samples], texts, reward, reward_args)
     graded = list(zip(results, texts))
     groups = [graded[i:i + k] for i in range(0, len(graded), k)]
     return {**at_k_metrics(groups), "k": k, "prompts": len(rows), "nfe": nfe}

@@ -1,8 +1,9 @@
-"""Rewards by name; importing this package registers every built-in reward (and the ground-truth
-checks of those that have one)."""
-from dare_core.rewards.registry import (REWARDS, RewardResult, check_ground_truth, compute_reward, get_reward,
-                                        ground_truth_check, register_reward)
-from dare_core.rewards import arithmetic, code, countdown, gsm8k, math, sudoku  # noqa: E402,F401  (registration)
+"""Rewards by name (or a user's `module:function`); importing this package registers every built-in
+reward (and the ground-truth checks of those that have one)."""
+from dare_core.rewards.registry import (REWARDS, RewardError, RewardResult, check_ground_truth, compute_reward,
+                                        get_reward, ground_truth_check, is_reference, register_reward)
+from dare_core.rewards import (arithmetic, choice, code, countdown, exact_match, gsm8k, math, numeric,  # noqa: E402,F401
+                               regex_match, sudoku)  # (registration)
 
-__all__ = ["REWARDS", "RewardResult", "check_ground_truth", "compute_reward", "get_reward", "ground_truth_check",
-           "register_reward"]
+__all__ = ["REWARDS", "RewardError", "RewardResult", "check_ground_truth", "compute_reward", "get_reward",
+           "ground_truth_check", "is_reference", "register_reward"]

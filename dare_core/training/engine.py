@@ -8,6 +8,7 @@ import os
 import torch
 
 from dare_core.config import OptimConfig
+from dare_core.training.threads import log_threads
 
 
 def ensure_dist_env() -> None:
@@ -45,6 +46,8 @@ def lr_lambda(cfg: OptimConfig, total_steps: int):
 
 def build_engine(model: torch.nn.Module, optim: OptimConfig, total_steps: int, micro_batch_size: int, grad_accum: int = 1, zero_stage: int = 0):
     """Wrap `model` in a DeepSpeed engine with a torch AdamW client optimizer (no fused-op JIT build)."""
+    # every training stage gets here once its checks have passed: the thread count is worth a line now
+    log_threads()
     ensure_dist_env()
     import deepspeed
 

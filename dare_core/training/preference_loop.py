@@ -33,6 +33,7 @@ from dare_core.training.metrics import MetricsLogger, last_logged
 from dare_core.training.preflight import check_outputs, checkpoint_bytes, model_bytes, stage_writes
 from dare_core.training.setup import prepare_for_training, sampler_dict, stage_tokenizer, tokenizer_folder
 from dare_core.training.timing import PhaseTimer, phase_times_requested
+from dare_core.data.lengths import resolve as resolve_lengths
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +122,7 @@ def run_preference(cfg: DareConfig, progress: bool = True, save_checkpoints: boo
     """The preference stage. `save_checkpoints` / `export` off: no training checkpoints / no final
     export (benchmarks); `phase_times`: log where each step's time goes (None: `DARE_PHASE_TIMES`
     decides; `dare_core.training.timing`)."""
+    cfg = resolve_lengths(cfg)  # `auto` lengths, as the prepare stage derived them
     timer = PhaseTimer(phase_times_requested(phase_times))
     pcfg = cfg.preference
     out_dir = cfg.stage_dir("preference")

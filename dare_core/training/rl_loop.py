@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -33,6 +33,7 @@ from dare_core.training.preflight import check_outputs, checkpoint_bytes, stage_
 from dare_core.training.rl_validation import RLValidator
 from dare_core.training.setup import prepare_for_training, stage_tokenizer
 from dare_core.training.timing import PhaseTimer, phase, phase_times_requested
+from dare_core.data.lengths import resolve as resolve_lengths
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +100,7 @@ def _rewarded_batch(outs: list, expanded: list[dict], uids: list, tokenizer, mod
         texts += decode_responses(tokenizer, o)
         nfe += o.nfe
     input_ids, attention_mask = torch.cat(seqs), torch.cat(attn)
-    results = score_texts(expanded, texts, rl.reward)
+    results = score_texts(expanded, texts, rl.reward, rl.reward_args)
     rewards = torch.tensor([r.score for r in results])
     adv, adv_metrics = group_advantages(rewards, rl.group_size, rl.adv_estimator)
     response = input_ids[:, width:]
@@ -150,6 +151,7 @@ class RolloutContext:
     tokenizer: object
     rows: list  # the prompt row of every rollout
     reward: str
+    reward_args: dict = field(default_factory=dict)  # rl.reward_args
 
     def rewards(self, rollout_index: list, responses: torch.Tensor) -> torch.Tensor:
         """Rewards of response ids [N, L] (cut at the first EOS) for the given rollouts' prompts."""
@@ -159,7 +161,7 @@ class RolloutContext:
             if eos in row:
                 row = row[: row.index(eos)]
             texts.append(self.tokenizer.decode(row, skip_special_tokens=True))
-        results = score_texts([self.rows[i] for i in rollout_index], texts, self.reward)
+        results = score_texts([self.rows[i] for i in rollout_index], texts, self.reward, self.reward_args)
         return torch.tensor([r.score for r in results], dtype=torch.float32)
 
 
@@ -242,10 +244,10 @@ def check_rl(cfg: DareConfig, save_checkpoints: bool = True) -> RLPlan:
     rows = read_rows(data_path, "rl")
     if not rows:
         raise DataError(f"{data_path}: no prompts to train on")
-    check_ground_truths(rows, rl.reward, str(data_path))
+    check_ground_truths(rows, rl.reward, str(data_path), rl.reward_args)
     # reads the val split now: a missing one fails before the model loads
     validator = RLValidator(cfg, out_dir)
-    check_ground_truths(validator.rows, rl.reward, str(Path(cfg.data.prepared_dir) / "val.parquet"))
+    check_ground_truths(validator.rows, rl.reward, str(Path(cfg.data.prepared_dir) / "val.parquet"), rl.reward_args)
     tokenizer = stage_tokenizer(cfg)
     _check_prompt_lengths(data_path, rows, tokenizer, rl.sampler.gen_length, spec.max_sequence_length)
 
@@ -273,6 +275,7 @@ def check_rl_ranks(cfg: DareConfig, rows_per_prompt: int) -> None:
 def run_rl(cfg: DareConfig, progress: bool = True, save_checkpoints: bool = True, phase_times: Optional[bool] = None) -> dict:
     """The RL stage. `save_checkpoints` off: no training checkpoints (benchmarks); `phase_times`:
     log where each step's time goes (None: `DARE_PHASE_TIMES` decides; `dare_core.training.timing`)."""
+    cfg = resolve_lengths(cfg)  # `auto` lengths, as the prepare stage derived them
     timer = PhaseTimer(phase_times_requested(phase_times))
     with timer.active():
         return _run_rl(cfg, progress, save_checkpoints, timer)
@@ -330,7 +333,8 @@ def _run_rl(cfg: DareConfig, progress: bool, save_checkpoints: bool, timer: Phas
         t_rollout = time.time() - t0
 
         with timer.phase("reward"):
-            metrics.update(algo.prepare(batch, RolloutContext(tokenizer, prompt_rows_expanded(mine, rl.group_size), rl.reward)))
+            context = RolloutContext(tokenizer, prompt_rows_expanded(mine, rl.group_size), rl.reward, rl.reward_args)
+            metrics.update(algo.prepare(batch, context))
         with timer.phase("scoring"), torch.no_grad():
             corruptions = [algo.corrupt(batch, (cfg.run.seed, step, it)) for it in range(rl.num_iterations)]
             old = None if trivial_ratio else [chunked_scores(algo, engine.module, batch, c, micro) for c in corruptions]

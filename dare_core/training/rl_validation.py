@@ -134,7 +134,7 @@ class RLValidator:
     def _run(self, model, tokenizer, step: int) -> dict:
         t0 = time.time()
         res = validate(model, tokenizer, self.rows, self.params, self.rl.validate_k, self.seed, step,
-                       self.rl.sampler.batch_size, self.rl.reward)
+                       self.rl.sampler.batch_size, self.rl.reward, self.rl.reward_args)
         k = res["k"]
         values = {f"{name}@{k}": res[f"{name}@{k}"] for name in METRICS}
         row = {"step": step, **{key: round(v, 6) for key, v in values.items()}, "k": k, "prompts": res["prompts"],

@@ -14,6 +14,7 @@ import traceback
 from typing import Callable, Optional
 
 from dare_core.config import ConfigError, DareConfig, load_config
+from dare_core.training.threads import configure_threads, log_threads
 
 # failures a user can act on from the message alone: ValueError covers ConfigError, UserError,
 # UnicodeDecodeError and JSONDecodeError (wrapped where the file is read, so the message names it);
@@ -82,7 +83,12 @@ def run_worker(fn: Callable[[DareConfig], object], argv: Optional[list[str]], de
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
     def work() -> int:
-        fn(parse(argv, description))
+        cfg = parse(argv, description)
+        # before any tensor work: torch's default (a thread per logical CPU in every rank)
+        # oversubscribes shared or multi-rank machines
+        configure_threads(cfg.launch.threads)
+        fn(cfg)
+        log_threads()  # stages that log it once their checks pass already did; others log it here
         return 0
 
     return run_reporting_errors(work, debug_requested(argv))

@@ -16,7 +16,9 @@ from pathlib import Path
 
 from dare_core.config import DareConfig
 from dare_core.storage import atomic_write_json, atomic_write_text
+from dare_core.training.threads import log_threads
 from dare_core.workers.common import run_worker
+from dare_core.data.lengths import resolve as resolve_lengths
 
 
 def checkpoints(cfg: DareConfig) -> dict:
@@ -37,6 +39,7 @@ def model_options(cfg: DareConfig) -> dict:
 
 
 def run_eval(cfg: DareConfig) -> dict:
+    cfg = resolve_lengths(cfg)  # `auto` eval.sampler lengths, as the prepare stage derived them
     from dare_core.eval.report import accuracy_plot, results_table
     from dare_core.eval.runner import benchmark_specs, check_models, complete_or_absent, evaluate_folders
 
@@ -49,6 +52,7 @@ def run_eval(cfg: DareConfig) -> dict:
     specs = benchmark_specs(cfg.eval.benchmarks, Path(cfg.eval.data_dir) if cfg.eval.data_dir else None,
                             cfg.eval.benchmark_args, cfg.eval.max_samples or 0, data_dirs={"task": prepared})
     check_models(folders, specs, model_options(cfg))  # before the old results are touched
+    log_threads()
     with complete_or_absent(cfg.stage_dir("eval")) as out_dir:
         results = evaluate_folders(folders, specs, out_dir / "opencompass", model_options(cfg), cfg.eval.sampler.batch_size,
                                    run_name="run", check=False)

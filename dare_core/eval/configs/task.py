@@ -1,5 +1,6 @@
 """`task`: a prepared eval file of DARE's own (data/prepared/eval.parquet, or any file in the `eval`
-schema), graded by each row's task reward. The embedded default evaluates its synthetic task
+schema), graded by each row's reward (its `reward`/`reward_args` columns, else its task's; see
+dare_core.eval.scoring). The embedded default evaluates its synthetic task
 through this benchmark, on the same OpenCompass path as the public ones.
 
 The prompt is used as prepared (`prompt_text`, already rendered with the chat template the model
@@ -35,14 +36,17 @@ class PreparedTask(Benchmark):
         rows = read_rows(self.source(data_dir), "eval")
         if max_samples:
             rows = rows[:max_samples]
-        return [{"id": r["uid"], "question": r["prompt_text"], "answer": r["ground_truth"], "reference": r["ground_truth"],
-                 "task": r["task"]} for r in rows]
+        # every row has every key (None where a row carries no reward of its own): the rows become
+        # one table in OpenCompass
+        return [{"id": r["uid"], "uid": r["uid"], "question": r["prompt_text"], "answer": r["ground_truth"],
+                 "reference": r["ground_truth"], "task": r["task"],
+                 "reward": r.get("reward"), "reward_args": r.get("reward_args")} for r in rows]
 
     def grade(self, row: dict, response: str) -> float:
-        from dare_core.eval.scoring import reward_name_for
-        from dare_core.rewards import compute_reward
+        from dare_core.eval.scoring import score_row
 
-        return float(compute_reward(reward_name_for(row), response, row["answer"], {"task": row["task"]}).acc)
+        # `answer` is what a benchmark grades against; scoring reads it as the row's ground truth
+        return float(score_row({**row, "ground_truth": row["answer"]}, response).acc)
 
     def report_name(self, data_dir: Path) -> str:
         """The task of the rows (e.g. `arithmetic`): the embedded table reads as that task."""

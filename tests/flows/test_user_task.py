@@ -1,0 +1,90 @@
+"""A user's own task through `dvc repro` with config changes only: a "sort these digits" training
+file with string answers, a separate test file, a reward of the user's own given as module:function,
+and every length left to `auto`. The eval stage must score exactly the test file's rows, under the
+task's name."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from pipeline_helpers import REPO, tiny_params, worker_env, write_params
+
+REWARD_MODULE = '''
+def score(completion, ground_truth, row):
+    """1 when the digits come back sorted, spaces ignored; the row says which task it is."""
+    assert row["task"] == "sort_digits"
+    return {"score": float(completion.replace(" ", "") == ground_truth.replace(" ", "")), "pred": completion}
+
+
+def _check(ground_truth):
+    if sorted(ground_truth.split()) != ground_truth.split():
+        raise ValueError(f"{ground_truth!r} is not sorted")
+
+
+score.validate = _check
+'''
+
+
+def sort_rows(n: int, seed: int) -> list[dict]:
+    rng, rows, seen = random.Random(seed), [], set()
+    while len(rows) < n:
+        digits = [str(rng.randrange(10)) for _ in range(rng.randint(2, 4))]
+        if " ".join(digits) in seen:
+            continue
+        seen.add(" ".join(digits))
+        answer = " ".join(sorted(digits))
+        rows.append({"prompt": "sort " + " ".join(digits), "response": answer, "ground_truth": answer})
+    return rows
+
+
+@pytest.mark.slow
+def test_a_user_task_runs_through_dvc_repro_and_eval_scores_its_test_file(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "user").mkdir(parents=True)
+    shutil.copy(REPO / "dvc.yaml", repo / "dvc.yaml")
+    os.symlink(REPO / "dare_core", repo / "dare_core")
+    (repo / "sort_rewards.py").write_text(REWARD_MODULE)
+    rows = sort_rows(400, seed=0)
+    train, test = rows[:340], rows[340:]
+    test[-1] = dict(train[0])  # one test prompt the training file also has: the manifest must say so
+    for name, part in (("sort_digits.jsonl", train), ("sort_digits_test.jsonl", test)):
+        (repo / "user" / name).write_text("".join(json.dumps(r) + "\n" for r in part))
+
+    params = tiny_params(tmp_path)
+    params["run"].update(runs_dir="runs", models_dir="models", metrics_dir="metrics")
+    params["data"].update(prepared_dir="data/prepared", tokenizer_dir="data/tokenizer", source="user/sort_digits.jsonl",
+                          eval_source="user/sort_digits_test.jsonl", task_args={}, num_sft=200, num_rl=64, num_val=16,
+                          num_preference=32)
+    params["model"]["init"]["max_sequence_length"] = "auto"
+    params["rl"].update(reward="sort_rewards:score")
+    for section in ("sft", "preference"):
+        params[section]["pad_to"] = "auto"
+    for section in ("rl", "eval"):
+        params[section]["sampler"].update(gen_length="auto", steps="auto", block_length="auto")
+    write_params(repo / "params.yaml", params)
+    env = worker_env()
+    env.update(DVC_NO_ANALYTICS="1")
+    for cmd in (["git", "init", "-q"], [sys.executable, "-m", "dvc", "init", "-q"]):
+        subprocess.run(cmd, cwd=repo, check=True, env=env)
+
+    run = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=repo, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+
+    summary = json.loads((repo / "data" / "prepared" / "summary.json").read_text())
+    assert summary["counts"]["eval"] == len(test) and summary["overlaps"]["eval_train"] == 1
+    assert summary["overlaps"]["sft_rl"] == 0 and summary["rewards"] == ["sort_rewards:score"]
+    # "sort a b c d" answers "a b c d": 7 tokens + EOS, in every auto canvas
+    assert summary["lengths"]["sft.pad_to"] == summary["lengths"]["eval.sampler.gen_length"] == 8
+    metrics = json.loads((repo / "metrics" / "eval.json").read_text())
+    for checkpoint in ("base", "sft", "rl"):
+        assert list(metrics[checkpoint]) == ["sort_digits"]
+    predictions = json.loads((repo / "runs" / "t" / "eval" / "opencompass" / "run" / "predictions" / "rl" /
+                              "sort_digits.json").read_text())
+    assert [p["gold"] for p in predictions.values()] == [r["ground_truth"] for r in test]
+    assert all(f"sort {r['prompt'][5:]}" in p["origin_prompt"] for p, r in zip(predictions.values(), test))
