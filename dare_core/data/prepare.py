@@ -22,7 +22,7 @@ from typing import Any
 from dare_core.config import DareConfig
 from dare_core.data import lengths as derived
 from dare_core.data.schema import DataError, check_ground_truths, read_rows, validate_rows, write_rows
-from dare_core.data.sources import check_size, dedupe, reward_of, side_rows, source_pool, task_label
+from dare_core.data.sources import attach_reward, check_size, dedupe, side_rows, source_pool, task_label
 from dare_core.data.tasks import get_task
 from dare_core.models.tokenizer import Tokenizer, char_tokenizer, load_tokenizer
 from dare_core.rewards.instructions import add_instruction, check_rows
@@ -203,12 +203,7 @@ def _finish(split: str, rows: list[dict], tokenizer: Tokenizer, cfg: DareConfig)
         uid = row.get("uid") or f"{split}-{index}"
         done = {**row, "uid": uid, "prompt_text": prompt_text, "_kind": row["task"], "task": row.get("_label", row["task"])}
         if split in _GRADED and "reward" not in row:
-            try:
-                done["reward"], reward_args = reward_of(cfg, row["task"])
-            except DataError as exc:
-                raise DataError(f"{row['_where']}: {exc}") from None
-            if reward_args:
-                done["reward_args"] = reward_args
+            attach_reward(done, cfg, row["task"])
         out.append(done)
     return out
 

@@ -39,6 +39,16 @@ def task_label(cfg: Any) -> str:
     return Path(cfg.data.source).stem if cfg.data.source else cfg.data.task
 
 
+def attach_reward(row: dict, cfg: Any, task: str) -> None:
+    """Set the row's `reward` (and `reward_args`) columns to what grades `task`; an error names the row."""
+    try:
+        row["reward"], reward_args = reward_of(cfg, task)
+    except DataError as exc:
+        raise DataError(f"{row['_where']}: {exc}") from None
+    if reward_args:
+        row["reward_args"] = reward_args
+
+
 def reward_of(cfg: Any, task: str) -> tuple[str, Optional[str]]:
     """(reward, reward_args as JSON or None) that grades rows of `task`."""
     args = getattr(cfg.rl, "reward_args", None) or None
@@ -65,12 +75,7 @@ def label_rows(rows: list[dict], cfg: Any, path: str, graded: bool) -> None:
             row["prompt"] = add_instruction(row["task"], row["prompt"])
         row["_where"] = f"{path}: row {index}"
         if graded:
-            try:
-                row["reward"], reward_args = reward_of(cfg, row["task"])
-            except DataError as exc:
-                raise DataError(f"{row['_where']}: {exc}") from None
-            if reward_args:
-                row["reward_args"] = reward_args
+            attach_reward(row, cfg, row["task"])
 
 
 def max_token_chars(tokenizer: Tokenizer) -> int:
