@@ -47,6 +47,12 @@ def check_rl_config(cfg: DareConfig, rows_per_prompt: Optional[int] = None) -> N
     """`rows_per_prompt`: training rows the algorithm makes of one prompt (`RLAlgorithm.rows_per_prompt`;
     rl.group_size unless, like d-TreeRPO's transitions, they are not the rollouts)."""
     rl = cfg.rl
+    if float((cfg.model.lora or {}).get("dropout", 0.0)) > 0:
+        # every algorithm compares forwards of one set of weights: the clipped ratio is 1 at the old
+        # policy only if scoring is deterministic, and the proxy-gradient replay (SPG, ESPO, EBPO,
+        # BGPO) recomputes its rows exactly; dropout draws a different mask each time
+        raise ValueError(f"rl needs model.lora.dropout: 0 (got {cfg.model.lora['dropout']}): {rl.algorithm}'s ratios and "
+                         f"replayed forwards must score the same weights identically")
     per_prompt = rows_per_prompt or rl.group_size
     rollouts = rl.prompts_per_step * per_prompt
     if rl.group_size < 2:  # also a config check; kept for configs built in code

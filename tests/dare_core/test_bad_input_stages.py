@@ -184,6 +184,7 @@ CASES = [
     Case("rl-reward-for-other-ground-truths", "rl", _set("rl.reward=countdown"), ("rl.parquet", "ground_truth")),
     Case("rl-validate-k-0", "rl", _set("rl.validate_every=1", "rl.validate_k=0"), "rl.validate_k"),
     Case("rl-canvas-too-long", "rl", _set("rl.sampler.gen_length=32", "rl.sampler.steps=8"), "rl.sampler.gen_length"),
+    Case("rl-lora-dropout", "rl", _set("model.lora={r: 4, alpha: 8, dropout: 0.1}"), ("model.lora.dropout: 0", "got 0.1")),
     Case("sft-unknown-family", "sft", _set("model.family=nope"), "model.family"),
     Case("sft-pad-to-too-long-with-restart", "sft", ("--restart", *_set("sft.pad_to=40")), ("sft.parquet", "sft.pad_to")),
     # checkpoints made with other settings or inputs: refused, naming what changed
