@@ -197,10 +197,6 @@ class SamplerConfig(SamplingParams):
             super().__post_init__()
         _at_least(self, 1, "batch_size")
 
-    @property
-    def resolved(self) -> bool:
-        return "auto" not in (self.gen_length, self.block_length, self.steps)
-
 
 @dataclass
 class SFTConfig:
@@ -376,6 +372,17 @@ class DareConfig:
     @property
     def final_model_dir(self) -> Path:
         return Path(self.run.models_dir) / self.run.name
+
+    @property
+    def checkpoint_dirs(self) -> dict[str, Path]:
+        """The pipeline's checkpoints, in pipeline order: base (untrained or the given model), SFT,
+        preference (the side branch), RL."""
+        return {
+            "base": Path(self.model.path) if self.model.path else self.base_model_dir,
+            "sft": self.stage_dir("sft") / "model",
+            "preference": self.stage_dir("preference") / "model",
+            "rl": self.final_model_dir,
+        }
 
 
 # --------------------------------------------------------------------------- loading

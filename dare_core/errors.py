@@ -13,3 +13,8 @@ class UserError(ValueError):
 class ModelLoadError(UserError):
     """A model folder that cannot be loaded (a missing, truncated or inconsistent file); the message
     names the folder, the file and, where one is at fault, the parameter."""
+
+
+def clip(text: str, limit: int = 200) -> str:
+    """`text` cut to `limit` characters for an error message (a value may be a 20 MB row)."""
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"

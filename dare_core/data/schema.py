@@ -18,6 +18,7 @@ from typing import Iterable, Iterator, Optional, Union
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dare_core.errors import clip
 from dare_core.storage import atomic_write_bytes
 
 PathLike = Union[str, Path]
@@ -86,10 +87,6 @@ def validate_rows(rows: list[dict], kind: str, source: str) -> None:
                 raise DataError(f"{source}: row {index}: column '{column}' {problem}")
 
 
-def _clip(text: str, limit: int = 200) -> str:
-    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
-
-
 def _check_row_reward(row: dict, where: str) -> None:
     """The row's own `reward`/`reward_args` columns name a usable reward (read where rl.reward is auto)."""
     from dare_core.eval.scoring import parse_reward_args
@@ -98,15 +95,15 @@ def _check_row_reward(row: dict, where: str) -> None:
     try:
         args = parse_reward_args(row.get("reward_args"))
     except ValueError as exc:  # names the column
-        raise DataError(f"{where}: {_clip(str(exc))}") from None
+        raise DataError(f"{where}: {clip(str(exc))}") from None
     if not row.get("reward"):
         return
     try:
         get_reward(row["reward"], args)
     except RewardError as exc:  # names the reward and what is wrong with it or its options
-        raise DataError(f"{where}: {_clip(str(exc))}") from None
+        raise DataError(f"{where}: {clip(str(exc))}") from None
     except ValueError as exc:  # an unknown name
-        raise DataError(f"{where}: column 'reward': {_clip(str(exc))}") from None
+        raise DataError(f"{where}: column 'reward': {clip(str(exc))}") from None
 
 
 def check_ground_truths(rows: list[dict], reward: str, source: str, reward_args: Optional[dict] = None) -> None:
@@ -136,10 +133,10 @@ def check_ground_truths(rows: list[dict], reward: str, source: str, reward_args:
             check_ground_truth(name, row["ground_truth"], args)
         except RewardError as exc:  # the reward or its options, not the ground truth, are at fault
             if reward != "auto":
-                raise ConfigError(f"rl.reward: {_clip(str(exc))} (at {where})") from None
-            raise DataError(f"{where}: {_clip(str(exc))}") from None
+                raise ConfigError(f"rl.reward: {clip(str(exc))} (at {where})") from None
+            raise DataError(f"{where}: {clip(str(exc))}") from None
         except ValueError as exc:
-            raise DataError(f"{where}: column 'ground_truth': {_clip(str(exc))}") from None
+            raise DataError(f"{where}: column 'ground_truth': {clip(str(exc))}") from None
 
 
 def json_lines(path: Path, error: type = DataError, stream=None) -> Iterator[tuple[int, dict]]:

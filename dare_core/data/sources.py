@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from dare_core.data.schema import DataError, check_ground_truths, read_rows
+from dare_core.errors import clip
 from dare_core.models.tokenizer import Tokenizer
 from dare_core.rewards.instructions import add_instruction
 
@@ -26,10 +27,6 @@ from dare_core.rewards.instructions import add_instruction
 # covers that many characters at most, and SLACK allows for a normalizer that shortens the text
 # (combining accents). It rejects an oversized text without tokenizing it (a 20 MB prompt).
 _SLACK = 4
-
-
-def clip(text: str, limit: int = 60) -> str:
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def task_label(cfg: Any) -> str:
@@ -107,7 +104,7 @@ def check_unique(rows: list[dict], path: str) -> None:
         first = truths.setdefault(row["prompt"], (index, row["ground_truth"]))
         if first[1] != row["ground_truth"]:
             raise DataError(f"{path}: rows {first[0]} and {index} have the same prompt but different ground truths "
-                            f"({clip(first[1])!r} and {clip(row['ground_truth'])!r})")
+                            f"({clip(first[1], 60)!r} and {clip(row['ground_truth'], 60)!r})")
 
 
 def dedupe(rows: list[dict]) -> list[dict]:

@@ -7,14 +7,12 @@ preference, rl) say what each column is.
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Optional, Sequence
 
 from dare_core.config import DareConfig
 from dare_core.errors import UserError
-
-TRAINED_STAGES = ("sft", "preference")  # runs/<run>/<stage>/model
-
 
 def _resolved(path: Path | str) -> Path:
     return Path(path).expanduser().resolve()
@@ -23,22 +21,20 @@ def _resolved(path: Path | str) -> Path:
 def stage_of(folder: Path | str, cfg: DareConfig) -> Optional[str]:
     """The stage whose output `folder` is, by the layout of `cfg` (runs_dir, models_dir): this
     run's checkpoints as the eval stage names them, and the same places of the project's other
-    runs; None for any other folder."""
-    from dare_core.workers.eval import checkpoints
-
+    runs (named by the folder's path); None for any other folder."""
     path = _resolved(folder)
-    for stage, where in checkpoints(cfg).items():
-        if _resolved(where) == path:
-            return stage
-    runs, models = _resolved(cfg.run.runs_dir), _resolved(cfg.run.models_dir)
-    if path.name == "base" and path.parent.parent == runs:
-        return "base"
-    if path.name == "model" and path.parent.name in TRAINED_STAGES and path.parent.parent.parent == runs:
-        return path.parent.name
-    # a folder under models/ is only the converted RL model when its run trained one (models/ also
-    # holds downloaded models)
-    if path.parent == models and (runs / path.name / "rl").is_dir():
-        return "rl"
+    # runs/<run>/base, runs/<run>/<stage>/model, models/<run>: the run is one of the path's last names
+    candidates = dict.fromkeys([cfg.run.name, path.name, path.parent.name, path.parent.parent.name])
+    for run in candidates:
+        other = run != cfg.run.name
+        # another run's base is its untrained model, whatever this run starts from
+        run_cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=run),
+                                      model=dataclasses.replace(cfg.model, path=None) if other else cfg.model)
+        for stage, where in run_cfg.checkpoint_dirs.items():
+            # models/ also holds downloaded models: another run's folder there is its RL model only
+            # if that run trained one
+            if _resolved(where) == path and not (other and stage == "rl" and not run_cfg.stage_dir("rl").is_dir()):
+                return stage
     return None
 
 

@@ -21,15 +21,15 @@ import os
 import sys
 from typing import Any, Callable, Optional
 
+from dare_core.errors import clip
 from dare_core.rewards.registry import RewardError, RewardFn, RewardResult, accepted_args, check_options
 
 # reference -> the loaded function: the import and its checks run once per process
 _LOADED: dict[str, Callable] = {}
 
 
-def _clip(value: Any, limit: int = 120) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
+def _clip(value: Any) -> str:
+    return clip(repr(value), 120)
 
 
 def _split(reference: str) -> tuple[str, list[str]]:

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from dare_core.algorithms.preference import build_preference, get_preference, reference_model
 from dare_core.config import DareConfig
 from dare_core.data.batching import global_batch_indices, pair_batch
+from dare_core.data.lengths import resolve as resolve_lengths
 from dare_core.data.schema import DataError, read_rows
 from dare_core.models.registry import inspect_model, load_model, save_model
 from dare_core.storage import atomic_write_json
@@ -33,7 +34,6 @@ from dare_core.training.metrics import MetricsLogger, last_logged
 from dare_core.training.preflight import check_outputs, checkpoint_bytes, model_bytes, stage_writes
 from dare_core.training.setup import prepare_for_training, sampler_dict, stage_tokenizer, tokenizer_folder
 from dare_core.training.timing import PhaseTimer, phase_times_requested
-from dare_core.data.lengths import resolve as resolve_lengths
 
 log = logging.getLogger(__name__)
 

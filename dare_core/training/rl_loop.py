@@ -17,6 +17,7 @@ from dare_core.algorithms.common import group_advantages
 from dare_core.algorithms.registry import build_algorithm
 from dare_core.config import ConfigError, DareConfig
 from dare_core.data.batching import global_batch_indices
+from dare_core.data.lengths import resolve as resolve_lengths
 from dare_core.data.schema import DataError, check_ground_truths, read_rows
 from dare_core.diffusion.seeding import sample_generators
 from dare_core.eval.scoring import score_texts
@@ -33,7 +34,6 @@ from dare_core.training.preflight import check_outputs, checkpoint_bytes, stage_
 from dare_core.training.rl_validation import RLValidator
 from dare_core.training.setup import prepare_for_training, stage_tokenizer
 from dare_core.training.timing import PhaseTimer, phase, phase_times_requested
-from dare_core.data.lengths import resolve as resolve_lengths
 
 log = logging.getLogger(__name__)
 

@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 from dare_core.algorithms.registry import build_options, get_algorithm
 from dare_core.config import DareConfig
 from dare_core.data.batching import global_batch_indices, sft_batch
+from dare_core.data.lengths import resolve as resolve_lengths
 from dare_core.data.schema import DataError, read_rows
 from dare_core.diffusion.seeding import sample_generators
 from dare_core.models.registry import save_model
@@ -25,7 +26,6 @@ from dare_core.training.metrics import MetricsLogger, last_logged
 from dare_core.training.preflight import check_outputs, checkpoint_bytes, model_bytes, stage_writes
 from dare_core.training.setup import initial_model, initial_spec, sampler_dict, stage_tokenizer, tokenizer_folder
 from dare_core.training.timing import PhaseTimer, phase_times_requested
-from dare_core.data.lengths import resolve as resolve_lengths
 
 log = logging.getLogger(__name__)
 

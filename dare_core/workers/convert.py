@@ -4,6 +4,7 @@ import sys
 import torch
 
 from dare_core.config import DareConfig
+from dare_core.data.lengths import resolve as resolve_lengths
 from dare_core.models.registry import build_model
 from dare_core.storage import check_free_space, check_writable
 from dare_core.training.checkpoint import convert_checkpoint, latest_checkpoint
@@ -11,7 +12,6 @@ from dare_core.training.preflight import model_bytes
 from dare_core.training.setup import sampler_dict, tokenizer_folder
 from dare_core.training.threads import log_threads
 from dare_core.workers.common import run_worker
-from dare_core.data.lengths import resolve as resolve_lengths
 
 
 def check_convert(cfg: DareConfig) -> None:

@@ -11,30 +11,18 @@ is written as a temporary folder renamed into place when complete, and eval.json
 from __future__ import annotations
 
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 from dare_core.config import DareConfig
+from dare_core.data.lengths import resolve as resolve_lengths
 from dare_core.storage import atomic_write_json, atomic_write_text
+from dare_core.training.setup import sampler_dict
 from dare_core.training.threads import log_threads
 from dare_core.workers.common import run_worker
-from dare_core.data.lengths import resolve as resolve_lengths
-
-
-def checkpoints(cfg: DareConfig) -> dict:
-    """The pipeline's checkpoints, in pipeline order: base (untrained or the given model), SFT,
-    preference (the side branch), RL."""
-    return {
-        "base": Path(cfg.model.path) if cfg.model.path else cfg.base_model_dir,
-        "sft": cfg.stage_dir("sft") / "model",
-        "preference": cfg.stage_dir("preference") / "model",
-        "rl": cfg.final_model_dir,
-    }
 
 
 def model_options(cfg: DareConfig) -> dict:
-    sampler = {k: v for k, v in asdict(cfg.eval.sampler).items() if k not in ("batch_size", "engine", "engine_args")}
-    return {"sampler": sampler, "seed": cfg.run.seed, "dtype": cfg.model.dtype, "chat": cfg.eval.chat,
+    return {"sampler": sampler_dict(cfg), "seed": cfg.run.seed, "dtype": cfg.model.dtype, "chat": cfg.eval.chat,
             "ll_mc_num": cfg.eval.ll_mc_num, "engine": cfg.eval.sampler.engine, "engine_args": cfg.eval.sampler.engine_args}
 
 
@@ -43,7 +31,7 @@ def run_eval(cfg: DareConfig) -> dict:
     from dare_core.eval.report import accuracy_plot, results_table
     from dare_core.eval.runner import benchmark_specs, check_models, complete_or_absent, evaluate_folders
 
-    everything = checkpoints(cfg)
+    everything = cfg.checkpoint_dirs
     folders = {name: everything[name] for name in cfg.eval.checkpoints}
     for name, folder in folders.items():
         if not (folder / "config.json").exists():
