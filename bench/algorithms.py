@@ -36,7 +36,7 @@ ALGORITHM_SETTINGS: dict[str, list[str]] = {
     "d1": ["rl.algorithm_args={d1: {p_mask_prompt: 0.0}}"],
     "coupled_grpo": [],
     "cj_grpo": [],
-    "spg": ["rl.algorithm_args={spg: {p_mask_prompt: 0.0}}"],
+    "spg": ["rl.algorithm_args={spg: {p_mask_prompt: 0.0, num_t: 1}}"],  # num_t 1: as measured (the default is now 2)
     "bgpo": [],
     "mdpo": [],
     "espo": [],

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dare_core.models.registry import build_model  # noqa: E402
+from dare_core.models.lm import build_model  # noqa: E402
 from stamp import git_commit, library_versions, utc_now  # noqa: E402
 
 # the real config.json files of the checkpoints (copied from their public releases)

@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dare_core.models.registry import build_model  # noqa: E402
+from dare_core.models.lm import build_model  # noqa: E402
 from stamp import header  # noqa: E402
 from dare_core.sampling.decode import Canvas, generate  # noqa: E402
 from dare_core.sampling.params import SamplingParams  # noqa: E402
@@ -203,8 +203,8 @@ def threshold(args) -> list[str]:
 
 
 def threshold_table(path: str, rows: list[dict], args) -> list[str]:
-    from dare_core.eval.scoring import score_texts
-    from dare_core.models.registry import load_model
+    from dare_core.rewards.scoring import score_texts
+    from dare_core.models.hf_folder import load_model
     from dare_core.models.tokenizer import load_tokenizer
     from dare_core.sampling.decode import decode_responses
 

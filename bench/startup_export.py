@@ -39,7 +39,8 @@ sys.path.insert(0, str(REPO))
 
 from dare_core.diffusion.seeding import generator  # noqa: E402
 from dare_core.models.lora import LoraSettings, apply_lora, lora_layers  # noqa: E402
-from dare_core.models.registry import empty_model, load_model, save_model, verify_saved  # noqa: E402
+from dare_core.models.lm import empty_model  # noqa: E402
+from dare_core.models.hf_folder import load_model, save_model, verify_saved  # noqa: E402
 from stamp import git_commit, library_versions  # noqa: E402
 
 CONFIGS = REPO / "bench" / "configs"

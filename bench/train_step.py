@@ -14,7 +14,7 @@ recipe over 5 min (its rollout alone); full-parameter SFT is skipped with its re
 
 What runs: `run_sft` / `run_rl` themselves (DeepSpeed engine, optimizer, gradient accumulation;
 checkpoints and, except where export is timed, the final export off), with phase timing on
-(`dare_core.training.timing`), each in a child process of its own so that every run starts with an
+(`dare_core.timing`), each in a child process of its own so that every run starts with an
 empty GPU, its peak memory is its own, and a run killed for memory is recorded instead of ending
 the bench. The config is params.yaml with overrides (`load_config`), as a stage reads it.
 
@@ -178,7 +178,7 @@ def reference_index(shape: str) -> dict:
 
 def largest_reference_shard(shape: str) -> int:
     """Bytes of the real checkpoint's largest shard (bf16), from its index and the config's shapes."""
-    from dare_core.models.registry import build_model
+    from dare_core.models.lm import build_model
 
     shapes = build_model(shape_config(shape, tiny=False), device="meta").hf_parameter_shapes()
     sizes: dict[str, int] = {}
@@ -190,7 +190,8 @@ def largest_reference_shard(shape: str) -> int:
 def write_model_folder(shape: str, folder: Path, tiny: bool) -> dict:
     """The shape's checkpoint folder: random bf16 weights drawn on the device, saved by `save_model`
     with the tokenizer; checks that its parameter names are the reference index's."""
-    from dare_core.models.registry import empty_model, save_model
+    from dare_core.models.lm import empty_model
+    from dare_core.models.hf_folder import save_model
 
     hf_config = shape_config(shape, tiny)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -487,7 +488,7 @@ def sft_step_work(cfg) -> list[dict]:
 
     from dare_core.data.batching import global_batch_indices, sft_batch
     from dare_core.data.schema import read_rows
-    from dare_core.models.registry import inspect_model
+    from dare_core.models.hf_folder import inspect_model
     from dare_core.training.setup import stage_tokenizer
     from dare_core.training.sft_loop import encode_sft_rows
 
@@ -528,7 +529,7 @@ def run_sft_task(spec: dict, s: Settings) -> dict:
 
 
 def run_rl_task(spec: dict, s: Settings) -> dict:
-    from dare_core.models.registry import inspect_model
+    from dare_core.models.hf_folder import inspect_model
     from dare_core.training.rl_loop import rl_start_folder, run_rl
 
     register_rl_pieces()
@@ -764,7 +765,7 @@ def run_shape(shape: str, parts: list[str], args, s: Settings, runner: Runner, r
 
 def full_parameter_rows(shape: str, folder: Path, args, s: Settings, run) -> list[dict]:
     """Full-parameter SFT packed and padded, or why it cannot run here."""
-    from dare_core.models.registry import inspect_model
+    from dare_core.models.hf_folder import inspect_model
 
     n = sum(p.numel() for p in inspect_model(folder).parameters())
     need, have = optimizer_host_bytes(n), host_memory_bytes()

@@ -47,6 +47,9 @@ def launch_command(module: str, launcher: str, nproc: int, worker_args: list[str
 
 def cmd_stage(args: argparse.Namespace) -> int:
     module, distributed = STAGES[args.name]
+    if args.recipe:
+        # first, so that an explicit -S recipe=... still wins
+        args.set = [f"recipe={args.recipe}", *args.set]
     worker_args = ["--params", args.params] + [f"--set={s}" for s in args.set]
     if args.debug:
         worker_args.append("--debug")
@@ -182,6 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("name", choices=list(STAGES))
     s.add_argument("--params", default="params.yaml")
     s.add_argument("--set", "-S", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    s.add_argument("--recipe", metavar="NAME", help="apply a paper recipe (configs/recipes/NAME.yaml, or a path) over "
+                                                  "--params; -S still overrides it (same as -S recipe=NAME)")
     restart = s.add_mutually_exclusive_group()
     restart.add_argument("--restart", dest="restart", action="store_const", const="always", default="never",
                          help="train from the start: the stage's checkpoints are set aside (into <stage>/superseded, "

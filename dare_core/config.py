@@ -15,7 +15,9 @@ from typing import Any, Optional, Union
 
 import yaml
 
+from dare_core.recipes import apply_recipe
 from dare_core.sampling.params import SamplingParams
+from dare_core.storage import read_yaml_mapping
 
 
 class ConfigError(ValueError):
@@ -200,6 +202,8 @@ class SamplerConfig(SamplingParams):
 
 @dataclass
 class SFTConfig:
+    # 0: no SFT; the stage exports the starting model (model.path) unchanged as the SFT model, so RL
+    # and preference start from a released checkpoint (what the paper recipes do)
     max_steps: int = 1000
     micro_batch_size: int = 64
     grad_accum: int = 1
@@ -214,7 +218,8 @@ class SFTConfig:
     keep_last: int = 2
 
     def __post_init__(self) -> None:
-        _at_least(self, 1, "max_steps", "micro_batch_size", "grad_accum", "log_every", "save_every", "keep_last")
+        _at_least(self, 0, "max_steps")
+        _at_least(self, 1, "micro_batch_size", "grad_accum", "log_every", "save_every", "keep_last")
         _int_or_auto(self, "pad_to")
 
 
@@ -243,6 +248,15 @@ class RLConfig:
     dual_clip: float = 3.0
     kl_beta: float = 0.0
     kl_estimator: str = "k3"
+    # every ref_sync_steps RL steps the reference policy of the KL term becomes the current policy
+    # (0 = never: the reference stays the SFT model). Needs kl_beta > 0 (nothing else reads the
+    # reference) and full fine-tuning: with model.lora the reference is the adapter-disabled base
+    # model, and syncing it would mean merging the adapter into the base (ALGORITHMS.md 5.1.7)
+    ref_sync_steps: int = 0
+    # entropy bonus: the loss gets - entropy_coeff * (the entropy of p_theta(.|z, i) at the scored
+    # tokens, aggregated like the policy term); token-level estimators only, a sequence-level one
+    # (spg, bgpo, espo, ebpo) refuses a nonzero value (ALGORITHMS.md 5.1.6). Logged as `entropy`
+    entropy_coeff: float = 0.0
     # Monte-Carlo rows / trajectory steps per forward: estimators forward and backpropagate this
     # many rows at a time, so memory is flat in the number of rows (mc_num, steps, positions)
     rows_per_forward: int = 8
@@ -265,7 +279,11 @@ class RLConfig:
         _at_least(self, 1, "num_steps", "prompts_per_step", "num_iterations", "mini_batches", "micro_batch_size",
                   "rows_per_forward", "log_every", "save_every", "keep_last")
         _at_least(self, 2, "group_size")  # group advantages need a group
-        _at_least(self, 0, "clip_eps_low", "clip_eps_high", "kl_beta")
+        _at_least(self, 0, "clip_eps_low", "clip_eps_high", "kl_beta", "ref_sync_steps", "entropy_coeff")
+        if self.ref_sync_steps > 0 and self.kl_beta == 0:
+            raise FieldError("ref_sync_steps", f"needs rl.kl_beta > 0 (got ref_sync_steps {self.ref_sync_steps} with "
+                                               f"kl_beta 0): only the KL term reads the reference policy, so there is "
+                                               f"nothing to sync; set rl.ref_sync_steps: 0 or a kl_beta")
         if self.dual_clip < 0 or 0 < self.dual_clip <= 1:
             raise FieldError("dual_clip", f"must be > 1 (or 0: off), got {self.dual_clip}")
         if not self.reward:
@@ -356,6 +374,8 @@ class DareConfig:
     # the DVC pipeline's: DVC reruns a stage when its params changed) resumes matching ones and
     # starts fresh otherwise. Starting fresh sets the old checkpoints aside, once every check passed.
     restart: str = field(default="never", metadata={"cli_only": True})
+    # a paper recipe applied over params.yaml (configs/recipes/<name>.yaml or a path; dare_core/recipes.py)
+    recipe: Optional[str] = None
 
     # ---- derived artifact locations (one place, so stages and dvc.yaml agree)
     @property
@@ -485,15 +505,18 @@ def load_config(path: Union[str, Path] = "params.yaml", overrides: Optional[list
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"config file not found: {path}")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    raw = read_yaml_mapping(path, ConfigError, "a mapping of sections")
+    parsed = []
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"override '{item}' must look like key.sub=value")
         key, value = item.split("=", 1)
-        _set_dotted(raw, key, yaml.safe_load(value))
+        parsed.append((key, yaml.safe_load(value)))
+    # params.yaml < the recipe < overrides: the recipe is read before the overrides are applied
+    recipe = next((value for key, value in reversed(parsed) if key == "recipe"), raw.get("recipe"))
+    raw = apply_recipe(raw, recipe, path)
+    for key, value in parsed:
+        _set_dotted(raw, key, value)
     return from_dict(DareConfig, raw, "", str(path))
 
 

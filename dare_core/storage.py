@@ -117,6 +117,23 @@ def _swap_in(targets: list[Path], tmps: list[Path]) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
+def read_yaml_mapping(path: PathLike, error: type = UserError, what: str = "a mapping") -> dict:
+    """The YAML mapping in `path` ({} for an empty file); unreadable, not YAML or not a mapping
+    raises `error` naming the file."""
+    import yaml
+
+    path = _local(path)
+    try:
+        tree = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (OSError, UnicodeDecodeError) as exc:
+        raise error(f"{path}: cannot read ({exc})") from exc
+    except yaml.YAMLError as exc:
+        raise error(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(tree, dict):
+        raise error(f"{path}: expected {what}, got {type(tree).__name__}")
+    return tree
+
+
 def read_json(path: PathLike, error: type = UserError) -> Any:
     """The JSON document in `path`; anything wrong with it (unreadable, not UTF-8, not JSON) raises
     `error` naming the file."""

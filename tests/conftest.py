@@ -22,7 +22,7 @@ def pytest_collection_modifyitems(config, items):
 def make_tiny_llada(vocab_size: int = 40, mask_id: int = 39, eos_id: int = 38, seed: int = 0, **sizes):
     from dare_core.diffusion.seeding import generator
     from dare_core.models.llada import tiny_config
-    from dare_core.models.registry import build_model
+    from dare_core.models.lm import build_model
 
     sizes = {"d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "mlp_hidden_size": 64, "max_sequence_length": 64, **sizes}
     model = build_model(tiny_config(vocab_size, mask_id, eos_id, **sizes))

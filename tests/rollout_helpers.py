@@ -4,11 +4,12 @@ from typing import Optional
 
 import torch
 
-from dare_core.algorithms.base import Batch
+from dare_core.batch import Batch
 from dare_core.config import SamplerConfig
 from dare_core.diffusion.masking import valid_region
 from dare_core.diffusion.seeding import generator, sample_generators
 from dare_core.sampling.decode import generate
+from dare_core.sampling.trajectory import record_width
 
 
 def sampler_for(model, **kw) -> SamplerConfig:
@@ -31,7 +32,9 @@ def rollout_batch(model, sampler: SamplerConfig, n: int = 4, prompt_len: int = 5
     valid = valid_region(out.response, model.eos_token_id, out.attention_mask[:, P:])
     records = {}
     if out.trajectory is not None:
-        records = {"step_map": out.step_map, "decoded": out.trajectory.response_tokens(out.response.shape[1])}
+        # as the RL rollout records them: a block-diffusion terminal block whole, past gen_length
+        cols = record_width(out.response.shape[1], model.block_size)
+        records = {"step_map": out.trajectory.response_step_map(cols), "decoded": out.trajectory.response_tokens(cols)}
     if advantages is None:
         advantages = torch.linspace(-1.0, 1.0, n)
     return Batch(out.sequences, out.attention_mask, P, valid, uids, advantages, records), out

@@ -7,42 +7,13 @@ the same corruption to old, reference and current policy.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
 import torch
 
-
-
-@dataclass
-class LossOutput:
-    loss: torch.Tensor
-    metrics: dict = field(default_factory=dict)
-
-
-@dataclass
-class Batch:
-    """Left-padded prompt (P) + response canvas (L) for a group of sequences."""
-
-    input_ids: torch.Tensor  # [B, P+L]
-    attention_mask: torch.Tensor  # [B, P+L]
-    prompt_len: int
-    response_mask: torch.Tensor  # [B, L] maskable / scored response positions
-    uids: list  # per-sample ids: seeds derive from them, never from batch position
-    advantages: Optional[torch.Tensor] = None  # [B] (RL only)
-    # rollout records an algorithm asked for (`RLAlgorithm.requires`), each a tensor with a batch dim
-    # first, e.g. "step_map" [B, L] (ALGORITHMS.md 6.5)
-    records: dict = field(default_factory=dict)
-
-    def __len__(self) -> int:
-        return self.input_ids.shape[0]
-
-    def select(self, idx: torch.Tensor) -> "Batch":
-        return Batch(
-            self.input_ids[idx], self.attention_mask[idx], self.prompt_len, self.response_mask[idx],
-            [self.uids[i] for i in idx.tolist()], None if self.advantages is None else self.advantages[idx],
-            {k: v[idx.to(v.device)] for k, v in self.records.items()},
-        )
+from dare_core.algorithms.common import LossOutput
+from dare_core.algorithms.rollout import rollout
+from dare_core.batch import Batch
 
 
 class Algorithm(ABC):
@@ -84,6 +55,15 @@ class RLAlgorithm(Algorithm):
                              f"(it supports: {', '.join(sorted(self.families))})")
         if rl_cfg.kl_beta > 0 and not self.allows_kl:
             raise ValueError(f"rl.algorithm '{self.name}' has no KL term: set rl.kl_beta: 0")
+        if getattr(rl_cfg, "entropy_coeff", 0.0) > 0 and not self.token_level:
+            # ALGORITHMS.md 5.1.6: an entropy is a property of the per-token distributions p(.|z, i);
+            # a sequence score (an ELBO estimate) has none, and -e^l * l of it is not an entropy
+            from dare_core.algorithms.registry import ALGORITHMS
+
+            token = sorted(n for n, c in ALGORITHMS.items() if isinstance(c, type) and issubclass(c, RLAlgorithm) and c.token_level)
+            raise ValueError(f"rl.entropy_coeff = {rl_cfg.entropy_coeff}: rl.algorithm '{self.name}' is a sequence-level "
+                             f"estimator, and the entropy bonus is defined only for token-level ones ({', '.join(token)}); "
+                             f"set rl.entropy_coeff: 0")
         self.check_sampler(rl_cfg.sampler)
 
     def check_sampler(self, sampler) -> None:
@@ -102,8 +82,6 @@ class RLAlgorithm(Algorithm):
     def rollout(self, sampler, model, tokenizer, rows: list, cfg, step: int) -> tuple[Batch, dict]:
         """Rollouts of `rows` (G per prompt), rewarded, as a training batch with advantages. The
         default is the loop's sampler; tree-structured rollouts (d-TreeRPO) override it."""
-        from dare_core.training.rl_loop import rollout
-
         return rollout(sampler, model, tokenizer, rows, cfg, step, self.requires)
 
     def prepare(self, batch: Batch, context) -> dict:

@@ -14,7 +14,9 @@ from typing import Optional
 
 import torch
 
-from dare_core.algorithms.base import Batch, LossOutput, RLAlgorithm
+from dare_core.batch import Batch
+from dare_core.algorithms.common import LossOutput
+from dare_core.algorithms.base import RLAlgorithm
 from dare_core.algorithms.common import ppo_clip_ratio, sequence_kl, weighted_mean_metrics
 from dare_core.algorithms.registry import register
 from dare_core.diffusion.likelihood import elbo_rows, proxy_backward, separable_backward

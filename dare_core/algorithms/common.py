@@ -3,11 +3,20 @@ aggregation (ALGORITHMS.md 5.1)."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
+from dare_core.diffusion.likelihood import chunks, elbo_rows, proxy_backward, rows_logprobs, separable_backward
 from dare_core.registry import Registry
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor
+    metrics: dict = field(default_factory=dict)
+
 
 ADVANTAGES = Registry("adv_estimator")
 # the largest sequence log-ratio exp ever sees (e^50 ~ 5e21 is finite in float32)
@@ -116,12 +125,27 @@ def weighted_mean_metrics(metrics: dict, weight: torch.Tensor) -> dict:
     return {k: float((v.float() * weight).sum()) / max(total, 1e-12) for k, v in metrics.items()}
 
 
+def wants_entropy(rl) -> bool:
+    """Whether the update needs the policy's entropy at the scored tokens (rl.entropy_coeff > 0):
+    only then do the scores compute the full-vocabulary entropy (5.1.6)."""
+    return getattr(rl, "entropy_coeff", 0.0) > 0
+
+
+def entropy_bonus(entropy: torch.Tensor, weight: torch.Tensor, denom: float, rl) -> tuple[torch.Tensor, float]:
+    """The entropy bonus term -entropy_coeff * sum(weight * H) / denom (the policy term's
+    aggregation, global denominator) and the metric: H's plain mean over the scored tokens."""
+    term = -rl.entropy_coeff * (entropy * weight).sum() / max(denom, 1e-12)
+    return term, weighted_mean_metrics({"h": entropy.detach()}, (weight != 0).float())["h"]
+
+
 def token_policy_loss(s: torch.Tensor, old: Optional[torch.Tensor], ref: Optional[torch.Tensor], adv: torch.Tensor,
-                      weight: torch.Tensor, denom: float, rl) -> tuple[torch.Tensor, dict]:
+                      weight: torch.Tensor, denom: float, rl, entropy: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict]:
     """The token-level PPO objective shared by d1, coupled-GRPO, CJ-GRPO, MDPO, d-TreeRPO and
     JustGRPO: sum(weight * clip-loss(s - s_old, A)) / denom, plus kl_beta times the same
     aggregation of the KL estimator (which never looks at A). `weight` [B, S] is 0 off the scored
-    positions and carries the algorithm's aggregation (1 for token-mean)."""
+    positions and carries the algorithm's aggregation (1 for token-mean). `entropy` [B, S] (given
+    when rl.entropy_coeff > 0): the policy's entropy at the scored tokens, whose same aggregation,
+    times entropy_coeff, is subtracted (a bonus: maximised); logged as `entropy`."""
     if old is None:  # one update per rollout batch: pi_old is the current policy
         old = s.detach()
     per_token, clip = ppo_clip(s - old, adv, rl.clip_eps_low, rl.clip_eps_high, rl.dual_clip)
@@ -133,6 +157,9 @@ def token_policy_loss(s: torch.Tensor, old: Optional[torch.Tensor], ref: Optiona
         kl = kl_estimate(s, ref, rl.kl_estimator)
         loss = loss + rl.kl_beta * (kl * weight).sum() / max(denom, 1e-12)
         metrics["kl"] = weighted_mean_metrics({"kl": kl.detach()}, mask)["kl"]
+    if entropy is not None and wants_entropy(rl):
+        bonus, metrics["entropy"] = entropy_bonus(entropy, weight, denom, rl)
+        loss = loss + bonus
     return loss, metrics
 
 
@@ -171,17 +198,12 @@ class SequenceELBOMixin:
 
     def score(self, model, batch, corruption) -> torch.Tensor:
         """Raw per-row ELBO samples [B, R]."""
-        from dare_core.diffusion.likelihood import elbo_rows
-
         return elbo_rows(model, corruption.rows, batch.input_ids, batch.attention_mask)
 
     def denominator(self, batch, corruption) -> torch.Tensor:
         return torch.tensor([float(len(batch))], dtype=torch.float64)
 
     def update(self, model, batch, corruption, old, ref, denom, backward):
-        from dare_core.algorithms.base import LossOutput
-        from dare_core.diffusion.likelihood import elbo_rows, proxy_backward
-
         adv = batch.advantages.float().to(batch.input_ids.device)
 
         def rows_of(idx):
@@ -209,18 +231,18 @@ def replayed_token_update(algo, model, batch, corruption, old, ref, backward, we
     JustGRPO positions): each chunk of rows is scored at the replay temperature (MASK excluded, as
     the sampler excludes it), its token PPO loss weighted by `weight_of(idx, rows) -> [B, S]` (which
     carries the global normalisers; 0 off the chunk's positions) and backpropagated on its own."""
-    from dare_core.algorithms.base import LossOutput
-    from dare_core.diffusion.likelihood import chunks, rows_logprobs, separable_backward
-
     adv = batch.advantages[:, None].float()
+    with_entropy = wants_entropy(algo.rl)
 
     def chunk_loss(idx):
         rows = [corruption.rows[i] for i in idx]
-        s = rows_logprobs(model, rows, batch.input_ids, batch.attention_mask, algo.temperature, (algo.mask_id,)).sum(0)
+        scores = rows_logprobs(model, rows, batch.input_ids, batch.attention_mask, algo.temperature, (algo.mask_id,), with_entropy)
+        # the rows score disjoint tokens: summing over them gives each token its own row's value
+        s, h = (scores[0].sum(0), scores[1].sum(0)) if with_entropy else (scores.sum(0), None)
         weight = weight_of(idx, rows).to(s)
         here = weight != 0
         pick = lambda t: None if t is None else t * here  # noqa: E731  (this chunk's positions only)
-        return token_policy_loss(s, pick(old), pick(ref), adv.to(s), weight, 1.0, algo.rl)
+        return token_policy_loss(s, pick(old), pick(ref), adv.to(s), weight, 1.0, algo.rl, h)
 
     loss, metrics = separable_backward(corruption, algo.rows_per_forward, chunk_loss, backward)
     n = len(chunks(len(corruption), algo.rows_per_forward))

@@ -8,8 +8,10 @@ from typing import Optional
 
 import torch
 
-from dare_core.algorithms.base import Batch, LossOutput, RLAlgorithm
-from dare_core.algorithms.common import token_policy_loss
+from dare_core.batch import Batch
+from dare_core.algorithms.common import LossOutput
+from dare_core.algorithms.base import RLAlgorithm
+from dare_core.algorithms.common import token_policy_loss, wants_entropy
 from dare_core.algorithms.registry import register
 from dare_core.diffusion.likelihood import rows_logprobs
 from dare_core.diffusion.masking import CorruptionSet
@@ -36,7 +38,10 @@ class CoupledGRPO(RLAlgorithm):
 
     def score(self, model, batch: Batch, corruption: CorruptionSet) -> torch.Tensor:
         """s_i = 1/2 [log p(y_i|z_F) + 1[i in A]/t log p(y_i|z_A) + 1[i in B]/(1-t) log p(y_i|z_B)]."""
-        logp = rows_logprobs(model, corruption.rows, batch.input_ids, batch.attention_mask)
+        return self._combine(rows_logprobs(model, corruption.rows, batch.input_ids, batch.attention_mask), corruption)
+
+    @staticmethod
+    def _combine(logp: torch.Tensor, corruption: CorruptionSet) -> torch.Tensor:
         weight = torch.stack([r.elbo_weight() for r in corruption.rows]).to(logp.device)
         return 0.5 * (logp * weight).sum(0)
 
@@ -45,9 +50,18 @@ class CoupledGRPO(RLAlgorithm):
 
     def update(self, model, batch: Batch, corruption: CorruptionSet, old: Optional[torch.Tensor], ref: Optional[torch.Tensor],
                denom: torch.Tensor, backward) -> LossOutput:
-        s = self.score(model, batch, corruption)
+        entropy = None
+        if wants_entropy(self.rl):
+            logp, ent = rows_logprobs(model, corruption.rows, batch.input_ids, batch.attention_mask, entropy=True)
+            s = self._combine(logp, corruption)
+            # a token's entropy: the mean over the passes that score it (F and one of A / B), the
+            # estimator's 1/t weights are for the likelihood's unbiasedness, not the entropy's
+            scored = torch.stack([r.scored for r in corruption.rows]).to(ent.device).float()
+            entropy = ent.sum(0) / scored.sum(0).clamp_min(1)
+        else:
+            s = self.score(model, batch, corruption)
         mask = corruption.scored.float()
-        loss, metrics = token_policy_loss(s, old, ref, batch.advantages[:, None].to(s), mask, float(denom[0]), self.rl)
+        loss, metrics = token_policy_loss(s, old, ref, batch.advantages[:, None].to(s), mask, float(denom[0]), self.rl, entropy)
         backward(loss)
         metrics["t_mean"] = float(corruption.info["t"].mean())
         return LossOutput(loss.detach(), metrics)

@@ -7,8 +7,10 @@ from typing import Optional
 
 import torch
 
-from dare_core.algorithms.base import Batch, LossOutput, RLAlgorithm
-from dare_core.algorithms.common import token_policy_loss
+from dare_core.batch import Batch
+from dare_core.algorithms.common import LossOutput
+from dare_core.algorithms.base import RLAlgorithm
+from dare_core.algorithms.common import token_policy_loss, wants_entropy
 from dare_core.algorithms.registry import register
 from dare_core.diffusion.likelihood import token_logprobs
 from dare_core.diffusion.masking import Corruption, full_response_corruption
@@ -35,7 +37,12 @@ class D1(RLAlgorithm):
 
     def update(self, model, batch: Batch, corruption: Corruption, old: Optional[torch.Tensor], ref: Optional[torch.Tensor],
                denom: torch.Tensor, backward) -> LossOutput:
-        s = self.score(model, batch, corruption)
-        loss, metrics = token_policy_loss(s, old, ref, batch.advantages[:, None].to(s), corruption.scored.float(), float(denom[0]), self.rl)
+        entropy = None
+        if wants_entropy(self.rl):  # the entropy at the scored tokens, from the same forward
+            s, entropy = token_logprobs(model, corruption, batch.input_ids, batch.attention_mask, entropy=True)
+        else:
+            s = self.score(model, batch, corruption)
+        loss, metrics = token_policy_loss(s, old, ref, batch.advantages[:, None].to(s), corruption.scored.float(), float(denom[0]),
+                                          self.rl, entropy)
         backward(loss)
         return LossOutput(loss.detach(), metrics)

@@ -27,7 +27,7 @@ children k) of the children that put v at j. The (parent, j) terms are carried b
 child's row (any child's forward is the parent's), and averaged over all (parent, j) of the mini-batch.
 
 Group size: rl.group_size must equal the leaves per prompt, num_tree_samples * branch_factor^(depth-1)
-(the rollouts that are rewarded); the loop's batch rows per prompt are the transitions
+(the rollouts that are rewarded); num_tree_samples left unset is derived from rl.group_size; the loop's batch rows per prompt are the transitions
 (`rows_per_prompt`, e.g. 20 for 16 leaves). rl.adv_estimator is not used: advantages are tree-local.
 """
 from __future__ import annotations
@@ -41,10 +41,12 @@ from typing import Optional
 
 import torch
 
-from dare_core.algorithms.base import Batch, LossOutput, RLAlgorithm
-from dare_core.algorithms.common import token_policy_loss
+from dare_core.batch import Batch
+from dare_core.algorithms.common import LossOutput
+from dare_core.algorithms.base import RLAlgorithm
+from dare_core.algorithms.common import token_policy_loss, wants_entropy
 from dare_core.algorithms.registry import register
-from dare_core.diffusion.likelihood import token_logprobs
+from dare_core.diffusion.likelihood import entropy_of_logprobs, token_logprobs
 from dare_core.diffusion.masking import Corruption, valid_region
 from dare_core.sampling.tree import TreeOutput, TreeShape, tree_rollout, tree_shape
 
@@ -144,7 +146,8 @@ class DTreeRPO(RLAlgorithm):
 
     @dataclass
     class Options:
-        num_tree_samples: int = 4  # children of the root
+        # children of the root; None: rl.group_size / branch_factor^(depth-1), so the leaves are the group
+        num_tree_samples: Optional[int] = None
         branch_factor: int = 4  # children of every later internal node
         contraction: int = 2  # s: branch points {T - floor(kT/s)}
         # time-scheduled self-distillation toward the positive-advantage children
@@ -160,8 +163,20 @@ class DTreeRPO(RLAlgorithm):
 
     def check_sampler(self, sampler) -> None:
         o = self.options
-        if o.num_tree_samples < 2 or o.branch_factor < 1 or o.contraction < 1:
-            raise ValueError("d_tree_rpo needs num_tree_samples >= 2 (sibling baselines), branch_factor >= 1 and contraction >= 1")
+        if o.branch_factor < 1 or o.contraction < 1:
+            raise ValueError("d_tree_rpo needs branch_factor >= 1 and contraction >= 1")
+        if o.num_tree_samples is None:
+            per_root = len(tree_shape(sampler.steps, o.contraction, 1, o.branch_factor).leaves)
+            if self.rl.group_size % per_root:
+                raise ValueError(f"d_tree_rpo: rl.group_size {self.rl.group_size} is not a whole number of root subtrees of "
+                                 f"{per_root} leaves (branch_factor {o.branch_factor}, {sampler.steps} steps, contraction "
+                                 f"{o.contraction}); set rl.group_size to a multiple of {per_root} or num_tree_samples")
+            if self.rl.group_size < 2 * per_root:
+                raise ValueError(f"d_tree_rpo needs >= 2 root subtrees (sibling baselines) of {per_root} leaves: set "
+                                 f"rl.group_size to {2 * per_root} or more (got {self.rl.group_size})")
+            o = self.options = dataclasses.replace(o, num_tree_samples=self.rl.group_size // per_root)
+        if o.num_tree_samples < 2:
+            raise ValueError("d_tree_rpo needs num_tree_samples >= 2 (sibling baselines)")
         if o.score_temperature <= 0:
             raise ValueError("d_tree_rpo: score_temperature must be > 0")
         problems = []
@@ -189,7 +204,7 @@ class DTreeRPO(RLAlgorithm):
     # ------------------------------------------------------------------ rollout
 
     def rollout(self, sampler, model, tokenizer, rows: list, cfg, step: int) -> tuple[Batch, dict]:
-        from dare_core.eval.scoring import score_texts
+        from dare_core.rewards.scoring import score_texts
 
         rl = cfg.rl
         prompts = [tokenizer.encode(r["prompt_text"]) for r in rows]
@@ -316,9 +331,14 @@ class DTreeRPO(RLAlgorithm):
         s = torch.zeros(active.shape, dtype=torch.float32, device=dev)
         s = s.masked_scatter(active, logp[index[active]].gather(-1, batch.input_ids[active][:, None]).squeeze(-1))
 
+        entropy = None
+        if wants_entropy(self.rl):  # of the tempered distribution the ratio uses, at the active tokens
+            entropy = torch.zeros(active.shape, dtype=torch.float32, device=dev).masked_scatter(
+                active, entropy_of_logprobs(logp)[index[active]])
+
         weight = active.float() / active.sum(-1, keepdim=True).clamp_min(1)
         adv = batch.advantages.float().to(dev)[:, None]
-        loss, metrics = token_policy_loss(s, old, ref, adv, weight, float(denom[0]), self.loss_rl)
+        loss, metrics = token_policy_loss(s, old, ref, adv, weight, float(denom[0]), self.loss_rl, entropy)
 
         if bool(sd_resp.any()):
             tokens = batch.records["sd_tokens"].to(dev)[sd_resp]  # [n, C]

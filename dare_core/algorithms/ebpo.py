@@ -2,12 +2,19 @@
 stratified noise level for every (row, block) cell, all blocks corrupted at once in the two-stream
 layout), one sequence ratio exp(S - S_old) clipped once in log space against the sequence advantage,
 mean over sequences, optional KL on S - S_ref; gradients by proxy-gradient replay, so one row's
-graph is alive at a time."""
+graph is alive at a time.
+
+On a masked diffusion model (no blocks) the whole response is the one block (C = 1): the law
+reduces to N stratified noise levels with uniform mask counts, the composite ELBO to the plain
+stratified MC-ELBO of the response, and the loss is otherwise unchanged."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dare_core.algorithms.base import Batch, RLAlgorithm
+import torch
+
+from dare_core.batch import Batch
+from dare_core.algorithms.base import RLAlgorithm
 from dare_core.algorithms.common import SequenceELBOMixin
 from dare_core.algorithms.registry import register
 from dare_core.diffusion.masking import CorruptionSet
@@ -17,8 +24,6 @@ from dare_core.diffusion.seeding import sample_generators
 
 @register("ebpo")
 class EBPO(SequenceELBOMixin, RLAlgorithm):
-    families = frozenset({"block"})
-
     @dataclass
     class Options:
         mc_num: int = 16
@@ -30,6 +35,9 @@ class EBPO(SequenceELBOMixin, RLAlgorithm):
 
     def corrupt(self, batch: Batch, seed_base: tuple) -> CorruptionSet:
         gens = sample_generators((*seed_base, "ebpo"), batch.uids)
-        blocks = response_blocks(batch.attention_mask, batch.prompt_len, self.block_size, "global")
+        if self.block_size is None:
+            blocks = torch.zeros_like(batch.response_mask, dtype=torch.long)
+        else:
+            blocks = response_blocks(batch.attention_mask, batch.prompt_len, self.block_size, "global")
         return per_block_rows(batch.input_ids, batch.prompt_len, batch.response_mask, batch.attention_mask[:, batch.prompt_len:],
                               self.mask_id, blocks, self.options.mc_num, gens, self.options.tail_policy)

@@ -1,16 +1,24 @@
 """JustGRPO (ALGORITHMS.md 5.11): roll out left to right (block 1, one token per step, no cache) so
 that the exact AR likelihood (2.7) is the probability the sampler drew each token with; token-level
-PPO (dual) clip, token-mean over V. Scored at the rollout temperature."""
+PPO (dual) clip, token-mean over V. Scored at the rollout temperature.
+
+The left-to-right order is the algorithm, not a decoding choice: its rollouts take rl.sampler with
+block_length 1 and steps = gen_length whatever those say, while validation and evaluation decode
+as configured (the paper trains in AR order and evaluates with parallel diffusion decoding)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from dare_core.algorithms.base import Batch, LossOutput, RLAlgorithm
+from dare_core.batch import Batch
+from dare_core.algorithms.common import LossOutput
+from dare_core.algorithms.base import RLAlgorithm
 from dare_core.algorithms.common import replayed_token_update
 from dare_core.algorithms.registry import register
+from dare_core.algorithms.rollout import rollout
 from dare_core.diffusion.likelihood import rows_logprobs
 from dare_core.diffusion.masking import CorruptionSet
 from dare_core.diffusion.replay import ar_rows
@@ -26,10 +34,6 @@ class JustGRPO(RLAlgorithm):
 
     def check_sampler(self, sampler) -> None:
         problems = []
-        if sampler.block_length != 1:
-            problems.append("block_length: 1")
-        if sampler.steps != sampler.gen_length:
-            problems.append(f"steps: {sampler.gen_length} (= gen_length)")
         if sampler.cache != "none":
             problems.append("cache: none")
         if sampler.unmasking != "topk":
@@ -44,6 +48,10 @@ class JustGRPO(RLAlgorithm):
             raise ValueError("rl.algorithm just_grpo needs a left-to-right rollout: set rl.sampler " + ", ".join(problems))
         self.temperature = sampler.temperature
 
+    def rollout(self, sampler, model, tokenizer, rows: list, cfg, step: int) -> tuple[Batch, dict]:
+        rl = dataclasses.replace(cfg.rl, sampler=left_to_right(cfg.rl.sampler))
+        return rollout(sampler, model, tokenizer, rows, dataclasses.replace(cfg, rl=rl), step, self.requires)
+
     def corrupt(self, batch: Batch, seed_base: tuple) -> CorruptionSet:
         return ar_rows(batch.input_ids, batch.prompt_len, batch.response_mask, self.mask_id)
 
@@ -56,3 +64,8 @@ class JustGRPO(RLAlgorithm):
             return torch.stack([r.scored for r in rows]).any(0).float() / float(denom[0])
 
         return replayed_token_update(self, model, batch, corruption, old, ref, backward, weight_of)
+
+
+def left_to_right(sampler):
+    """`sampler` decoding one token per step, in position order (blocks of one)."""
+    return dataclasses.replace(sampler, block_length=1, steps=sampler.gen_length)

@@ -17,8 +17,11 @@ from typing import Optional
 
 import torch
 
-from dare_core.algorithms.base import Batch, LossOutput, RLAlgorithm
-from dare_core.algorithms.common import ADVANTAGES, kl_estimate, ppo_clip, replay_temperature, weighted_mean_metrics
+from dare_core.batch import Batch
+from dare_core.algorithms.common import LossOutput
+from dare_core.algorithms.base import RLAlgorithm
+from dare_core.algorithms.common import (ADVANTAGES, kl_estimate, ppo_clip, replay_temperature, wants_entropy,
+                                        weighted_mean_metrics)
 from dare_core.algorithms.registry import register
 from dare_core.diffusion.likelihood import rows_logprobs, separable_backward
 from dare_core.diffusion.masking import Corruption, CorruptionSet
@@ -61,7 +64,7 @@ class MDPO(RLAlgorithm):
 
     @dataclass
     class Options:
-        sample_train_steps: int = 16
+        sample_train_steps: int = 8  # the MDPO README's paper setting
         # null: the rollout's temperature (1 for greedy rollouts)
         score_temperature: Optional[float] = None
 
@@ -127,10 +130,12 @@ class MDPO(RLAlgorithm):
         adv_all = batch.records["step_adv"].float()
         conf_all = corruption.info["confidence"].float()
         used = max(int((denom > 0).sum()), 1)
+        with_entropy = wants_entropy(self.rl)
 
         def chunk_loss(idx):
             rows = [corruption.rows[i] for i in idx]
-            s = rows_logprobs(model, rows, batch.input_ids, batch.attention_mask, self.temperature)  # [r, B, S]
+            s = rows_logprobs(model, rows, batch.input_ids, batch.attention_mask, self.temperature, entropy=with_entropy)
+            s, h = s if with_entropy else (s, None)  # [r, B, S] each
             loss, metrics = s.new_zeros(()), {}
             for j, i in enumerate(idx):
                 mask = rows[j].scored.float()
@@ -146,6 +151,10 @@ class MDPO(RLAlgorithm):
                 term = lam * per_token
                 if self.rl.kl_beta > 0 and ref is not None:
                     term = term + self.rl.kl_beta * kl_estimate(st, ref[:, i].to(st), self.rl.kl_estimator)
+                if h is not None:  # the entropy bonus, aggregated like the KL term (c 1[M_t] / |M_t|)
+                    term = term - self.rl.entropy_coeff * h[j]
+                    h_mean = weighted_mean_metrics({"h": h[j].detach()}, mask)["h"]
+                    metrics["entropy"] = metrics.get("entropy", 0.0) + h_mean / len(corruption)
                 loss = loss + (term * c * mask).sum() / float(denom[i]) / used
                 for k, v in weighted_mean_metrics(clip, mask).items():
                     metrics[k] = metrics.get(k, 0.0) + v / len(corruption)

@@ -7,6 +7,7 @@ from typing import Callable
 from dare_core.config import from_dict
 from dare_core.registry import Registry
 
+# filled as `dare_core.algorithms` (imported before this module, as its package) imports each algorithm
 ALGORITHMS = Registry("algorithm")
 
 
@@ -15,8 +16,6 @@ def register(name: str) -> Callable[[type], type]:
 
 
 def get_algorithm(name: str) -> type:
-    import dare_core.algorithms  # noqa: F401  (imports every algorithm module, which register themselves)
-
     return ALGORITHMS.lookup(name)
 
 

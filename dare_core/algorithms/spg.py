@@ -12,7 +12,9 @@ from typing import Optional
 
 import torch
 
-from dare_core.algorithms.base import Batch, LossOutput, RLAlgorithm
+from dare_core.batch import Batch
+from dare_core.algorithms.common import LossOutput
+from dare_core.algorithms.base import RLAlgorithm
 from dare_core.algorithms.registry import register
 from dare_core.diffusion.likelihood import proxy_backward, rows_logprobs
 from dare_core.diffusion.masking import CorruptionSet
@@ -50,7 +52,7 @@ class SPG(RLAlgorithm):
         mix_weight: float = 0.5  # omega: l- = omega * EUBO + (1 - omega) * l+
         eubo_beta: float = 1.5
         p_mask_prompt: float = 0.15
-        num_t: int = 1  # block-wise rows per sample per inner iteration
+        num_t: int = 2  # block-wise rows per sample per inner iteration (the SPG scripts: --num_t 2)
         block_size: Optional[int] = None  # null: the rollout's block_length
 
         def __post_init__(self):

@@ -1,4 +1,4 @@
-"""Padding and batching of tokenised rows into the prompt+canvas layout of `algorithms.base.Batch`."""
+"""Padding and batching of tokenised rows into the prompt+canvas layout of `dare_core.batch.Batch`."""
 from __future__ import annotations
 
 from functools import lru_cache
@@ -6,7 +6,7 @@ from typing import Sequence
 
 import torch
 
-from dare_core.algorithms.base import Batch
+from dare_core.batch import Batch
 from dare_core.sampling.decode import left_pad
 
 

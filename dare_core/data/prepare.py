@@ -23,7 +23,7 @@ from dare_core.config import DareConfig
 from dare_core.data import lengths as derived
 from dare_core.data.schema import DataError, check_ground_truths, read_rows, validate_rows, write_rows
 from dare_core.data.sources import attach_reward, check_size, dedupe, side_rows, source_pool, task_label
-from dare_core.data.tasks import get_task
+from dare_core.data.synthetic import get_task
 from dare_core.models.tokenizer import Tokenizer, char_tokenizer, load_tokenizer
 from dare_core.rewards.instructions import add_instruction, check_rows
 from dare_core.storage import atomic_dirs, atomic_write_json, check_writable, read_json
@@ -42,7 +42,7 @@ _GRADED = ("rl", "val", "eval")
 def _max_length(cfg: DareConfig) -> int:
     if cfg.model.path is None:
         # whatever the family calls it (max_sequence_length, max_position_embeddings), its config says
-        from dare_core.models.registry import get_family
+        from dare_core.models.family import get_family
 
         family = get_family(cfg.model.family)
         if family.tiny_config is None:

@@ -45,7 +45,7 @@ SCHEMAS: dict[str, Schema] = {
     # ground_truth rides along in sft so SFT-time accuracy can be graded with the same reward.
     "sft": Schema(("prompt", "response", "task", "uid", "prompt_text"), ("ground_truth",)),
     # graded rows may carry their own reward: `reward` (a name or module:function) and `reward_args`
-    # (a JSON object of its options), used where rl.reward is "auto" (dare_core/eval/scoring.py)
+    # (a JSON object of its options), used where rl.reward is "auto" (dare_core/rewards/scoring.py)
     "rl": Schema(("prompt", "ground_truth", "task", "uid", "prompt_text"), GRADED_OPTIONAL),
     "eval": Schema(("prompt", "ground_truth", "task", "uid", "prompt_text"), GRADED_OPTIONAL),
     # held-out prompts of in-loop RL validation: graded like eval, never trained or evaluated on
@@ -89,7 +89,7 @@ def validate_rows(rows: list[dict], kind: str, source: str) -> None:
 
 def _check_row_reward(row: dict, where: str) -> None:
     """The row's own `reward`/`reward_args` columns name a usable reward (read where rl.reward is auto)."""
-    from dare_core.eval.scoring import parse_reward_args
+    from dare_core.rewards.scoring import parse_reward_args
     from dare_core.rewards import RewardError, get_reward
 
     try:
@@ -112,7 +112,7 @@ def check_ground_truths(rows: list[dict], reward: str, source: str, reward_args:
     such a row would stop RL or evaluation mid-run. A configured reward that cannot be used (unknown
     name or option, a `module:function` that does not load) is a ConfigError."""
     from dare_core.config import ConfigError
-    from dare_core.eval.scoring import reward_for
+    from dare_core.rewards.scoring import reward_for
     from dare_core.rewards import REWARDS, RewardError, check_ground_truth, get_reward
 
     if reward != "auto":

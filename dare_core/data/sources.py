@@ -19,9 +19,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 from dare_core.data.schema import DataError, check_ground_truths, read_rows
+from dare_core.data.synthetic import TASKS
 from dare_core.errors import clip
 from dare_core.models.tokenizer import Tokenizer
 from dare_core.rewards.instructions import add_instruction
+from dare_core.rewards.scoring import reward_name_for
 
 # A text of n characters has at least n / (SLACK * longest token) tokens: the longest vocabulary entry
 # covers that many characters at most, and SLACK allows for a normalizer that shortens the text
@@ -51,8 +53,8 @@ def reward_of(cfg: Any, task: str) -> tuple[str, Optional[str]]:
     args = getattr(cfg.rl, "reward_args", None) or None
     if cfg.rl.reward != "auto":
         return cfg.rl.reward, json.dumps(args, sort_keys=True) if args else None
-    from dare_core.eval.scoring import reward_name_for
-
+    if task in TASKS:
+        return TASKS[task].reward, None
     try:
         return reward_name_for({"task": task}), None
     except ValueError:

@@ -19,9 +19,51 @@ from dare_core.diffusion.block import two_stream_logits
 from dare_core.diffusion.masking import Corruption, CorruptionSet
 
 
+# [N, V] temporaries of the entropy are made this many elements at a time (64 MiB in float32)
+ENTROPY_CHUNK_ELEMENTS = 1 << 24
+
+
+class _Entropy(torch.autograd.Function):
+    """H = -sum_v p_v log p_v per row of log-probabilities `logp` [N, V]. Only `logp` is saved for
+    the backward (log_softmax's own backward holds it anyway), p and p log p are recomputed one
+    chunk of rows at a time, so the entropy adds no [N, V] tensor to the graph. Entries of -inf (an
+    excluded token) have p = 0 and contribute nothing, to the value or the gradient."""
+
+    @staticmethod
+    def forward(ctx, logp: torch.Tensor) -> torch.Tensor:
+        out = logp.new_empty(logp.shape[:-1])
+        step = max(1, ENTROPY_CHUNK_ELEMENTS // max(logp.shape[-1], 1))
+        for lo in range(0, logp.shape[0], step):
+            lp = logp[lo:lo + step].clamp_min(torch.finfo(logp.dtype).min)
+            out[lo:lo + step] = -(lp.exp() * lp).sum(-1)
+        ctx.save_for_backward(logp)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (logp,) = ctx.saved_tensors
+        out = torch.empty_like(logp)
+        step = max(1, ENTROPY_CHUNK_ELEMENTS // max(logp.shape[-1], 1))
+        for lo in range(0, logp.shape[0], step):  # dH/dlogp_v = -p_v (1 + log p_v)
+            lp = logp[lo:lo + step].clamp_min(torch.finfo(logp.dtype).min)
+            out[lo:lo + step] = -grad[lo:lo + step, None] * lp.exp() * (1 + lp)
+        return out
+
+
+def entropy_of_logprobs(logp: torch.Tensor) -> torch.Tensor:
+    """The entropy [N] of each row of normalised log-probabilities [N, V] (the distribution the
+    scores come from: tempered, MASK excluded where it is), differentiable, memory-lean."""
+    return _Entropy.apply(logp)
+
+
 def token_logprobs(model, corruption: Corruption, targets: torch.Tensor, attention_mask: torch.Tensor,
-                   temperature: float = 1.0, exclude: Sequence[int] = ()) -> torch.Tensor:
+                   temperature: float = 1.0, exclude: Sequence[int] = (), entropy: bool = False):
     """log softmax(f(noisy)/temperature)[target_i] at every scored position, 0 elsewhere; float32 [B, S].
+
+    `entropy`: also the entropy of that whole distribution softmax(f(noisy)/temperature) at every
+    scored position (0 elsewhere), from the same forward: returns (log-probs, entropies), both
+    [B, S]. Off by default, so the scores cost nothing beyond the target's log-probability.
 
     `exclude`: token ids whose logits are -inf before the softmax. Trajectory scores pass the MASK
     id, because the sampler never draws MASK (its logit is -inf there), so that a replayed score is
@@ -42,21 +84,32 @@ def token_logprobs(model, corruption: Corruption, targets: torch.Tensor, attenti
         logits = logits / temperature
     if len(exclude):
         logits = logits.index_fill(-1, torch.tensor(list(exclude), device=logits.device), float("-inf"))
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[rows][:, None]).squeeze(-1)
-    out = torch.zeros(rows.shape, dtype=torch.float32, device=logits.device)
-    return out.masked_scatter(rows, logp)
+    if not entropy:
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[rows][:, None]).squeeze(-1)
+        out = torch.zeros(rows.shape, dtype=torch.float32, device=logits.device)
+        return out.masked_scatter(rows, logp)
+    full = torch.log_softmax(logits, dim=-1)
+    logp = full.gather(-1, targets[rows][:, None]).squeeze(-1)
+    ent = entropy_of_logprobs(full)
+    zeros = torch.zeros(rows.shape, dtype=torch.float32, device=logits.device)
+    return zeros.masked_scatter(rows, logp), zeros.masked_scatter(rows, ent)
 
 
 def rows_logprobs(model, rows: Sequence[Corruption], targets: torch.Tensor, attention_mask: torch.Tensor,
-                  temperature: float = 1.0, exclude: Sequence[int] = ()) -> torch.Tensor:
-    """token_logprobs of several corruptions of the same batch in one forward: [R, B, S]."""
+                  temperature: float = 1.0, exclude: Sequence[int] = (), entropy: bool = False):
+    """token_logprobs of several corruptions of the same batch in one forward: [R, B, S] (and, with
+    `entropy`, the entropies [R, B, S] as a second result)."""
     if len(rows) == 1:
-        return token_logprobs(model, rows[0], targets, attention_mask, temperature, exclude)[None]
+        out = token_logprobs(model, rows[0], targets, attention_mask, temperature, exclude, entropy)
+        return (out[0][None], out[1][None]) if entropy else out[None]
     tg = [r.targets if r.targets is not None else targets for r in rows]
     stacked = Corruption(torch.cat([r.noisy_ids for r in rows]), torch.cat([r.scored for r in rows]),
                          torch.cat([r.p for r in rows]), None, torch.cat(tg))
-    logp = token_logprobs(model, stacked, targets.repeat(len(rows), 1), attention_mask.repeat(len(rows), 1), temperature, exclude)
-    return logp.view(len(rows), *targets.shape)
+    out = token_logprobs(model, stacked, targets.repeat(len(rows), 1), attention_mask.repeat(len(rows), 1), temperature, exclude,
+                         entropy)
+    if entropy:
+        return out[0].view(len(rows), *targets.shape), out[1].view(len(rows), *targets.shape)
+    return out.view(len(rows), *targets.shape)
 
 
 def elbo_rows(model, rows: Sequence[Corruption], targets: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,22 @@ def replay_rows(input_ids: torch.Tensor, prompt_len: int, step_map: torch.Tensor
     return CorruptionSet(rows)
 
 
+def replay_canvas(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, decoded: torch.Tensor,
+                  step_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sequence a trajectory replay runs on: the batch's prompt, then every column of the
+    rollout record, `decoded` and `step_map` [B, W] with W >= L. Columns past the response (block
+    diffusion's terminal block running past gen_length) are not in the batch, which keeps the
+    response cut for rewards, but the sampler decoded them and the block's other positions attended
+    to them; they are attended here where the record says they were decoded and are padding keys
+    elsewhere (a block the row never reached). Returns (targets, attention_mask), both [B, P+W]."""
+    L = input_ids.shape[1] - prompt_len
+    if step_map.shape[1] < L:
+        raise ValueError(f"the rollout record has {step_map.shape[1]} columns, fewer than the {L} of the response")
+    targets = torch.cat([input_ids[:, :prompt_len], decoded.to(input_ids)], 1)
+    beyond = (step_map[:, L:] > 0).to(attention_mask)
+    return targets, torch.cat([attention_mask, beyond], 1)
+
+
 def ar_rows(input_ids: torch.Tensor, prompt_len: int, valid: torch.Tensor, mask_id: int) -> CorruptionSet:
     """JustGRPO's exact AR states (2.7): row t holds the prompt, y_<t, then MASK from t on, and
     scores position t where it is valid. Scoring all rows gives the exact sequence log-likelihood

@@ -98,7 +98,7 @@ def check_model_folder(path: Union[str, Path], sampler: Optional[dict] = None, b
     """Everything `EvalModel` would reject about a folder, found without reading its weights:
     config.json, the family, every shard's header, the tokenizer, and the sampler settings (`sampler`
     over the family's defaults and the checkpoint's own, then each of `benchmarks` {name: overrides})."""
-    from dare_core.models.registry import inspect_model
+    from dare_core.models.hf_folder import inspect_model
     from dare_core.models.tokenizer import load_tokenizer
 
     model = inspect_model(path)
@@ -138,10 +138,10 @@ class EvalModel:
                  ll_norm: str = "mean", rows_per_forward: int = 8, engine: str = "native",
                  engine_args: Optional[dict] = None, progress: bool = False, model=None, tokenizer=None,
                  defaults: Optional[dict] = None):
-        from dare_core.models.registry import inspect_model, load_model
+        from dare_core.models.hf_folder import inspect_model, load_model
         from dare_core.models.tokenizer import load_tokenizer
         from dare_core.sampling.engines import build_engine
-        from dare_core.training.engine import device as default_device, resolve_dtype
+        from dare_core.devices import device as default_device, resolve_dtype
 
         self.path = Path(path)
         if ll_norm not in ("mean", "sum"):

@@ -4,7 +4,7 @@ See docs/families/dream.md."""
 from __future__ import annotations
 
 from dare_core.models.qwen import qwen_config, qwen_name_map
-from dare_core.models.registry import Family, register_family
+from dare_core.models.family import Family, register_family
 
 
 def config_from_hf(cfg: dict):

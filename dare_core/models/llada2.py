@@ -4,7 +4,7 @@ sigmoid-routed, group-limited MoE with an expert bias (selection only), routed s
 shared expert; block diffusion with block size 32, unshifted logits. See docs/families/llada2.md."""
 from __future__ import annotations
 
-from dare_core.models.registry import Family, register_family
+from dare_core.models.family import Family, register_family
 from dare_core.models.transformer import MoEConfig, TransformerConfig
 
 # <|mask|> and <|endoftext|> of the Ling tokenizer that LLaDA2 and LLaDA-MoE share

@@ -5,7 +5,7 @@ layer sparse). See docs/families/sdar.md."""
 from __future__ import annotations
 
 from dare_core.models.qwen import qwen_config, qwen_name_map
-from dare_core.models.registry import Family, register_family
+from dare_core.models.family import Family, register_family
 from dare_core.models.transformer import MoEConfig
 
 

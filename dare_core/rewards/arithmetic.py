@@ -4,7 +4,8 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-from dare_core.rewards.registry import RewardResult, ground_truth_check, register_reward
+from dare_core.rewards.base import RewardResult
+from dare_core.rewards.registry import ground_truth_check, register_reward
 
 # ASCII digits only: str.isdigit/int() would also accept other scripts' digits.
 _INTEGER = re.compile(r"[+-]?[0-9]+")

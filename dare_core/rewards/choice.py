@@ -13,7 +13,8 @@ import re
 import string
 from typing import Optional
 
-from dare_core.rewards.registry import RewardError, RewardResult, ground_truth_check, register_reward
+from dare_core.rewards.base import RewardError, RewardResult
+from dare_core.rewards.registry import ground_truth_check, register_reward
 
 ALL_LETTERS = string.ascii_uppercase
 _WRAPPED = re.compile(r"[\s*_(\[]*([A-Za-z])[\s*_)\].:]*")

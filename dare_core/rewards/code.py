@@ -30,7 +30,8 @@ import json
 from typing import Any, Optional
 
 from dare_core.rewards.extract import extract_code
-from dare_core.rewards.registry import RewardResult, ground_truth_check, register_reward
+from dare_core.rewards.base import RewardResult
+from dare_core.rewards.registry import ground_truth_check, register_reward
 from dare_core.rewards.sandbox import SandboxLimits, SandboxResult, check_available, run_python
 
 DEFAULT_LIMITS = SandboxLimits()

@@ -12,7 +12,8 @@ import re
 from typing import Callable, Optional
 
 from dare_core.rewards.options import flag, one_of
-from dare_core.rewards.registry import RewardResult, ground_truth_check, register_reward
+from dare_core.rewards.base import RewardResult
+from dare_core.rewards.registry import ground_truth_check, register_reward
 
 _RUN = re.compile(r"\s+")
 WHITESPACE: dict[str, Callable[[str], str]] = {

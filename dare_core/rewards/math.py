@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Optional
 
 from dare_core.rewards.extract import braced, last_boxed, unwrap_boxed
-from dare_core.rewards.registry import RewardResult, register_reward
+from dare_core.rewards.base import RewardResult
+from dare_core.rewards.registry import register_reward
 
 DEFAULT_TIMEOUT = 5.0
 # Importing SymPy and math_verify in a fresh worker; not counted against the per-call limit.

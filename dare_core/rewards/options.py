@@ -6,7 +6,7 @@ from __future__ import annotations
 import numbers
 from typing import Any, Iterable
 
-from dare_core.rewards.registry import RewardError
+from dare_core.rewards.base import RewardError
 
 
 def flag(reward: str, option: str, value: Any) -> bool:

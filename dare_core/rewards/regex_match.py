@@ -10,7 +10,8 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-from dare_core.rewards.registry import RewardError, RewardResult, ground_truth_check, register_reward
+from dare_core.rewards.base import RewardError, RewardResult
+from dare_core.rewards.registry import ground_truth_check, register_reward
 
 MAX_RESPONSE_CHARS = 10_000
 FLAGS = {"i": re.IGNORECASE, "s": re.DOTALL, "m": re.MULTILINE, "x": re.VERBOSE, "a": re.ASCII}

@@ -18,7 +18,8 @@ import re
 from typing import Optional
 
 from dare_core.rewards.extract import last_answer_tag
-from dare_core.rewards.registry import RewardResult, ground_truth_check, register_reward
+from dare_core.rewards.base import RewardResult
+from dare_core.rewards.registry import ground_truth_check, register_reward
 
 FORMATS = ("tag", "plain")
 _DIGITS = re.compile(r"[0-9]")

@@ -22,7 +22,7 @@ import sys
 from typing import Any, Callable, Optional
 
 from dare_core.errors import clip
-from dare_core.rewards.registry import RewardError, RewardFn, RewardResult, accepted_args, check_options
+from dare_core.rewards.base import RewardError, RewardFn, RewardResult, accepted_args, check_options
 
 # reference -> the loaded function: the import and its checks run once per process
 _LOADED: dict[str, Callable] = {}

@@ -71,6 +71,16 @@ class Trajectory:
                     raise ValueError(f"trajectory: steps of row {b}, block at {lo} are not contiguous from 1: {used}")
 
 
+def record_width(gen_length: int, block_size: Optional[int]) -> int:
+    """Response columns of a replay record ("step_map", "decoded"; 6.5). Block diffusion's blocks sit
+    on absolute positions, so a row's terminal block can run up to B_s - 1 columns past gen_length;
+    the sampler decoded those columns and the block's other positions attended to them, so a replay
+    that equals the rollout needs them too (the response itself stays cut at gen_length). Masked
+    diffusion's blocks end with the response. The width depends on the model only, so that records
+    of different rollout chunks concatenate."""
+    return gen_length + (block_size - 1 if block_size else 0)
+
+
 class TrajectoryRecorder:
     """Collects the per-step record while the loop runs; rows are original batch indices."""
 

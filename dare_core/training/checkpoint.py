@@ -306,7 +306,8 @@ def convert_checkpoint(ckpt_dir: Path, out_dir: Path, tokenizer_dir: Optional[Pa
 
     The checkpoint's tensors become the model's (built on the meta device, assigned, no random init
     and no copy), and the export streams them, so the host holds the weights once."""
-    from dare_core.models.registry import build_model, save_model, verify_saved
+    from dare_core.models.lm import build_model
+    from dare_core.models.hf_folder import save_model, verify_saved
 
     state, meta = checkpoint_state_dict(ckpt_dir, tag)
     model = build_model(meta["hf_config"], device="meta")

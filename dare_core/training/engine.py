@@ -21,15 +21,6 @@ def ensure_dist_env() -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-def resolve_dtype(name: str) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float32
-    try:
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "fp32": torch.float32}[name]
-    except KeyError:
-        raise ValueError(f"model.dtype must be auto, float32 or bfloat16, got '{name}'") from None
-
-
 def lr_lambda(cfg: OptimConfig, total_steps: int):
     def fn(step: int) -> float:
         if cfg.warmup_steps and step < cfg.warmup_steps:
@@ -98,9 +89,3 @@ def all_reduce_sum(value):
     t = torch.as_tensor(value, dtype=torch.float64).reshape(-1).to("cuda" if torch.cuda.is_available() else "cpu")
     torch.distributed.all_reduce(t)
     return t.item() if scalar else t.cpu()
-
-
-def device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")

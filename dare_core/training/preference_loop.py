@@ -25,15 +25,16 @@ from dare_core.config import DareConfig
 from dare_core.data.batching import global_batch_indices, pair_batch
 from dare_core.data.lengths import resolve as resolve_lengths
 from dare_core.data.schema import DataError, read_rows
-from dare_core.models.registry import inspect_model, load_model, save_model
+from dare_core.models.hf_folder import inspect_model, load_model, save_model
 from dare_core.storage import atomic_write_json
 from dare_core.training import engine as eng
 from dare_core.training.checkpoint import CheckpointManager, stage_fingerprint
-from dare_core.training.engine import resolve_dtype
+from dare_core import devices
+from dare_core.devices import resolve_dtype
 from dare_core.training.metrics import MetricsLogger, last_logged
 from dare_core.training.preflight import check_outputs, checkpoint_bytes, model_bytes, stage_writes
 from dare_core.training.setup import prepare_for_training, sampler_dict, stage_tokenizer, tokenizer_folder
-from dare_core.training.timing import PhaseTimer, phase_times_requested
+from dare_core.timing import PhaseTimer, phase_times_requested
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +122,7 @@ def run_preference(cfg: DareConfig, progress: bool = True, save_checkpoints: boo
                    phase_times: Optional[bool] = None) -> dict:
     """The preference stage. `save_checkpoints` / `export` off: no training checkpoints / no final
     export (benchmarks); `phase_times`: log where each step's time goes (None: `DARE_PHASE_TIMES`
-    decides; `dare_core.training.timing`)."""
+    decides; `dare_core.timing`)."""
     cfg = resolve_lengths(cfg)  # `auto` lengths, as the prepare stage derived them
     timer = PhaseTimer(phase_times_requested(phase_times))
     pcfg = cfg.preference
@@ -131,7 +132,7 @@ def run_preference(cfg: DareConfig, progress: bool = True, save_checkpoints: boo
     rows, prompts, chosen, rejected, ckpt = plan.rows, plan.prompts, plan.chosen, plan.rejected, plan.ckpt
 
     # every check has passed: from here on the stage may write
-    device = eng.device()
+    device = devices.device()
     with timer.phase("load"):
         policy = prepare_for_training(load_model(preference_start_folder(cfg), dtype=resolve_dtype(cfg.model.dtype), device=device), cfg)
     # the reference: a frozen copy, or with LoRA the policy with its adapter disabled (no copy)

@@ -5,35 +5,33 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import torch
 from tqdm.auto import tqdm
 
-from dare_core.algorithms.base import Batch
-from dare_core.algorithms.common import group_advantages
+from dare_core.batch import Batch
 from dare_core.algorithms.registry import build_algorithm
+from dare_core.algorithms.rollout import RolloutContext, prompt_rows_expanded
 from dare_core.config import ConfigError, DareConfig
 from dare_core.data.batching import global_batch_indices
 from dare_core.data.lengths import resolve as resolve_lengths
 from dare_core.data.schema import DataError, check_ground_truths, read_rows
-from dare_core.diffusion.seeding import sample_generators
-from dare_core.eval.scoring import score_texts
-from dare_core.models.registry import inspect_model, load_model
+from dare_core.models.hf_folder import inspect_model, load_model
 from dare_core.sampling.cache import check_cache_fits
-from dare_core.sampling.decode import decode_responses
-from dare_core.sampling.engines import RolloutEngine, build_engine
+from dare_core.sampling.engines import build_engine
 from dare_core.storage import atomic_write_json
 from dare_core.training import engine as eng
 from dare_core.training.checkpoint import CheckpointManager, stage_fingerprint
-from dare_core.training.engine import resolve_dtype
+from dare_core import devices
+from dare_core.devices import resolve_dtype
 from dare_core.training.metrics import MetricsLogger
 from dare_core.training.preflight import check_outputs, checkpoint_bytes, stage_writes
 from dare_core.training.rl_validation import RLValidator
 from dare_core.training.setup import prepare_for_training, stage_tokenizer
-from dare_core.training.timing import PhaseTimer, phase, phase_times_requested
+from dare_core.timing import PhaseTimer, phase_times_requested
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +51,13 @@ def check_rl_config(cfg: DareConfig, rows_per_prompt: Optional[int] = None) -> N
         # BGPO) recomputes its rows exactly; dropout draws a different mask each time
         raise ValueError(f"rl needs model.lora.dropout: 0 (got {cfg.model.lora['dropout']}): {rl.algorithm}'s ratios and "
                          f"replayed forwards must score the same weights identically")
+    if rl.ref_sync_steps > 0 and cfg.model.lora is not None:
+        # with LoRA the reference is the base model with the adapter disabled (no second copy of the
+        # weights): making it the current policy would mean merging the adapter into the base, i.e.
+        # changing the weights the adapter trains on, which is not a reference sync
+        raise ValueError(f"rl.ref_sync_steps = {rl.ref_sync_steps} needs full fine-tuning: with model.lora the KL reference "
+                         f"is the adapter-disabled base model, which cannot be synced to the policy without merging the "
+                         f"adapter into it; set rl.ref_sync_steps: 0 (the reference stays the base model) or model.lora: null")
     per_prompt = rows_per_prompt or rl.group_size
     rollouts = rl.prompts_per_step * per_prompt
     if rl.group_size < 2:  # also a config check; kept for configs built in code
@@ -63,112 +68,6 @@ def check_rl_config(cfg: DareConfig, rows_per_prompt: Optional[int] = None) -> N
     mini = rollouts // rl.mini_batches
     if rl.micro_batch_size < mini and mini % rl.micro_batch_size:
         raise ValueError(f"rl.micro_batch_size = {rl.micro_batch_size} must divide the mini-batch size {mini}")
-
-
-def record_level(requires: frozenset) -> str:
-    """How much of the denoising trajectory the sampler must keep for an algorithm."""
-    if requires & {"x0_hat", "confidence"}:
-        return "full"
-    return "steps" if requires & {"step_map", "decoded"} else "none"
-
-
-def rollout(sampler: RolloutEngine, model, tokenizer, rows: list[dict], cfg: DareConfig, step: int,
-            requires: frozenset = frozenset()) -> tuple[Batch, dict]:
-    """G samples per prompt, rewarded and turned into a training batch with group advantages."""
-    rl = cfg.rl
-    expanded = prompt_rows_expanded(rows, rl.group_size)
-    uids = [f"{r['uid']}/{g}" for r in rows for g in range(rl.group_size)]
-    prompts = [tokenizer.encode(r["prompt_text"]) for r in expanded]
-    device = next(model.parameters()).device
-    model.eval()
-    outs = []
-    t0 = time.time()
-    for o in range(0, len(prompts), rl.sampler.batch_size):
-        gens = sample_generators((cfg.run.seed, "rollout", step), uids[o:o + rl.sampler.batch_size], device=device)
-        outs.append(sampler.generate(prompts[o:o + rl.sampler.batch_size], rl.sampler, generators=gens, record=record_level(requires)))
-    rollout_s = time.time() - t0
-    model.train()
-    with phase("reward"):
-        batch, metrics = _rewarded_batch(outs, expanded, uids, tokenizer, model, rl, requires, rollout_s)
-    return batch, metrics
-
-
-def _rewarded_batch(outs: list, expanded: list[dict], uids: list, tokenizer, model, rl, requires: frozenset,
-                    rollout_s: float) -> tuple[Batch, dict]:
-    """The rollout chunks as one training batch: decoded, rewarded, with group advantages."""
-    # one common prompt width so that all rollouts form one batch
-    width = max(o.prompt_len for o in outs)
-    seqs, attn, texts, nfe = [], [], [], 0
-    for o in outs:
-        pad = width - o.prompt_len
-        seqs.append(torch.nn.functional.pad(o.sequences, (pad, 0), value=model.pad_token_id))
-        attn.append(torch.nn.functional.pad(o.attention_mask, (pad, 0), value=0))
-        texts += decode_responses(tokenizer, o)
-        nfe += o.nfe
-    input_ids, attention_mask = torch.cat(seqs), torch.cat(attn)
-    results = score_texts(expanded, texts, rl.reward, rl.reward_args)
-    rewards = torch.tensor([r.score for r in results])
-    adv, adv_metrics = group_advantages(rewards, rl.group_size, rl.adv_estimator)
-    response = input_ids[:, width:]
-    # V: up to and including the first stop token (EOS or any of stop_token_ids), as the engine reports
-    lengths = torch.cat([o.lengths.cpu() for o in outs]).to(response.device)
-    valid = (torch.arange(response.shape[1], device=response.device) < lengths[:, None]) & attention_mask[:, width:].bool()
-    batch = Batch(input_ids, attention_mask, width, valid, uids, adv, _records(outs, requires))
-    steps = torch.cat([o.steps.float().cpu() for o in outs])
-    metrics = {
-        "rollout_steps": steps.mean().item(),
-        "rollout_tokens_per_s": attention_mask[:, width:].sum().item() / max(rollout_s, 1e-9),
-        "reward": rewards.mean().item(),
-        "accuracy": sum(r.acc for r in results) / len(results),
-        "response_tokens": valid.sum(-1).float().mean().item(),
-        "extraction_failed": sum(1 for r in results if r.extra.get("extraction_failed")) / len(results),
-        "rollout_nfe": nfe,
-        **adv_metrics,
-    }
-    return batch, metrics
-
-
-def _records(outs: list, requires: frozenset) -> dict:
-    """The trajectory records an algorithm asked for, concatenated over the rollout chunks (per-step
-    records padded to the longest chunk: -1 proposals, NaN confidences)."""
-    records = {}
-    if "step_map" in requires:
-        records["step_map"] = torch.cat([o.step_map for o in outs])
-    if "decoded" in requires:
-        records["decoded"] = torch.cat([o.trajectory.response_tokens(o.response.shape[1]) for o in outs])
-    for key, fill in (("x0_hat", -1), ("confidence", float("nan"))):
-        if key in requires:
-            parts = [getattr(o.trajectory, key) for o in outs]
-            k = max(p.shape[1] for p in parts)
-            records[key] = torch.cat([torch.nn.functional.pad(p, (0, 0, 0, k - p.shape[1]), value=fill) for p in parts])
-    return records
-
-
-def prompt_rows_expanded(rows: list[dict], group_size: int) -> list[dict]:
-    """The prompt row of every rollout, in rollout order."""
-    return [r for r in rows for _ in range(group_size)]
-
-
-@dataclass
-class RolloutContext:
-    """What `RLAlgorithm.prepare` may use beyond the batch: rewarding other token sequences than the
-    final responses (MDPO rewards every step's predicted completion)."""
-
-    tokenizer: object
-    rows: list  # the prompt row of every rollout
-    reward: str
-    reward_args: dict = field(default_factory=dict)  # rl.reward_args
-
-    def rewards(self, rollout_index: list, responses: torch.Tensor) -> torch.Tensor:
-        """Rewards of response ids [N, L] (cut at the first EOS) for the given rollouts' prompts."""
-        eos = self.tokenizer.eos_token_id
-        texts = []
-        for row in responses.tolist():
-            if eos in row:
-                row = row[: row.index(eos)]
-            texts.append(self.tokenizer.decode(row, skip_special_tokens=True))
-        results = score_texts([self.rows[i] for i in rollout_index], texts, self.reward, self.reward_args)
-        return torch.tensor([r.score for r in results], dtype=torch.float32)
 
 
 def chunked_scores(algo, model, batch: Batch, corruption, rows: int) -> torch.Tensor:
@@ -191,6 +90,35 @@ def reference_scores(algo, policy, ref, batch: Batch, corruptions: list, rows: i
         scores = [chunked_scores(algo, policy, batch, c, rows) for c in corruptions]
     policy.train(was_training)
     return scores
+
+
+def sync_reference(ref: torch.nn.Module, policy: torch.nn.Module, zero3: bool = False) -> None:
+    """rl.ref_sync_steps: the frozen reference copy becomes the current policy, in place (its
+    parameters and buffers; ALGORITHMS.md 5.1.7). `policy` is the engine's module, whose weights
+    are what the scores use (under bf16 the module's bf16 weights, not the optimiser's fp32
+    master copy). Under ZeRO-3 each parameter is partitioned across the ranks: it is gathered, one
+    at a time (no rank holds more than the reference plus one full parameter), and copied; ZeRO
+    0-2 keep every parameter whole on every rank."""
+    import contextlib
+
+    gathered = contextlib.nullcontext
+    if zero3:
+        import deepspeed
+
+        gathered = lambda p: deepspeed.zero.GatheredParameters([p], modifier_rank=None)  # noqa: E731
+    ref_params, ref_buffers = dict(ref.named_parameters()), dict(ref.named_buffers())
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            with gathered(p):
+                ref_params[name].copy_(p)
+        for name, b in policy.named_buffers():
+            if name in ref_buffers:
+                ref_buffers[name].copy_(b)
+
+
+def ref_sync_due(step: int, every: int) -> bool:
+    """After RL step `step` (0-based) completes: is the reference synced (every `every` steps)?"""
+    return every > 0 and (step + 1) % every == 0
 
 
 def _val_postfix(val_metrics: dict) -> dict:
@@ -280,7 +208,7 @@ def check_rl_ranks(cfg: DareConfig, rows_per_prompt: int) -> None:
 
 def run_rl(cfg: DareConfig, progress: bool = True, save_checkpoints: bool = True, phase_times: Optional[bool] = None) -> dict:
     """The RL stage. `save_checkpoints` off: no training checkpoints (benchmarks); `phase_times`:
-    log where each step's time goes (None: `DARE_PHASE_TIMES` decides; `dare_core.training.timing`)."""
+    log where each step's time goes (None: `DARE_PHASE_TIMES` decides; `dare_core.timing`)."""
     cfg = resolve_lengths(cfg)  # `auto` lengths, as the prepare stage derived them
     timer = PhaseTimer(phase_times_requested(phase_times))
     with timer.active():
@@ -295,7 +223,7 @@ def _run_rl(cfg: DareConfig, progress: bool, save_checkpoints: bool, timer: Phas
     rows, validator, tokenizer, ckpt = plan.rows, plan.validator, plan.tokenizer, plan.ckpt
 
     # every check has passed: from here on the stage may write
-    device = eng.device()
+    device = devices.device()
     with timer.phase("load"):
         policy = prepare_for_training(load_model(rl_start_folder(cfg), dtype=resolve_dtype(cfg.model.dtype), device=device), cfg)
     ref: Optional[torch.nn.Module] = None
@@ -313,6 +241,15 @@ def _run_rl(cfg: DareConfig, progress: bool, save_checkpoints: bool, timer: Phas
     world, rank = eng.world_size(), eng.rank()
     sampler = build_engine(rl.sampler.engine, engine.module, **rl.sampler.engine_args)
     start = ckpt.begin(engine, "RL")
+    zero3 = engine.zero_optimization_stage() >= 3
+    if ref is not None and rl.ref_sync_steps and start >= rl.ref_sync_steps:
+        # the reference of a resumed run is the policy of its last sync: exact when the checkpoint is
+        # a sync step (the checkpoints do not keep the reference)
+        sync_reference(ref, engine.module, zero3)
+        if start % rl.ref_sync_steps:
+            log.warning("rl.ref_sync_steps = %d: resuming at step %d, between two syncs; the reference is the resumed "
+                        "policy instead of that of step %d (save_every a multiple of ref_sync_steps makes resumes exact)",
+                        rl.ref_sync_steps, start, start - start % rl.ref_sync_steps)
     logger = MetricsLogger(out_dir, resume_step=start, plot_keys=("reward", "accuracy"), enabled=rank == 0)
     validator.open(start, writer=rank == 0)
     trivial_ratio = rl.num_iterations == 1 and rl.mini_batches == 1
@@ -369,6 +306,8 @@ def _run_rl(cfg: DareConfig, progress: bool, save_checkpoints: bool, timer: Phas
                     n_updates += 1
         metrics.update({k: v / max(n_updates, 1) for k, v in update_metrics.items()})
         sampler.update_weights(engine.module)  # the next rollout must see this step's weights
+        if ref is not None and ref_sync_due(step, rl.ref_sync_steps):
+            sync_reference(ref, engine.module, zero3)  # the next step's KL is to this step's policy
         metrics.update(step_time_s=time.time() - t0, rollout_time_s=t_rollout, lr=engine.get_lr()[0])
         # before the checkpoint: a run resumed from it must not validate this step again
         val_metrics = validator(engine.module, tokenizer, step + 1)

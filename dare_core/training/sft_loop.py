@@ -17,15 +17,16 @@ from dare_core.data.batching import global_batch_indices, sft_batch
 from dare_core.data.lengths import resolve as resolve_lengths
 from dare_core.data.schema import DataError, read_rows
 from dare_core.diffusion.seeding import sample_generators
-from dare_core.models.registry import save_model
+from dare_core.models.hf_folder import save_model
 from dare_core.storage import atomic_write_json
 from dare_core.training import engine as eng
 from dare_core.training.checkpoint import CheckpointManager, stage_fingerprint
-from dare_core.training.engine import resolve_dtype
+from dare_core import devices
+from dare_core.devices import resolve_dtype
 from dare_core.training.metrics import MetricsLogger, last_logged
 from dare_core.training.preflight import check_outputs, checkpoint_bytes, model_bytes, stage_writes
 from dare_core.training.setup import initial_model, initial_spec, sampler_dict, stage_tokenizer, tokenizer_folder
-from dare_core.training.timing import PhaseTimer, phase_times_requested
+from dare_core.timing import PhaseTimer, phase_times_requested
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ def run_sft(cfg: DareConfig, progress: bool = True, save_checkpoints: bool = Tru
             phase_times: Optional[bool] = None) -> dict:
     """The SFT stage. `save_checkpoints` / `export` off: no training checkpoints / no final export
     (benchmarks); `phase_times`: log where each step's time goes (None: `DARE_PHASE_TIMES` decides;
-    `dare_core.training.timing`)."""
+    `dare_core.timing`)."""
     cfg = resolve_lengths(cfg)  # `auto` lengths, as the prepare stage derived them
     timer = PhaseTimer(phase_times_requested(phase_times))
     scfg = cfg.sft
@@ -99,7 +100,7 @@ def run_sft(cfg: DareConfig, progress: bool = True, save_checkpoints: bool = Tru
 
     # every check has passed: from here on the stage may write
     with timer.phase("load"):
-        model = initial_model(cfg, tokenizer, eng.device())
+        model = initial_model(cfg, tokenizer, devices.device())
     if eng.planned_rank() == 0 and not cfg.model.path:
         save_model(model, cfg.base_model_dir, extra_files={"tokenizer": tokenizer_folder(cfg)})
     with timer.phase("engine"):
@@ -142,6 +143,10 @@ def run_sft(cfg: DareConfig, progress: bool = True, save_checkpoints: bool = Tru
 
     if loss is None:  # resumed at the last step: nothing trained, the logged loss stands
         loss = last_logged(out_dir, "loss")
+    if scfg.max_steps == 0 and rank == 0:
+        # no SFT: the stage's outputs exist (DVC expects them) and the model is exported unchanged
+        (out_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+        (out_dir / "metrics.jsonl").touch()
     summary = {"final_loss": loss, "steps": scfg.max_steps, "global_batch": global_batch, "wall_s": round(time.time() - t0, 1)}
     if rank == 0:
         if export:

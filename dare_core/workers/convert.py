@@ -5,7 +5,7 @@ import torch
 
 from dare_core.config import DareConfig
 from dare_core.data.lengths import resolve as resolve_lengths
-from dare_core.models.registry import build_model
+from dare_core.models.lm import build_model
 from dare_core.storage import check_free_space, check_writable
 from dare_core.training.checkpoint import convert_checkpoint, latest_checkpoint
 from dare_core.training.preflight import model_bytes

@@ -362,7 +362,7 @@ from dare_core.diffusion.seeding import generator
 from dare_core.config import OptimConfig
 from dare_core.errors import UserError
 from dare_core.models.llada import tiny_config
-from dare_core.models.registry import build_model
+from dare_core.models.lm import build_model
 from dare_core.training import engine as eng
 from dare_core.training.checkpoint import CheckpointManager, Fingerprint
 from dare_core.training.preflight import checkpoint_bytes
@@ -389,7 +389,7 @@ def test_a_full_disk_during_a_checkpoint_leaves_the_last_one_whole(tmp_path: Pat
     UserError naming the disk, leaves no `.tmp-step*` folder, and the first stays `latest`."""
     from dare_core.training.preflight import checkpoint_bytes
     from dare_core.models.llada import tiny_config
-    from dare_core.models.registry import build_model
+    from dare_core.models.lm import build_model
 
     model = build_model(tiny_config(40, 39, 38, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, mlp_hidden_size=128,
                                     max_sequence_length=32), device="meta")

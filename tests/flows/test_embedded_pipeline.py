@@ -44,7 +44,7 @@ def test_flow_runs_every_stage_then_skips(tmp_path):
     assert (oc_run / "summary.md").exists() and len(json.loads((oc_run / "predictions" / "rl" / "arithmetic.json").read_text())) == 40
     assert json.loads((repo / "runs" / "t" / "eval" / "manifest.json").read_text())["benchmarks"][0]["name"] == "task"
     # the converted RL folder is a loadable checkpoint with its tokenizer
-    from dare_core.models.registry import load_model
+    from dare_core.models.hf_folder import load_model
     from dare_core.models.tokenizer import load_tokenizer
 
     model = load_model(repo / "models" / "t")

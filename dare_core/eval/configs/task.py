@@ -1,6 +1,6 @@
 """`task`: a prepared eval file of DARE's own (data/prepared/eval.parquet, or any file in the `eval`
 schema), graded by each row's reward (its `reward`/`reward_args` columns, else its task's; see
-dare_core.eval.scoring). The embedded default evaluates its synthetic task
+dare_core.rewards.scoring). The embedded default evaluates its synthetic task
 through this benchmark, on the same OpenCompass path as the public ones.
 
 The prompt is used as prepared (`prompt_text`, already rendered with the chat template the model
@@ -43,7 +43,7 @@ class PreparedTask(Benchmark):
                  "reward": r.get("reward"), "reward_args": r.get("reward_args")} for r in rows]
 
     def grade(self, row: dict, response: str) -> float:
-        from dare_core.eval.scoring import score_row
+        from dare_core.rewards.scoring import score_row
 
         # `answer` is what a benchmark grades against; scoring reads it as the row's ground truth
         return float(score_row({**row, "ground_truth": row["answer"]}, response).acc)

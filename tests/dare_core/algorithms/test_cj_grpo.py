@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from algo_helpers import make_algo, run_update
-from dare_core.algorithms.base import Batch
+from dare_core.algorithms.cj_grpo import CJGRPO
+from dare_core.batch import Batch
 from dare_core.config import RLConfig
 from rl_reference import plain_logp, ppo
 from rollout_helpers import rollout_batch, sampler_for
@@ -50,24 +51,84 @@ def test_replay_equals_logged_rollout_logprobs(family, remasking, temperature, s
     cs = algo.corrupt(batch, (0, 0, 0))
     with torch.no_grad():
         s = algo.score(model, batch, cs)[:, batch.prompt_len:]
-    logged = _logged(out, 8)
+    logged = _logged(out, s.shape[1])
     scored = cs.scored[:, batch.prompt_len:]
     assert scored.any() and not torch.isnan(logged[scored]).any()
     torch.testing.assert_close(s[scored], logged[scored], atol=1e-5, rtol=0)
 
 
-@pytest.mark.xfail(strict=True, reason="a response block that runs past gen_length: the sampler decodes (and attends to) "
-                   "canvas columns after the response, which the training batch does not keep, so the last block's replay differs")
 def test_replay_of_a_block_straddling_the_canvas_end():
+    """A prompt tail of 3 and gen_length 8: the terminal block holds 3 response positions and one
+    column past gen_length, which the sampler decoded and the block attended to. The record keeps
+    it, so the replay equals the rollout there too, and the response stays cut at gen_length."""
     model = tiny("sdar")
     sp = sampler_for(model, remasking="low_confidence", temperature=1.0, stop_at_eos=False)
     batch, out = rollout_batch(model, sp, n=2, prompt_len=7, record="full", same_length=True)  # a prompt tail of 3
+    assert batch.input_ids.shape[1] == batch.prompt_len + 8 and batch.records["step_map"].shape[1] == 8 + 3
     algo = make_algo("cj_grpo", model, RLConfig(sampler=sp))
     cs = algo.corrupt(batch, (0, 0, 0))
     with torch.no_grad():
         s = algo.score(model, batch, cs)[:, batch.prompt_len:]
     scored = cs.scored[:, batch.prompt_len:]
-    torch.testing.assert_close(s[scored], _logged(out, 8)[scored], atol=1e-5, rtol=0)
+    assert scored[:, 8].all() and not scored[:, 9:].any()  # the column past gen_length is a latent action
+    torch.testing.assert_close(s[scored], _logged(out, s.shape[1])[scored], atol=1e-5, rtol=0)
+
+
+def test_replay_states_of_the_terminal_block_are_the_sampler_states():
+    """Position by position, every replay state equals the sampler's state before that step over
+    the whole window (the terminal block's column past gen_length included), and every token the
+    sampler decoded is scored at exactly its step."""
+    model = tiny("sdar")
+    sp = sampler_for(model, remasking="low_confidence", temperature=1.0, stop_at_eos=False)
+    batch, out = rollout_batch(model, sp, n=2, prompt_len=7, record="steps", same_length=True)
+    algo = make_algo("cj_grpo", model, RLConfig(sampler=sp))
+    cs = algo.corrupt(batch, (0, 0, 0))
+    tr, P, bs = out.trajectory, batch.prompt_len, model.block_size
+    W = batch.records["step_map"].shape[1]
+    for row in range(len(batch)):
+        off = int(tr.response_offset[row])
+        window = tr.tokens.shape[1] - off  # the response and the rest of its terminal block
+        assert window == 8 + 1 and cs.scored.shape[1] >= P + window, "the replay lacks the terminal block's last column"
+        local = tr.block_local_steps()[row]
+        blk_of = torch.arange(tr.tokens.shape[1]) // bs
+        for g, state in enumerate(tr.states(row), start=1):
+            # the block decoded at global step g and its block-local step there
+            at = (tr.step_map[row] == g).nonzero().squeeze(-1)
+            blk, k = int(blk_of[at[0]]), int(local[at[0]])
+            noisy = cs.rows[k - 1].noisy_ids[row, P:P + window]
+            inside = blk_of[off:] == blk
+            assert torch.equal(noisy[inside], state[off:][inside]), (row, g)
+            # the clean context of that step: earlier blocks as the sampler finally had them
+            earlier = blk_of[off:] < blk
+            assert torch.equal(cs.rows[k - 1].targets[row, P:P + window][earlier], tr.tokens[row, off:][earlier])
+            scored_here = cs.rows[k - 1].scored[row, P:P + window] & inside
+            assert torch.equal(scored_here, tr.step_map[row, off:] == g)
+        assert not cs.scored[row, P + window:].any() and (cs.rows[0].noisy_ids[row, P + window:] == MASK).all()
+    assert cs.scored.shape[1] == P + W
+
+
+def test_rl_rollout_records_keep_the_terminal_block_across_chunks():
+    """The RL loop's records: chunks whose prompts leave different tails (so terminal blocks that
+    run 0 to 3 columns past gen_length) concatenate at one width, each row holding what its
+    sampler decoded there."""
+    from dare_core.algorithms.rollout import _records
+    from dare_core.sampling.decode import generate
+
+    model = tiny("sdar")
+    sp = sampler_for(model, stop_at_eos=False)
+    chunks = [[[5, 6, 7, 8]], [[1, 2, 3, 4, 5, 6, 7], [9, 10, 11, 12, 13]]]  # tails 0; 3 and 1
+    outs = [generate(model, p, sp, [torch.Generator().manual_seed(i) for i in range(len(p))], record="steps") for p in chunks]
+    rec = _records(outs, CJGRPO.requires, model.block_size)
+    assert rec["step_map"].shape == rec["decoded"].shape == (3, 8 + 3)
+    assert (rec["step_map"] > 0).sum(-1).tolist() == [8, 9, 11]
+    for o, rows in zip(outs, ([0], [1, 2])):
+        tr = o.trajectory
+        for j, r in enumerate(rows):
+            off = int(tr.response_offset[j])
+            n = tr.tokens.shape[1] - off
+            assert torch.equal(rec["decoded"][r, :n], tr.tokens[j, off:]) and torch.equal(rec["step_map"][r, :n], tr.step_map[j, off:])
+            v = int(o.lengths[j])  # the response (cut at gen_length, EOS after a stop) is the record's start
+            assert torch.equal(rec["decoded"][r, :v], o.response[j, :v])
 
 
 def _rl(sp, **kw):
@@ -119,8 +180,11 @@ def test_bdlm_eq11_loss_by_hand():
     out = run_update(algo, model, batch, cs, old, None, backward=False)
     P = batch.prompt_len
     steps, decoded = batch.records["step_map"].long(), batch.records["decoded"]
+    W = steps.shape[1]
+    assert (steps[:, 8:] > 0).any()  # terminal blocks that run past gen_length: their latents count too
     targets = torch.cat([batch.input_ids[:, :P], decoded], 1)
-    pos = batch.attention_mask.cumsum(-1)[:, P:] - 1
+    attn = torch.cat([batch.attention_mask, (steps[:, 8:] > 0).long()], 1)  # what the sampler decoded
+    pos = attn.cumsum(-1)[:, P:] - 1
     blocks = pos // model.block_size
     local = torch.zeros_like(steps)
     for b in range(len(batch)):
@@ -133,10 +197,10 @@ def test_bdlm_eq11_loss_by_hand():
     lps = {}
     for k in range(1, int(local.max()) + 1):
         state = torch.where((local > 0) & (local < k), decoded, torch.full_like(decoded, MASK))
-        lps[k] = plain_logp(model, torch.cat([batch.input_ids[:, :P], state], 1), targets, batch.attention_mask, 0.9, (MASK,))
+        lps[k] = plain_logp(model, torch.cat([batch.input_ids[:, :P], state], 1), targets, attn, 0.9, (MASK,))
     for b in range(len(batch)):
         transitions = {}
-        for i in range(8):
+        for i in range(W):
             if steps[b, i] > 0:
                 k = int(local[b, i])
                 r = math.exp(lps[k][b, P + i].item() - old[b, P + i].item())

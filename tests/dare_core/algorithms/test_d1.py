@@ -5,7 +5,7 @@ import torch
 
 from algo_helpers import make_algo, run_update
 from conftest import make_tiny_llada
-from dare_core.algorithms.base import Batch
+from dare_core.batch import Batch
 from dare_core.config import RLConfig
 from dare_core.diffusion.masking import valid_region
 

@@ -17,7 +17,8 @@ from dare_core.algorithms.d_tree_rpo import (
     sd_tau,
 )
 from dare_core.config import DareConfig, RLConfig, SamplerConfig
-from dare_core.rewards.registry import REWARDS, RewardResult
+from dare_core.rewards.registry import REWARDS
+from dare_core.rewards.base import RewardResult
 from dare_core.sampling.decode import generate
 from dare_core.sampling.tree import TreeOutput, branch_points, tree_rollout, tree_shape
 
@@ -395,8 +396,13 @@ def test_ratio_is_one_first_update_and_not_second():
 def test_configuration_errors():
     model = make_tiny_llada()
     with pytest.raises(ValueError, match="rl.group_size must equal the leaves per prompt .*: 16"):
-        make_algo("d_tree_rpo", model, _rl(group_size=8))
+        make_algo("d_tree_rpo", model, _rl(group_size=8), num_tree_samples=4)
     assert make_algo("d_tree_rpo", model, _rl(group_size=16)).rows_per_prompt == 20
+    # num_tree_samples unset: the group is the leaves (8 = 2 roots x 4^1; 16 = 4 x 4^1)
+    assert make_algo("d_tree_rpo", model, _rl(group_size=8)).options.num_tree_samples == 2
+    assert make_algo("d_tree_rpo", model, _rl(group_size=16)).options.num_tree_samples == 4
+    with pytest.raises(ValueError, match="not a whole number of root subtrees of 4 leaves"):
+        make_algo("d_tree_rpo", model, _rl(group_size=6))
     bad = _rl(group_size=16)
     bad.sampler = SamplerConfig(gen_length=8, steps=8, block_length=8, cache="dual")
     with pytest.raises(ValueError, match="cache: none"):

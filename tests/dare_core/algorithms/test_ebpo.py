@@ -1,13 +1,13 @@
 """EBPO (ALGORITHMS.md 2.4, 5.9): the per-block composite ELBO as a sum of block terms scored by plain
 per-block forwards, one sequence ratio exp(S - S_old) clipped in log space, ratio 1 at theta_old, no
-overflow at |dS| = 1e3, block-diffusion only."""
+overflow at |dS| = 1e3; on a masked diffusion model the response is one block."""
 import math
 
 import pytest
 import torch
 
 from algo_helpers import make_algo, run_update
-from dare_core.algorithms.base import Batch
+from dare_core.batch import Batch
 from dare_core.config import RLConfig, SamplerConfig
 from dare_core.diffusion.masking import valid_region
 from dare_core.diffusion.mc_laws import response_blocks
@@ -38,7 +38,10 @@ def _rl(**kw):
 def _composite(model, batch, cs):
     """E_j = sum_b sum_{i in S_jb} |R_b|/m_jb log p(y_i | clean blocks < b, noisy block b): [B, N]."""
     P = batch.prompt_len
-    blocks = response_blocks(batch.attention_mask, P, model.block_size, "global")
+    if model.block_size is None:  # masked diffusion: the response is one block
+        blocks = torch.zeros_like(batch.response_mask, dtype=torch.long)
+    else:
+        blocks = response_blocks(batch.attention_mask, P, model.block_size, "global")
     out = torch.zeros(len(batch), len(cs), dtype=torch.float64)
     for j, r in enumerate(cs.rows):
         lp = plain_logp(model, r.noisy_ids, batch.input_ids, batch.attention_mask)
@@ -54,9 +57,9 @@ def _composite(model, batch, cs):
     return out
 
 
-@pytest.mark.parametrize("kl_beta", [0.0, 0.05])
-def test_loss_by_hand(kl_beta):
-    model = tiny("sdar")
+@pytest.mark.parametrize("family,kl_beta", [("sdar", 0.0), ("sdar", 0.05), ("llada", 0.05)])
+def test_loss_by_hand(family, kl_beta):
+    model = tiny(family)
     algo = make_algo("ebpo", model, _rl(kl_beta=kl_beta, kl_estimator="k3"), mc_num=3)
     batch = _batch()
     cs = algo.corrupt(batch, (0, 0, 0))
@@ -93,8 +96,15 @@ def test_ratio_one_at_theta_old_and_no_overflow():
             assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None), (shift, dual)
 
 
-def test_block_family_and_block_size_checked():
-    with pytest.raises(ValueError, match="block"):
-        make_algo("ebpo", tiny("llada"), _rl())
+def test_masked_model_one_block_and_block_size_checked():
+    algo = make_algo("ebpo", tiny("llada"), _rl(), mc_num=4)
+    batch = _batch()
+    cs = algo.corrupt(batch, (0, 0, 0))
+    counts = torch.stack([r.scored[:, batch.prompt_len:].sum(-1) for r in cs.rows], 1)  # [B, N]
+    for b in range(len(batch)):
+        size = int(batch.response_mask[b].sum())
+        # one cell per row, stratified over the N rows: the counts m are spread over {1..|R|}
+        assert counts[b].min() >= 1 and counts[b].max() <= size
+        assert len(set(counts[b].tolist())) > 1
     with pytest.raises(ValueError, match="block_length"):
         make_algo("ebpo", tiny("sdar"), _rl(sampler=SamplerConfig(gen_length=8, steps=8, block_length=8, temperature=1.0)))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from algo_helpers import make_algo, run_update
-from dare_core.algorithms.base import Batch
+from dare_core.batch import Batch
 from dare_core.config import RLConfig, SamplerConfig
 from dare_core.diffusion.masking import valid_region
 from rl_reference import plain_logp, ppo

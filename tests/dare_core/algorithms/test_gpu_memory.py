@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from algo_helpers import make_algo, run_update
-from dare_core.algorithms.base import Batch
+from dare_core.batch import Batch
 from dare_core.config import RLConfig
 from dare_core.diffusion.masking import valid_region
 from dare_core.sampling.params import SamplingParams
@@ -15,7 +15,8 @@ B, P, L = 8, 64, 256
 
 
 def _model(block: bool):
-    from dare_core.models.registry import build_model, get_family
+    from dare_core.models.lm import build_model
+    from dare_core.models.family import get_family
     from tiny_models import EOS, MASK, VOCAB
 
     if block:

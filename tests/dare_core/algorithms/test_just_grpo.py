@@ -6,7 +6,11 @@ import pytest
 import torch
 
 from algo_helpers import make_algo, run_update
-from dare_core.config import RLConfig, SamplerConfig
+from dare_core.algorithms.just_grpo import left_to_right
+from dare_core.config import DareConfig, RLConfig, SamplerConfig
+from dare_core.rewards.base import RewardResult
+from dare_core.rewards.registry import REWARDS
+from dare_core.sampling.engines import build_engine
 from rl_reference import plain_logp, ppo
 from rollout_helpers import rollout_batch
 from single_thread import one_intra_op_thread  # noqa: F401
@@ -65,8 +69,7 @@ def test_loss_by_hand():
     assert float(out.loss) == pytest.approx(sum(terms) / len(terms), rel=1e-4, abs=1e-6)
 
 
-@pytest.mark.parametrize("bad", [{"cache": "prefix"}, {"cache": "dual"}, {"block_length": 2}, {"steps": 16, "schedule": "dream"},
-                                 {"temperature": 0.0}, {"top_k": 5}, {"top_p": 0.9}])
+@pytest.mark.parametrize("bad", [{"cache": "prefix"}, {"cache": "dual"}, {"temperature": 0.0}, {"top_k": 5}, {"top_p": 0.9}])
 def test_refuses_samplers_it_cannot_be_exact_for(bad):
     with pytest.raises(ValueError, match="just_grpo"):
         make_algo("just_grpo", tiny("llada"), RLConfig(sampler=_sampler(**bad)))
@@ -75,3 +78,36 @@ def test_refuses_samplers_it_cannot_be_exact_for(bad):
 def test_masked_families_only():
     with pytest.raises(ValueError, match="masked"):
         make_algo("just_grpo", tiny("sdar"), RLConfig(sampler=_sampler()))
+
+
+class _Tokenizer:
+    eos_token_id = 62
+
+    def encode(self, text):
+        return [1 + (ord(c) % 30) for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(str(i) for i in ids)
+
+
+def _any_reward(text, ground_truth, extra=None):
+    return RewardResult(float(len(text) % 2), 0.0, None)
+
+
+REWARDS.setdefault("test_just_grpo_any", _any_reward)
+
+
+def test_rollouts_are_left_to_right_whatever_the_sampler_says():
+    """The configured sampler decodes 8 positions in one block in 4 steps; the algorithm's rollout
+    still commits one position per step, in order (its definition), and validation keeps rl.sampler."""
+    model = tiny("llada")
+    sp = _sampler(block_length=8, steps=4)
+    rl = RLConfig(sampler=sp, group_size=2, reward="test_just_grpo_any")
+    algo = make_algo("just_grpo", model, rl)
+    algo.requires = frozenset({"step_map"})  # ask the rollout to record when each position was decoded
+    rows = [{"uid": "a", "prompt_text": "12+3=", "ground_truth": "15"}, {"uid": "b", "prompt_text": "7+2=", "ground_truth": "9"}]
+    batch, metrics = algo.rollout(build_engine("native", model), model, _Tokenizer(), rows, DareConfig(rl=rl), step=0)
+    assert len(batch) == 4 and metrics["rollout_steps"] == 8
+    order = torch.arange(1, 9).expand(4, 8)
+    assert torch.equal(batch.records["step_map"][batch.response_mask].long(), order[batch.response_mask])
+    assert left_to_right(sp).block_length == 1 and left_to_right(sp).steps == 8 and rl.sampler.block_length == 8

@@ -26,8 +26,11 @@ def test_params_yaml_builds_every_algorithm(name):
 
 
 def test_special_rollouts_say_what_they_need():
-    cfg = load_config("params.yaml", ["rl.algorithm=just_grpo"])
-    with pytest.raises(ValueError, match="block_length: 1"):
+    # params.yaml's sampler as it is builds (just_grpo rolls out left to right itself) ...
+    build_algorithm(load_config("params.yaml", ["rl.algorithm=just_grpo"]).rl, make_tiny_llada())
+    # ... but a cache it cannot score exactly is refused, naming the setting
+    cfg = load_config("params.yaml", ["rl.algorithm=just_grpo", "rl.sampler.cache=prefix"])
+    with pytest.raises(ValueError, match="cache: none"):
         build_algorithm(cfg.rl, make_tiny_llada())
 
 

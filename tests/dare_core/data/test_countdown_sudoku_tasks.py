@@ -2,9 +2,9 @@ import random
 
 import pytest
 
-from dare_core.data.tasks import TASKS, get_task
-from dare_core.data.tasks.countdown import reachable
-from dare_core.data.tasks.sudoku import all_solutions, count_solutions, is_valid_solution
+from dare_core.data.synthetic import TASKS, get_task
+from dare_core.data.synthetic.countdown import reachable
+from dare_core.data.synthetic.sudoku import all_solutions, count_solutions, is_valid_solution
 from dare_core.rewards import compute_reward
 from dare_core.rewards.countdown import evaluate, parse_ground_truth
 

@@ -1,6 +1,6 @@
 import pytest
 
-from dare_core.data.tasks import TASKS, get_task
+from dare_core.data.synthetic import TASKS, get_task
 
 
 def test_unknown_task_lists_known():

@@ -280,7 +280,7 @@ def test_coupled_constant_logit_stub():
     """With logits that ignore the input, s_i = 1/2 (1 + w_i) log q_i: each token's weight is
     applied in exactly one of the A/B passes, plus the F pass."""
     from algo_helpers import make_algo
-    from dare_core.algorithms.base import Batch
+    from dare_core.batch import Batch
 
     class Stub:
         block_size, mask_token_id, eos_token_id = None, MASK, EOS

@@ -1,8 +1,9 @@
 """Trajectory corruptions (ALGORITHMS.md 2.6, 2.7): replay rows are the sampler's own states before
 each step, every committed valid token is scored exactly once; AR rows are prompt, y_<t, then MASK."""
+import pytest
 import torch
 
-from dare_core.diffusion.replay import ar_rows, block_local, replay_rows
+from dare_core.diffusion.replay import ar_rows, block_local, replay_canvas, replay_rows
 from rollout_helpers import rollout_batch, sampler_for
 from single_thread import one_intra_op_thread  # noqa: F401
 from tiny_models import tiny
@@ -49,6 +50,22 @@ def test_replay_keeps_the_tail_as_decoded():
     assert cs.rows[1].scored.tolist() == [[False, False, True, False, False, False]]
 
 
+def test_replay_canvas_appends_the_record_columns_past_the_response():
+    """Columns of the record past the response (a block-diffusion terminal block running past
+    gen_length) join the replay, attended where the sampler decoded them, padding keys elsewhere."""
+    ids = torch.tensor([[0, 1, 2, 5, 6], [3, 4, 2, 7, 8]])
+    attn = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
+    decoded = torch.tensor([[5, 6, 9, MASK], [7, 8, MASK, MASK]])
+    steps = torch.tensor([[1, 2, 2, 0], [2, 1, 0, 0]])
+    targets, wide = replay_canvas(ids, attn, 3, decoded, steps)
+    assert targets.tolist() == [[0, 1, 2, 5, 6, 9, MASK], [3, 4, 2, 7, 8, MASK, MASK]]
+    assert wide.tolist() == [[0, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 0, 0]]
+    same, kept = replay_canvas(ids, attn, 3, decoded[:, :2], steps[:, :2])  # a record of the response only
+    assert torch.equal(same, ids) and torch.equal(kept, attn)
+    with pytest.raises(ValueError, match="fewer than"):
+        replay_canvas(ids, attn, 3, decoded[:, :1], steps[:, :1])
+
+
 def test_ar_rows():
     P, L = 3, 5
     ids = torch.arange(1, P + L + 1)[None].repeat(2, 1)
@@ -76,9 +93,13 @@ def test_block_local_matches_the_rollout_record():
     batch, out = rollout_batch(model, sp, n=3, prompt_len=8, record="steps")  # prompts of 7 and 8 tokens
     from dare_core.diffusion.mc_laws import response_blocks
 
-    blocks = response_blocks(batch.attention_mask, batch.prompt_len, model.block_size, "global")
-    local = block_local(batch.records["step_map"].long(), blocks)
+    steps = batch.records["step_map"].long()
+    W = steps.shape[1]  # the record keeps the terminal block whole, past gen_length
+    assert W == 8 + model.block_size - 1 and (steps[:, 8:] > 0).any()
+    _, attn = replay_canvas(batch.input_ids, batch.attention_mask, batch.prompt_len, batch.records["decoded"], steps)
+    blocks = response_blocks(attn, batch.prompt_len, model.block_size, "global")
+    local = block_local(steps, blocks)
     traj = out.trajectory
-    idx = traj.response_offset[:, None] + torch.arange(8)
+    idx = traj.response_offset[:, None] + torch.arange(W)
     want = traj.block_local_steps().gather(1, idx.clamp(max=traj.step_map.shape[1] - 1)).masked_fill(idx >= traj.step_map.shape[1], 0)
     assert torch.equal(local, want.long())

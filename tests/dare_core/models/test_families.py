@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dare_core.diffusion.seeding import generator
-from dare_core.models.registry import load_model, save_model
+from dare_core.models.hf_folder import load_model, save_model
 from tiny_models import FAMILIES, tiny
 
 @pytest.mark.parametrize("model_type", FAMILIES)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from conftest import make_tiny_llada
-from dare_core.models.registry import ModelLoadError, build_model, load_model, save_model
+from dare_core.models.hf_folder import ModelLoadError, load_model, save_model
+from dare_core.models.lm import build_model
 from reference_metadata import config as reference_config, index as reference_index
 
 

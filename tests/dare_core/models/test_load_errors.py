@@ -11,8 +11,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from dare_core.errors import ModelLoadError, UserError
-from dare_core.models import registry
-from dare_core.models.registry import build_model, inspect_model, load_model, save_model
+from dare_core.models import hf_folder
+from dare_core.models.lm import build_model
+from dare_core.models.hf_folder import inspect_model, load_model, save_model
 from tiny_models import EOS, tiny
 
 REF = Path(__file__).resolve().parents[4] / "shared" / "reference" / "checkpoints"
@@ -129,7 +130,7 @@ def test_config_lacking_a_field(folder):
 def test_error_in_a_reader_thread_is_a_model_load_error(folder, monkeypatch):
     """Damage that only reading finds (here: the header check skipped) fails in a reader thread
     and reaches the caller as the ModelLoadError raised there."""
-    monkeypatch.setattr(registry, "_check_header", lambda *args: None)
+    monkeypatch.setattr(hf_folder, "_check_header", lambda *args: None)
     shard = _second_shard(folder)
     name = sorted(load_file(shard))[0]
     _rewrite(shard, lambda t: t.pop(name))
@@ -178,5 +179,5 @@ def test_real_configs_without_a_mask_id_get_the_family_ids(name, mask_id, eos_id
     model = build_model(config, device="meta")  # as from a folder without tokenizer files
     assert (model.mask_token_id, model.eos_token_id) == (mask_id, eos_id)
     # the family's ids are the ones the real tokenizer files give, where they give any
-    from_tokenizer = registry.tokenizer_token_ids(REF / name)
+    from_tokenizer = hf_folder.tokenizer_token_ids(REF / name)
     assert from_tokenizer.get("mask_token_id", mask_id) == mask_id and from_tokenizer.get("eos_token_id", eos_id) == eos_id

@@ -5,7 +5,7 @@ import torch
 
 from dare_core.diffusion.seeding import generator
 from dare_core.models.lora import LoraSettings, adapter_disabled, apply_lora, lora_layers, merged_state_dict
-from dare_core.models.registry import build_model
+from dare_core.models.lm import build_model
 from tiny_models import FAMILIES, tiny
 
 
@@ -37,7 +37,7 @@ def test_lora_targets_fresh_adapter_and_disable(model_type):
 def test_adapter_is_made_on_the_weights_device():
     """A model on the meta device (the stages' checks) gets its adapter without drawing anything on
     the host: an 8B model's r = 128 adapter drawn there and copied over cost seconds of start-up."""
-    from dare_core.models.registry import get_family
+    from dare_core.models.family import get_family
     from tiny_models import EOS, MASK, SMALL, VOCAB
 
     cfg = get_family("llada").tiny_config(VOCAB, MASK, EOS, **SMALL["llada"])

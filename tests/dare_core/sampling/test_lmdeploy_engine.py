@@ -175,7 +175,9 @@ def test_build_engine_without_lmdeploy_says_how_to_install(monkeypatch):
 @pytest.mark.gpu
 def test_tiny_sdar_through_lmdeploy(tmp_path):
     pytest.importorskip("lmdeploy")
-    from dare_core.models.registry import build_model, get_family, save_model
+    from dare_core.models.lm import build_model
+    from dare_core.models.family import get_family
+    from dare_core.models.hf_folder import save_model
 
     # lmdeploy hard-codes SDAR's mask id, so the tiny model needs a vocabulary that holds it
     eos = 151643

@@ -45,7 +45,7 @@ def test_lora_sft_rl_convert(tmp_path):
         assert r.returncode == 0, (stage, r.stderr[-3000:])
     import torch
 
-    from dare_core.models.registry import load_model
+    from dare_core.models.hf_folder import load_model
 
     base, sft, rl = (load_model(p) for p in (tmp_path / "runs/t/base", tmp_path / "runs/t/sft/model", tmp_path / "models/t"))
     x = torch.randint(0, 20, (1, 8))

@@ -51,7 +51,7 @@ def test_preference_stage_trains_exports_and_resumes(tmp_path):
     assert math.isfinite(summary["final_loss"])
     assert (out / "loss.csv").read_text().startswith("step,loss") and (out / "reward_accuracy.csv").exists()
 
-    from dare_core.models.registry import load_model
+    from dare_core.models.hf_folder import load_model
     from dare_core.models.tokenizer import load_tokenizer
 
     model, tok = load_model(out / "model"), load_tokenizer(out / "model")
@@ -90,7 +90,7 @@ def test_elbo_dpo_with_lora(tmp_path):
     assert rows[0]["reward_margin"] != 0.0  # independent reference masks: noisy from the first step
     summary = json.loads((tmp_path / "metrics" / "preference.json").read_text())
     assert summary["algorithm"] == "elbo_dpo" and not summary["shared_masks"] and not summary["stratified"]
-    from dare_core.models.registry import load_model
+    from dare_core.models.hf_folder import load_model
 
     load_model(tmp_path / "runs/t/preference/model")  # merged weights: a plain checkpoint
 

@@ -4,8 +4,8 @@ import time
 
 import pytest
 
-from dare_core.training import timing
-from dare_core.training.timing import PhaseTimer, phase, phase_times_requested
+from dare_core import timing
+from dare_core.timing import PhaseTimer, phase, phase_times_requested
 
 
 @pytest.fixture

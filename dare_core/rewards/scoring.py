@@ -4,14 +4,17 @@ benchmark all grade through here, so "correct" means the same thing everywhere.
 Which reward grades a row, first match wins:
 1. the configured one (rl.reward, with rl.reward_args) unless it is "auto";
 2. the row's own `reward` column (a name or `module:function`), with its `reward_args` column;
-3. its task's reward (with the row's `reward_args`, if it has them), else a reward named like the task.
+3. a reward named like the row's task (with the row's `reward_args`, if it has them).
+Data preparation fills the `reward` column of every row it writes (a synthetic task's from its
+registration, `dare_core.data.sources`), so prepared rows always match at 1 or 2.
 """
 from __future__ import annotations
 
 import json
 from typing import Any, Mapping, Optional, Sequence
 
-from dare_core.rewards import REWARDS, RewardResult, compute_reward
+from dare_core.rewards.base import RewardResult
+from dare_core.rewards.registry import REWARDS, compute_reward
 
 
 def parse_reward_args(text: Optional[str]) -> dict:
@@ -41,11 +44,7 @@ def reward_for(row: dict, configured: str = "auto", configured_args: Optional[Ma
         return configured, dict(configured_args or {})
     if row.get("reward"):
         return row["reward"], row_reward_args(row)
-    from dare_core.data.tasks import TASKS
-
     task = row.get("task", "")
-    if task in TASKS:
-        return TASKS[task].reward, row_reward_args(row)
     if task in REWARDS:
         return task, row_reward_args(row)
     raise ValueError(f"row {row.get('uid')}: no reward for task '{task}' (set rl.reward explicitly)")

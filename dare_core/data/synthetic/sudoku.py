@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 from functools import lru_cache
 
-from dare_core.data.tasks import register_task
+from dare_core.data.synthetic.registry import register_task
 from dare_core.rewards.sudoku import FORMATS, format_ground_truth
 
 SIZE, BOX = 4, 2

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import random
 
-from dare_core.data.tasks import register_task
+from dare_core.data.synthetic.registry import register_task
 
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 

@@ -21,7 +21,7 @@ from fractions import Fraction
 from itertools import product
 from typing import Optional
 
-from dare_core.data.tasks import register_task
+from dare_core.data.synthetic.registry import register_task
 from dare_core.rewards.countdown import FORMATS, evaluate, format_ground_truth
 
 _PRECEDENCE = {"+": 1, "-": 1, "*": 2, "/": 2}

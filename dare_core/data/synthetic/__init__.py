@@ -7,23 +7,7 @@ compares against) and `task`. It may also define `num_distinct(**task_args) -> i
 of different problems it can produce, so data preparation can say why a split cannot be filled.
 Generation draws only from `random.Random(seed)`, never from the global RNG.
 """
-from __future__ import annotations
+from dare_core.data.synthetic import arithmetic, countdown, sudoku  # noqa: F401  (registration)
+from dare_core.data.synthetic.registry import TASKS, get_task, register_task
 
-from typing import Any, Callable
-
-from dare_core.registry import Registry
-
-TASKS = Registry("task")
-
-
-def register_task(name: str) -> Callable[[type], type]:
-    return TASKS.register(name, set_name=True)
-
-
-def get_task(name: str) -> Any:
-    """An instance of the task registered as `name`."""
-    return TASKS.lookup(name)()
-
-
-# Imported for registration; after register_task exists so the module can use it.
-from dare_core.data.tasks import arithmetic, countdown, sudoku  # noqa: E402,F401
+__all__ = ["TASKS", "get_task", "register_task"]

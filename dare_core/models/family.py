@@ -1,0 +1,79 @@
+"""Model families by `model_type`: what differs between LLaDA, Dream, SDAR and LLaDA2 (config
+mapping, parameter names, attention pattern, logit alignment); everything else is the shared
+transformer. Each family file registers itself; importing `dare_core.models` imports them all."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from dare_core.errors import ModelLoadError
+from dare_core.models.transformer import TransformerConfig
+from dare_core.registry import Registry
+
+FAMILIES = Registry("model_type", error=ModelLoadError)
+
+
+@dataclass
+class Family:
+    """What differs between model families; everything else is the shared transformer."""
+
+    model_type: str
+    config_from_hf: Callable[[dict], TransformerConfig]
+    # (generic name template, checkpoint name template) pairs; `{i}` is the layer, `{e}` the expert index
+    name_map: list[tuple[str, str]]
+    shift_logits: bool = False
+    # block diffusion: attention is block-causal with this default block size (config "block_size"
+    # overrides it); None means fully bidirectional (masked diffusion)
+    block_size: Optional[int] = None
+    # (vocab_size, mask_id, eos_id, pad_id, **sizes) -> config.json dict of a from-scratch model
+    tiny_config: Optional[Callable[..., dict]] = None
+    # a family whose model_type is shared by another layout picks it from the config (LLaDA-MoE
+    # says model_type "llada" like LLaDA-8B): config -> the Family that really applies
+    variant: Optional[Callable[[dict], "Family"]] = None
+    # config.json keys holding special token ids
+    token_id_keys: dict = field(default_factory=lambda: {"mask": "mask_token_id", "eos": "eos_token_id", "pad": "pad_token_id"})
+    # the family's published special ids ("mask"/"eos" -> id), for a config that leaves them out and a
+    # folder whose tokenizer files do not name them (SDAR-30B-A3B's and LLaDA2's config.json carry
+    # no mask id; LLaDA2's no eos id either)
+    default_token_ids: dict[str, int] = field(default_factory=dict)
+
+    def with_default_token_ids(self, hf_config: dict) -> dict:
+        """A copy of `hf_config` with each special id it lacks (absent or null) set to the family's."""
+        out = dict(hf_config)
+        for role, token_id in self.default_token_ids.items():
+            if out.get(self.token_id_keys[role]) is None:
+                out[self.token_id_keys[role]] = token_id
+        return out
+
+    def to_hf_name(self, name: str) -> str:
+        return _translate(name, self.name_map, 0, 1, self.model_type)
+
+    def from_hf_name(self, name: str) -> str:
+        return _translate(name, self.name_map, 1, 0, self.model_type)
+
+
+def _template_regex(template: str) -> re.Pattern:
+    """"layers.{i}.mlp.experts.{e}.up_proj.weight" -> a regex with one numeric group per field."""
+    return re.compile(re.sub(r"\\\{(\w+)\\\}", r"(?P<\1>\\d+)", re.escape(template)))
+
+
+def _translate(name: str, name_map: list[tuple[str, str]], src: int, dst: int, model_type: str) -> str:
+    for pair in name_map:
+        m = _template_regex(pair[src]).fullmatch(name)
+        if m:
+            return pair[dst].format(**m.groupdict())
+    raise KeyError(f"{model_type}: no mapping for parameter '{name}'")
+
+
+def register_family(family: Family) -> Family:
+    return FAMILIES.register(family.model_type)(family)
+
+
+def get_family(model_type: str) -> Family:
+    return FAMILIES.lookup(model_type)
+
+
+def family_of(hf_config: dict) -> Family:
+    family = get_family(hf_config.get("model_type", "<missing>"))
+    return family.variant(hf_config) if family.variant is not None else family
