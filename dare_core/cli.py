@@ -16,7 +16,7 @@ import sys
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
-    from dare_core.config import DareConfig
+    from dare_core.config import DareConfig, LaunchConfig
 
 STAGES = {
     # name: (worker module, needs the distributed launcher)
@@ -29,20 +29,35 @@ STAGES = {
 }
 
 
-def launch_command(module: str, launcher: str, nproc: int, worker_args: list[str]) -> list[str]:
-    """The command that starts `module` on every rank."""
+def launch_command(module: str, launch: LaunchConfig, worker_args: list[str]) -> list[str]:
+    """The command that starts `module` on every rank (`launch.nproc` per node). Under torchrun or
+    the deepspeed launcher each rank runs `dare_core.workers.common`, which runs the worker and
+    names the rank in the error when the worker is killed (workers/common.py `run_rank`)."""
     from dare_core.config import ConfigError
 
-    if launcher == "local":
-        if nproc != 1:
+    if launch.launcher == "local":
+        if launch.nproc != 1:
             raise ConfigError("launch.launcher 'local' runs one process; use torchrun or deepspeed for launch.nproc > 1")
         return [sys.executable, "-m", module, *worker_args]
-    if launcher == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", module, *worker_args]
-    if launcher == "deepspeed":
-        exe = shutil.which("deepspeed") or "deepspeed"
-        return [exe, f"--num_gpus={nproc}", "--module", module, *worker_args]
-    raise ConfigError(f"unknown launch.launcher '{launcher}' (local | torchrun | deepspeed)")
+    rank = ["dare_core.workers.common", module]
+    if launch.launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run"]
+        if launch.nnodes == 1 and launch.master_addr is None and launch.master_port is None:
+            cmd.append("--standalone")  # a free port on this machine
+        else:
+            cmd += [f"--nnodes={launch.nnodes}", f"--node_rank={launch.node_rank}",
+                    f"--master_addr={launch.master_addr or '127.0.0.1'}", f"--master_port={launch.master_port or 29500}"]
+        return [*cmd, f"--nproc_per_node={launch.nproc}", "-m", *rank, *worker_args]
+    if launch.launcher == "deepspeed":
+        cmd = [shutil.which("deepspeed") or "deepspeed"]
+        # no hostfile: DeepSpeed's default (/job/hostfile) must not turn a one-node run into several
+        cmd.append(f"--hostfile={launch.hostfile or os.devnull}")
+        if launch.master_addr is not None:
+            cmd.append(f"--master_addr={launch.master_addr}")
+        if launch.master_port is not None:
+            cmd.append(f"--master_port={launch.master_port}")
+        return [*cmd, f"--num_gpus={launch.nproc}", "--module", *rank, *worker_args]
+    raise ConfigError(f"unknown launch.launcher '{launch.launcher}' (local | torchrun | deepspeed)")
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
@@ -63,7 +78,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
     from dare_core.training.threads import launcher_env
 
     cfg = load_config(args.params, args.set)
-    cmd = launch_command(module, cfg.launch.launcher, cfg.launch.nproc, worker_args)
+    cmd = launch_command(module, cfg.launch, worker_args)
     # each rank starts with its share of the cores (torchrun would otherwise give every rank one)
     env = launcher_env(cfg.launch.threads, cfg.launch.nproc, os.environ)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")

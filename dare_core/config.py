@@ -160,13 +160,43 @@ class LaunchConfig:
     # torch CPU threads per rank: auto = physical cores available / local ranks (an explicit
     # OMP_NUM_THREADS wins over auto); an int wins over both (dare_core/training/threads.py)
     threads: Union[str, int] = "auto"
+    # seconds a rank waits for the others (rendezvous, every collective) before it fails with an
+    # error instead of hanging: must exceed the longest time one rank works alone while the others
+    # wait (rank 0's checkpoint writes and exports)
+    timeout_s: int = 600
+    # several nodes (README "Several GPUs and nodes"); nproc is then the ranks per node.
+    # deepspeed: the nodes are the hostfile's ("worker-1 slots=8" lines; null: this machine only)
+    hostfile: Optional[str] = None
+    # the rendezvous host and port: torchrun with nnodes > 1 needs master_addr; the deepspeed
+    # launcher takes its first host's address and port 29500 when they are null
+    master_addr: Optional[str] = None
+    master_port: Optional[int] = None
+    # torchrun: the number of nodes and this node's index (`dare stage` runs on every node)
+    nnodes: int = 1
+    node_rank: int = 0
 
     def __post_init__(self) -> None:
         _one_of(self, "launcher", ("local", "torchrun", "deepspeed"))
         _one_of(self, "zero_stage", (0, 1, 2, 3))
-        _at_least(self, 1, "nproc", "threads")
+        _at_least(self, 1, "nproc", "threads", "timeout_s", "nnodes", "master_port")
+        _at_least(self, 0, "node_rank")
         if isinstance(self.threads, str) and self.threads != "auto":
             raise FieldError("threads", f"must be 'auto' or a number of threads, got {self.threads!r}")
+        if isinstance(self.node_rank, int) and isinstance(self.nnodes, int) and self.node_rank >= self.nnodes:
+            raise FieldError("node_rank", f"must be below launch.nnodes ({self.nnodes}), got {self.node_rank}")
+        if isinstance(self.master_port, int) and self.master_port > 65535:
+            raise FieldError("master_port", f"must be a TCP port (1-65535), got {self.master_port}")
+        if self.hostfile is not None and self.launcher != "deepspeed":
+            raise FieldError("hostfile", f"is read by the deepspeed launcher; launch.launcher is {self.launcher!r}")
+        if self.nnodes > 1 and self.launcher != "torchrun":
+            raise FieldError("nnodes", "is torchrun's (run `dare stage` on every node); the deepspeed launcher takes "
+                                       "its nodes from launch.hostfile")
+        if self.nnodes > 1 and not self.master_addr:
+            raise FieldError("master_addr", "must name the first node's address for torchrun on several nodes "
+                                            f"(launch.nnodes = {self.nnodes})")
+        if self.launcher == "local" and (self.master_addr or self.master_port):
+            raise FieldError("master_addr" if self.master_addr else "master_port",
+                             "is for torchrun or the deepspeed launcher; launch.launcher is 'local'")
 
 
 @dataclass

@@ -207,7 +207,10 @@ class CheckpointManager:
     def save(self, engine, step: int, client_state: dict, hf_config: dict) -> str:
         tag = f"step{step:08d}"
         tmp = self.dir / f".tmp-{tag}"
-        shutil.rmtree(tmp, ignore_errors=True)
+        if engine.global_rank == 0:
+            # the leftover of a killed save; one rank removes it, and DeepSpeed's barrier at the start
+            # of save_checkpoint keeps every rank from writing before it is gone
+            shutil.rmtree(tmp, ignore_errors=True)
         try:
             engine.save_checkpoint(str(self.dir), tag=tmp.name, client_state=client_state, save_latest=False)
             if engine.global_rank == 0:
@@ -259,9 +262,22 @@ def latest_checkpoint(ckpt_dir: Path) -> tuple[str, dict]:
     meta = read_json(meta_path)
     if not isinstance(meta, dict) or not isinstance(meta.get("hf_config"), dict):
         raise UserError(f"{meta_path}: no 'hf_config' (not a DARE checkpoint?)")
-    if meta.get("zero_stage", 0) < 3 and not (ckpt_dir / tag / "mp_rank_00_model_states.pt").is_file():
-        raise FileNotFoundError(f"{ckpt_dir / tag / 'mp_rank_00_model_states.pt'}: missing")
+    for alternatives in weight_files(meta):
+        if not any((ckpt_dir / tag / name).is_file() for name in alternatives):
+            raise FileNotFoundError(f"{ckpt_dir / tag / alternatives[0]}: missing")
     return tag, meta
+
+
+def weight_files(meta: dict) -> list[tuple[str, ...]]:
+    """The DeepSpeed files that hold a checkpoint's weights (each as its possible names): the whole
+    module (ZeRO 0-2), or under ZeRO-3 rank 0's module layout and every rank's shard of the fp32
+    weights (`bf16_`-prefixed in a bf16 run; the number of ranks is in the fingerprint's settings)."""
+    if meta.get("zero_stage", 0) < 3:
+        return [("mp_rank_00_model_states.pt",)]
+    ranks = int(meta.get("settings", {}).get("world_size", 1))
+    shards = [(f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt", f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
+              for r in range(ranks)]
+    return [("zero_pp_rank_0_mp_rank_00_model_states.pt",), *shards]
 
 
 def checkpoint_state_dict(ckpt_dir: Path, tag: Optional[str] = None) -> tuple[dict[str, torch.Tensor], dict]:
@@ -275,7 +291,14 @@ def checkpoint_state_dict(ckpt_dir: Path, tag: Optional[str] = None) -> tuple[di
     if meta.get("zero_stage", 0) >= 3:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+        # the ranks' shards of the fp32 master weights, joined; then each in the dtype the module
+        # trained in (rank 0's module layout keeps an empty tensor of it per parameter): a bf16 run
+        # converts to the bf16 weights it trained with (the master weights rounded, as DeepSpeed
+        # rounds them after every step), as a ZeRO 0-2 checkpoint does, not to float32
+        layout = torch.load(ckpt_dir / tag / "zero_pp_rank_0_mp_rank_00_model_states.pt", map_location="cpu",
+                            weights_only=False)["module"]
         state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
+        state = {k: v.to(layout[k].dtype) if k in layout else v for k, v in state.items()}
     else:
         state = torch.load(ckpt_dir / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
     prefix = "net."

@@ -21,6 +21,31 @@ def ensure_dist_env() -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
+# launch.timeout_s's default; every stage worker exports the configured value as TIMEOUT_VAR
+# (workers/common.py run_worker)
+DEFAULT_TIMEOUT_S = 600
+TIMEOUT_VAR = "DARE_DIST_TIMEOUT_S"
+
+
+def dist_timeout_s() -> float:
+    """How long a rank waits for the others (rendezvous and every collective) before it fails with
+    an error: a rank that hangs, or a node that vanishes, must end the job, not freeze it."""
+    return float(os.environ.get(TIMEOUT_VAR) or DEFAULT_TIMEOUT_S)
+
+
+def init_distributed() -> None:
+    """The process group (nccl on GPUs, gloo on the CPU) with the `dist_timeout_s` timeout, once."""
+    if torch.distributed.is_initialized():
+        return
+    ensure_dist_env()
+    import datetime
+
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
+                               timeout=datetime.timedelta(seconds=dist_timeout_s()))
+
+
 def lr_lambda(cfg: OptimConfig, total_steps: int):
     def fn(step: int) -> float:
         if cfg.warmup_steps and step < cfg.warmup_steps:
@@ -42,8 +67,7 @@ def build_engine(model: torch.nn.Module, optim: OptimConfig, total_steps: int, m
     ensure_dist_env()
     import deepspeed
 
-    if not torch.distributed.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    init_distributed()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim, total_steps))
@@ -89,3 +113,36 @@ def all_reduce_sum(value):
     t = torch.as_tensor(value, dtype=torch.float64).reshape(-1).to("cuda" if torch.cuda.is_available() else "cpu")
     torch.distributed.all_reduce(t)
     return t.item() if scalar else t.cpu()
+
+
+def all_gather_objects(obj) -> list:
+    """Every rank's `obj` (picklable: small dicts of metrics), in rank order, on every rank; [obj]
+    with one process."""
+    if world_size() == 1:
+        return [obj]
+    out: list = [None] * world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def summed_gradient_scale() -> float:
+    """The factor a loss normalised by a global denominator (`all_reduce_sum` over the ranks) is
+    multiplied by before its backward: DeepSpeed averages the ranks' gradients, so each rank's
+    share of a global sum must be scaled by the number of ranks for the update to follow the
+    gradient of the sum itself (the gradient one rank would compute on all the rows)."""
+    return float(world_size())
+
+
+def whole_weights(engine, needed: bool = True):
+    """A context in which `engine.module` holds its whole weights on every rank: under ZeRO-3 each
+    parameter above DeepSpeed's persistence threshold is partitioned across the ranks (a rank holds
+    an empty tensor and its shard), so an export must gather them first; every rank must enter it
+    (the gather is a collective), each then holds the whole model until it exits. A no-op under
+    ZeRO 0-2 (every rank holds every parameter) or when not `needed`."""
+    import contextlib
+
+    if not needed or engine.zero_optimization_stage() < 3:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None)

@@ -34,6 +34,7 @@ from dare_core.devices import resolve_dtype
 from dare_core.training.metrics import MetricsLogger, last_logged
 from dare_core.training.preflight import check_outputs, checkpoint_bytes, model_bytes, stage_writes
 from dare_core.training.setup import prepare_for_training, sampler_dict, stage_tokenizer, tokenizer_folder
+from dare_core.training.engine import whole_weights
 from dare_core.timing import PhaseTimer, phase_times_requested
 
 log = logging.getLogger(__name__)
@@ -148,8 +149,12 @@ def run_preference(cfg: DareConfig, progress: bool = True, save_checkpoints: boo
     start = ckpt.begin(engine, "preference")
     logger = MetricsLogger(out_dir, resume_step=start, plot_keys=PLOT_KEYS, enabled=rank == 0)
 
+    grad_scale = eng.summed_gradient_scale()
+
     def backward(loss: torch.Tensor) -> None:
-        engine.backward(loss, scale_wrt_gas=False)
+        # the loss is this rank's share of a sum divided by the global number of pairs: DeepSpeed
+        # averages the ranks' gradients, the scale makes it their sum (the one-rank gradient)
+        engine.backward(loss * grad_scale if grad_scale != 1 else loss, scale_wrt_gas=False)
 
     engine.train()
     bar = tqdm(range(start, pcfg.max_steps), initial=start, total=pcfg.max_steps, desc=f"preference[{pcfg.algorithm}]",
@@ -203,14 +208,17 @@ def run_preference(cfg: DareConfig, progress: bool = True, save_checkpoints: boo
         "reward_accuracy": metrics.get("reward_accuracy", last_logged(out_dir, "reward_accuracy")),
         "wall_s": round(time.time() - t0, 1),
     }
-    if rank == 0:
-        if export:
-            export_metrics: dict = {}
-            with timer.export(export_metrics):
-                save_model(engine.module, out_dir / "model", extra_files={"tokenizer": tokenizer_folder(cfg)}, sampler=sampler_dict(cfg))
-            if export_metrics:
-                logger.log(pcfg.max_steps, export_metrics)
-        atomic_write_json(Path(cfg.run.metrics_dir) / "preference.json", summary)
+    # ZeRO-3 partitions the parameters across the ranks: every rank takes part in gathering them
+    # for rank 0's export (a collective; nothing to gather under ZeRO 0-2)
+    with whole_weights(engine, export):
+        if rank == 0:
+            if export:
+                export_metrics: dict = {}
+                with timer.export(export_metrics):
+                    save_model(engine.module, out_dir / "model", extra_files={"tokenizer": tokenizer_folder(cfg)}, sampler=sampler_dict(cfg))
+                if export_metrics:
+                    logger.log(pcfg.max_steps, export_metrics)
+            atomic_write_json(Path(cfg.run.metrics_dir) / "preference.json", summary)
     logger.close()
     return summary
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,6 +122,84 @@ def ref_sync_due(step: int, every: int) -> bool:
     return every > 0 and (step + 1) % every == 0
 
 
+def rank_prompts(n_prompts: int, mini_batches: int, rank: int, world: int) -> list[int]:
+    """Positions, in the step's prompt order, of the prompts rank `rank` of `world` rolls out. Every
+    prompt is on exactly one rank together with all its rows (its G rollouts, or its d-TreeRPO
+    tree's transitions), so group advantages are over whole groups by construction. When the
+    mini-batches hold whole prompts, as many on each rank (n_prompts / mini_batches divisible by
+    `world`), a rank takes every world-th prompt of each mini-batch in turn: the ranks' local
+    mini-batch m together are the one-rank mini-batch m, the same updates as on one rank. Otherwise
+    (a mini-batch cuts through a group, or holds fewer prompts than ranks) every world-th prompt of
+    the step: the ranks' slices still partition the rows into mini-batches, just not as one rank
+    does. (`check_rl_ranks`: n_prompts divisible by `world`.)"""
+    per_mini = n_prompts // mini_batches
+    if n_prompts % mini_batches or per_mini % world:
+        return list(range(rank, n_prompts, world))
+    return [m * per_mini + i for m in range(mini_batches) for i in range(rank, per_mini, world)]
+
+
+# How a step's metrics combine over the ranks, each having measured its own share of the step
+# (`combine_rank_metrics`). Totals: forward passes of the rollouts, rollout throughput, d-TreeRPO's
+# distillation pairs. The same on every rank (rank 0's): the learning rate and d-TreeRPO's schedule
+# and tree size. The slowest rank: times (`*_s`) and peak memory. Anything else (reward, accuracy,
+# extraction_failed, response_tokens, rollout_steps, zero_std_ratio, reward_std, active_tokens,
+# adv_abs, an algorithm's own rollout metrics) is a mean over the ranks weighted by their prompts
+# (each prompt yields as many rollouts, groups and rows on every rank). The update metrics (loss
+# and those of `algo.update`) are reduced apart (`combine_rank_metrics`).
+RANK_SUM_METRICS = frozenset({"rollout_nfe", "rollout_tokens_per_s", "sd_pairs"})
+RANK_SAME_METRICS = frozenset({"lr", "sd_lambda", "tree_transitions", "tree_leaves"})
+
+
+def _rank_rule(key: str) -> str:
+    if key in RANK_SUM_METRICS:
+        return "sum"
+    if key in RANK_SAME_METRICS:
+        return "same"
+    if key.endswith("_s") or key.startswith("memory/"):
+        return "max"
+    return "mean"
+
+
+def combine_rank_metrics(parts: list[dict], loss_terms: int = 1) -> dict:
+    """One step's metrics from every rank's part, in rank order. A part: `prompts` (its share),
+    `metrics` (rollout, prepare and timing metrics of its share; `_rank_rule` says how each
+    combines), `updates` ({key: (sum of value x weight, sum of weight)} over its micro-batches, the
+    weight a micro-batch's first loss normaliser, `algo.denominator`: combined, the weighted mean
+    over all ranks' micro-batches; for a token-mean algorithm the mean over the step's scored
+    tokens, as one rank computes it) and `loss` (the sum of its micro-batch losses, each its share
+    of a mini-batch loss normalised by the global denominator: the ranks' sum over `loss_terms` =
+    num_iterations x mini_batches is the step's mean mini-batch loss, whatever the ranks and
+    micro-batches). A metric a rank lacks (e.g. d-TreeRPO's sd_kl when its
+    share had no distillation pair) combines over the ranks that have it. With one part, its
+    `metrics` are returned as they are."""
+    out: dict = {}
+    keys = list(dict.fromkeys(k for p in parts for k in p["metrics"]))
+    for key in keys:
+        have = [(p["prompts"], p["metrics"][key]) for p in parts if key in p["metrics"]]
+        rule = _rank_rule(key)
+        if len(have) == 1 or rule == "same":
+            out[key] = have[0][1]
+        elif rule == "sum":
+            values = [v for _, v in have]
+            out[key] = sum(values) if all(isinstance(v, int) for v in values) else math.fsum(values)
+        elif rule == "max":
+            out[key] = max(v for _, v in have)
+        else:
+            out[key] = math.fsum(n * v for n, v in have) / math.fsum(n for n, _ in have)
+    if any("loss" in p for p in parts):
+        out["loss"] = math.fsum(p.get("loss", 0.0) for p in parts) / max(loss_terms, 1)
+    ukeys = list(dict.fromkeys(k for p in parts for k in p.get("updates", {})))
+    for key in ukeys:
+        have = [p["updates"][key] for p in parts if key in p.get("updates", {})]
+        out[key] = math.fsum(s for s, _ in have) / max(math.fsum(w for _, w in have), 1e-12)
+    return out
+
+
+def reduce_step_metrics(part: dict, loss_terms: int = 1) -> dict:
+    """`combine_rank_metrics` of every rank's `part` (gathered: the same result on every rank)."""
+    return combine_rank_metrics(eng.all_gather_objects(part), loss_terms)
+
+
 def _val_postfix(val_metrics: dict) -> dict:
     """The progress bar's view of the last validation: its maj@k."""
     return {key.split("/")[1]: f"{v:.3f}" for key, v in val_metrics.items() if key.startswith("val/maj@")}
@@ -201,9 +280,8 @@ def check_rl_ranks(cfg: DareConfig, rows_per_prompt: int) -> None:
     ranks = eng.planned_world_size()
     if rl.prompts_per_step % ranks or mini % ranks:
         raise ValueError(f"rl.prompts_per_step = {rl.prompts_per_step} (mini-batch {mini}) must be divisible by the {ranks} ranks")
-    if rl.validate_every and ranks > 1 and cfg.launch.zero_stage >= 3:
-        raise ValueError("rl.validate_every: rank 0 validates alone, which ZeRO-3's sharded weights cannot do; "
-                         "use launch.zero_stage <= 2 or rl.validate_every: 0")
+    # validation runs on every rank (each its share of the val prompts, padded to one length: the
+    # same sampling calls everywhere), so ZeRO-3's collective forwards are no obstacle to it
 
 
 def run_rl(cfg: DareConfig, progress: bool = True, save_checkpoints: bool = True, phase_times: Optional[bool] = None) -> dict:
@@ -267,10 +345,10 @@ def _run_rl(cfg: DareConfig, progress: bool, save_checkpoints: bool, timer: Phas
     for step in bar:
         timer.step_begin()
         t0 = time.time()
-        # every rank draws the same prompts and keeps its own share of the rollouts
+        # every rank draws the same prompts and keeps its own share, whole prompts (`rank_prompts`)
         idx = global_batch_indices(step, rl.prompts_per_step, len(rows), cfg.run.seed)
         prompt_rows = [rows[i] for i in idx]
-        mine = prompt_rows[rank::world]
+        mine = [prompt_rows[i] for i in rank_prompts(len(prompt_rows), rl.mini_batches, rank, world)]
         with timer.phase("rollout"):  # less the reward, timed inside
             batch, metrics = algo.rollout(sampler, engine.module, tokenizer, mine, cfg, step)
         t_rollout = time.time() - t0
@@ -282,12 +360,16 @@ def _run_rl(cfg: DareConfig, progress: bool, save_checkpoints: bool, timer: Phas
             corruptions = [algo.corrupt(batch, (cfg.run.seed, step, it)) for it in range(rl.num_iterations)]
             old = None if trivial_ratio else [chunked_scores(algo, engine.module, batch, c, micro) for c in corruptions]
             ref_scores = reference_scores(algo, engine.module, ref, batch, corruptions, micro) if rl.kl_beta > 0 else None
-        update_metrics: dict[str, float] = {}
-        n_updates = 0
+        # per key: (sum of micro-batch value x weight, weight); the losses' sum (`combine_rank_metrics`)
+        update_metrics: dict[str, tuple[float, float]] = {}
+        loss_sum = 0.0
         local_mini = len(batch) // rl.mini_batches
+        grad_scale = eng.summed_gradient_scale()
 
         def backward(loss: torch.Tensor) -> None:
-            engine.backward(loss, scale_wrt_gas=False)
+            # the loss is this rank's share of a global-denominator sum: DeepSpeed averages the
+            # ranks' gradients, the scale makes it their sum (the one-rank gradient)
+            engine.backward(loss * grad_scale if grad_scale != 1 else loss, scale_wrt_gas=False)
 
         for it in range(rl.num_iterations):
             for mb in torch.arange(len(batch)).split(local_mini):
@@ -300,21 +382,28 @@ def _run_rl(cfg: DareConfig, progress: bool, save_checkpoints: bool, timer: Phas
                         out = algo.update(engine.module, batch.select(mc), corruptions[it].select(mc), o, r, denom, backward)
                     with timer.phase("optimizer"):
                         engine.step()
+                    # the micro-batch's metrics weigh by its share of the loss normaliser (scored
+                    # tokens for a token mean, sequences for a sequence mean): the step's token or
+                    # sequence mean whatever the micro-batches and ranks
+                    weight = float(algo.denominator(batch.select(mc), corruptions[it].select(mc))[0])
                     for k, v in out.metrics.items():
-                        update_metrics[k] = update_metrics.get(k, 0.0) + v
-                    update_metrics["loss"] = update_metrics.get("loss", 0.0) + float(out.loss)
-                    n_updates += 1
-        metrics.update({k: v / max(n_updates, 1) for k, v in update_metrics.items()})
+                        s, w = update_metrics.get(k, (0.0, 0.0))
+                        update_metrics[k] = (s + v * weight, w + weight)
+                    loss_sum += float(out.loss)
         sampler.update_weights(engine.module)  # the next rollout must see this step's weights
         if ref is not None and ref_sync_due(step, rl.ref_sync_steps):
             sync_reference(ref, engine.module, zero3)  # the next step's KL is to this step's policy
         metrics.update(step_time_s=time.time() - t0, rollout_time_s=t_rollout, lr=engine.get_lr()[0])
+        # every rank's share of the step in one set of metrics (the same on every rank)
+        metrics = reduce_step_metrics({"prompts": len(mine), "metrics": metrics, "updates": update_metrics, "loss": loss_sum},
+                                      rl.num_iterations * rl.mini_batches)
         # before the checkpoint: a run resumed from it must not validate this step again
         val_metrics = validator(engine.module, tokenizer, step + 1)
         metrics.update(val_metrics)
         val_postfix = _val_postfix(val_metrics) or val_postfix
         if (step + 1) % rl.log_every == 0 or step + 1 == rl.num_steps or val_metrics:
-            logger.log(step + 1, {**metrics, **timer.step_metrics()})
+            # phase times: the slowest rank's
+            logger.log(step + 1, {**metrics, **reduce_step_metrics({"prompts": len(mine), "metrics": timer.step_metrics()})})
         bar.set_postfix(reward=f"{metrics['reward']:.3f}", acc=f"{metrics['accuracy']:.2f}", **val_postfix)
         if save_checkpoints and ((step + 1) % rl.save_every == 0 or step + 1 == rl.num_steps):
             ckpt.save(engine, step + 1, {"step": step + 1}, engine.module.hf_config)

@@ -1,9 +1,14 @@
 """In-loop validation of the RL policy on the held-out val split (`rl.validate_*`).
 
-Rank 0 samples and grades (`dare_core.eval.validation.validate`) while the other ranks wait at a
-barrier; the numbers go into the RL metrics as `val/mean@k`, `val/best@k`, `val/maj@k`, into
-`validation.jsonl` (one row per validation, rows after a resumed step dropped) and into
-`validation.png`, redrawn after each validation.
+Every rank samples and grades its share of the val prompts (prompt i on rank i % ranks,
+`validation_share`; `dare_core.eval.validation.sample_groups`); the prompts' scores are gathered and
+put back in prompt order, so mean@k, best@k and maj@k are the one-rank numbers (a sample's noise
+depends on its prompt's uid and its index only). The shares are padded to one length (a rank short
+of a prompt samples one of its own again and drops the result) so that every rank runs the same
+number of sampling calls: under ZeRO-3 every forward gathers the sharded weights collectively, which
+a rank left out would hang. The numbers go into the RL metrics (on every rank) as `val/mean@k`,
+`val/best@k`, `val/maj@k`; rank 0 writes `validation.jsonl` (one row per validation, rows after a
+resumed step dropped) and `validation.png`, redrawn after each validation.
 """
 from __future__ import annotations
 
@@ -12,13 +17,13 @@ import json
 import logging
 import time
 from pathlib import Path
-
-import torch
+from typing import Optional
 
 from dare_core.config import DareConfig, RLConfig
 from dare_core.data.schema import read_rows
-from dare_core.eval.validation import validate
+from dare_core.eval.validation import at_k_of_prompts, prompt_at_k, sample_groups
 from dare_core.sampling.params import SamplingParams
+from dare_core.training import engine as eng
 from dare_core.training.metrics import rows_upto
 
 log = logging.getLogger(__name__)
@@ -56,6 +61,14 @@ def due(step: int, rl: RLConfig) -> bool:
     return rl.validate_every > 0 and (step % rl.validate_every == 0 or step == rl.num_steps)
 
 
+def validation_share(n_prompts: int, rank: int, world: int) -> list[Optional[int]]:
+    """The val prompts rank `rank` of `world` samples: i, i + world, ... (every prompt on exactly one
+    rank), padded to ceil(n_prompts / world) entries with None (a rank short of a prompt samples one
+    again and drops the result), so that every rank makes the same number of sampling calls."""
+    mine: list[Optional[int]] = list(range(rank, n_prompts, world))
+    return mine + [None] * (-(-n_prompts // world) - len(mine))
+
+
 def plot_validation(rows: list[dict], path: Path) -> None:
     """mean@k, best@k and maj@k against the RL step."""
     import matplotlib
@@ -86,7 +99,8 @@ def plot_validation(rows: list[dict], path: Path) -> None:
 
 class RLValidator:
     """Validation of one RL run. Every rank reads the val split (so that a missing or empty one fails
-    on all ranks alike, before the model loads); only the writer (rank 0, `open`) samples and writes."""
+    on all ranks alike, before the model loads); every rank samples its share, the writer (rank 0,
+    `open`) writes."""
 
     def __init__(self, cfg: DareConfig, out_dir: Path):
         rl = cfg.rl
@@ -107,7 +121,7 @@ class RLValidator:
 
     def open(self, resume_step: int, writer: bool) -> None:
         """Start (or, at `resume_step` > 0, resume) the record: validations after `resume_step` are
-        dropped. `writer`: this rank samples and writes (rank 0)."""
+        dropped. `writer`: this rank writes (rank 0)."""
         self.writer = writer
         if writer:
             # always written (empty when validation is off): dvc.yaml tracks it as an output
@@ -120,29 +134,34 @@ class RLValidator:
                 self.png.unlink()  # a fresh run: the plot of an earlier one would mislead
 
     def __call__(self, model, tokenizer, step: int) -> dict:
-        """Validate `model` after `step` training steps if due: `val/...@k` metrics on rank 0, {}
-        elsewhere (and when not due)."""
+        """Validate `model` after `step` training steps if due (every rank calls it: each samples its
+        share): the `val/...@k` metrics on every rank, {} when not due."""
         if not due(step, self.rl):
             return {}
-        metrics = {}
-        if self.writer:
-            metrics = self._run(model, tokenizer, step)
-        if torch.distributed.is_initialized():
-            torch.distributed.barrier()
-        return metrics
-
-    def _run(self, model, tokenizer, step: int) -> dict:
         t0 = time.time()
-        res = validate(model, tokenizer, self.rows, self.params, self.rl.validate_k, self.seed, step,
-                       self.rl.sampler.batch_size, self.rl.reward, self.rl.reward_args)
-        k = res["k"]
+        world, rank = eng.world_size(), eng.rank()
+        share = validation_share(len(self.rows), rank, world)
+        # a padding entry samples this rank's first prompt again (or, with none of its own, prompt 0)
+        rows = [self.rows[i if i is not None else (share[0] if share[0] is not None else 0)] for i in share]
+        groups, nfe = sample_groups(model, tokenizer, rows, self.params, self.rl.validate_k, self.seed, step,
+                                    self.rl.sampler.batch_size, self.rl.reward, self.rl.reward_args)
+        mine = [(i, prompt_at_k(g)) for i, g in zip(share, groups) if i is not None]
+        parts = eng.all_gather_objects({"scores": mine, "nfe": nfe})
+        graded = [item for part in parts for item in part["scores"]]
+        if sorted(i for i, _ in graded) != list(range(len(self.rows))):  # every prompt on exactly one rank
+            raise RuntimeError(f"validation: the ranks graded prompts {sorted(i for i, _ in graded)} of {len(self.rows)}")
+        scores = dict(graded)
+        k = self.rl.validate_k
+        res = at_k_of_prompts([scores[i] for i in range(len(self.rows))], k)
         values = {f"{name}@{k}": res[f"{name}@{k}"] for name in METRICS}
-        row = {"step": step, **{key: round(v, 6) for key, v in values.items()}, "k": k, "prompts": res["prompts"],
-               "nfe": res["nfe"], "time_s": round(time.time() - t0, 3)}
+        # nfe: the forward passes of all ranks together (padding included)
+        row = {"step": step, **{key: round(v, 6) for key, v in values.items()}, "k": k, "prompts": len(self.rows),
+               "nfe": sum(part["nfe"] for part in parts), "time_s": round(time.time() - t0, 3)}
         self.history.append(row)
-        with self.jsonl.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-        plot_validation(self.history, self.png)
-        log.info("validation at step %d (%d prompts x %d samples, %.1fs): %s", step, res["prompts"], k, row["time_s"],
-                 "  ".join(f"{key} {v:.3f}" for key, v in values.items()))
+        if self.writer:
+            with self.jsonl.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            plot_validation(self.history, self.png)
+            log.info("validation at step %d (%d prompts x %d samples, %d rank(s), %.1fs): %s", step, len(self.rows), k,
+                     world, row["time_s"], "  ".join(f"{key} {v:.3f}" for key, v in values.items()))
         return {f"val/{key}": v for key, v in values.items()}

@@ -20,6 +20,7 @@ from dare_core.diffusion.seeding import sample_generators
 from dare_core.models.hf_folder import save_model
 from dare_core.storage import atomic_write_json
 from dare_core.training import engine as eng
+from dare_core.training.engine import whole_weights
 from dare_core.training.checkpoint import CheckpointManager, stage_fingerprint
 from dare_core import devices
 from dare_core.devices import resolve_dtype
@@ -121,13 +122,16 @@ def run_sft(cfg: DareConfig, progress: bool = True, save_checkpoints: bool = Tru
         mine = micro[rank::world]
         batches = [sft_batch([prompts[i] for i in m], [responses[i] for i in m], [rows[i]["uid"] for i in m], scfg.pad_to, model.eos_token_id, model.pad_token_id, eos_padding=model.block_size is None) for m in mine]
         denom = eng.all_reduce_sum(algo.global_denominator([b.response_mask for b in batches]))
+        # each rank's loss is its share of a global-denominator sum: DeepSpeed averages the ranks'
+        # gradients, the scale makes it their sum (the gradient one rank computes on the whole batch)
+        grad_scale = eng.summed_gradient_scale()
         loss_sum = 0.0
         for b in batches:
             b = _to(b, engine.device)
             gens = sample_generators((cfg.run.seed, "sft", step), b.uids)
             with timer.phase("forward_backward"):
                 out = algo.loss(engine.module, b, gens, denom)
-                engine.backward(out.loss, scale_wrt_gas=False)
+                engine.backward(out.loss * grad_scale if grad_scale != 1 else out.loss, scale_wrt_gas=False)
             with timer.phase("optimizer"):
                 engine.step()
             loss_sum += out.loss.item()
@@ -148,17 +152,20 @@ def run_sft(cfg: DareConfig, progress: bool = True, save_checkpoints: bool = Tru
         (out_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
         (out_dir / "metrics.jsonl").touch()
     summary = {"final_loss": loss, "steps": scfg.max_steps, "global_batch": global_batch, "wall_s": round(time.time() - t0, 1)}
-    if rank == 0:
-        if export:
-            export_metrics: dict = {}
-            export_stats: dict = {}
-            with timer.export(export_metrics):
-                save_model(engine.module, out_dir / "model", extra_files={"tokenizer": tokenizer_folder(cfg)}, sampler=sampler_dict(cfg),
-                           stats=export_stats)
-            if export_metrics:
-                export_metrics.update({f"time/export_{k}": v for k, v in export_stats.items()})
-                logger.log(scfg.max_steps, export_metrics)
-        atomic_write_json(Path(cfg.run.metrics_dir) / "sft.json", summary)
+    # ZeRO-3 partitions the parameters across the ranks: every rank takes part in gathering them
+    # for rank 0's export (a collective; nothing to gather under ZeRO 0-2)
+    with whole_weights(engine, export):
+        if rank == 0:
+            if export:
+                export_metrics: dict = {}
+                export_stats: dict = {}
+                with timer.export(export_metrics):
+                    save_model(engine.module, out_dir / "model", extra_files={"tokenizer": tokenizer_folder(cfg)}, sampler=sampler_dict(cfg),
+                               stats=export_stats)
+                if export_metrics:
+                    export_metrics.update({f"time/export_{k}": v for k, v in export_stats.items()})
+                    logger.log(scfg.max_steps, export_metrics)
+            atomic_write_json(Path(cfg.run.metrics_dir) / "sft.json", summary)
     logger.close()
     return summary
 

@@ -2,14 +2,20 @@
 
 `run_reporting_errors` is the one place that turns an expected failure into `error: <message>`
 (one line on stderr, no traceback unless `--debug`); stage workers and the `dare` command both
-go through it.
+go through it. In a job of several ranks the line names the rank (`error: rank 1: ...`), and
+`python -m dare_core.workers.common <worker>` (`run_rank`), what the launchers start on each rank,
+names a rank whose worker a signal killed.
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import signal
+import socket
+import subprocess
 import sys
+import time
 import traceback
 from typing import Callable, Optional
 
@@ -36,12 +42,28 @@ def error_message(exc: BaseException) -> str:
     return " ".join(part.strip() for part in text.splitlines() if part.strip())
 
 
+def rank_label() -> str:
+    """`rank N: ` in a process that is one of several ranks (the launchers set WORLD_SIZE and RANK),
+    else nothing: an error line of a multi-rank job says which rank it comes from."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+        return ""
+    host = f" on {socket.gethostname()}" if several_nodes() else ""
+    return f"rank {os.environ.get('RANK', '?')}{host}: "
+
+
+def several_nodes() -> bool:
+    """The job spans nodes: its world is larger than this node's share (torchrun: LOCAL_WORLD_SIZE,
+    the deepspeed launcher: LOCAL_SIZE)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")
+    return local is not None and local != os.environ.get("WORLD_SIZE")
+
+
 def report_error(exc: BaseException, debug: bool = False) -> int:
     """Print `exc` as `error: <message>` on stderr (after its traceback under --debug); return the
     exit code."""
     if debug:
         traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
-    print(f"error: {error_message(exc)}", file=sys.stderr)
+    print(f"error: {rank_label()}{error_message(exc)}", file=sys.stderr)
     return 2 if isinstance(exc, USER_ERRORS) else 1
 
 
@@ -51,6 +73,32 @@ def run_reporting_errors(fn: Callable[[], Optional[int]], debug: bool = False) -
         return fn() or 0
     except EXPECTED_ERRORS as exc:
         return report_error(exc, debug)
+    except Exception as exc:
+        if not rank_label():
+            raise  # a bug: Python prints its traceback
+        # one of several ranks: the traceback of a bug (not of a lost peer, unless --debug), then
+        # the line that names this rank
+        lost = collective_failure(exc)
+        if debug or not lost:
+            traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+        print(f"error: {rank_label()}{lost or type(exc).__name__ + ': ' + error_message(exc)}", file=sys.stderr)
+        return 1
+
+
+# how the process group reports a peer that died (its connection closed) or hangs (the wait timed
+# out, launch.timeout_s), as gloo and NCCL word it
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Timed out waiting", "Watchdog caught collective")
+
+
+def collective_failure(exc: BaseException) -> Optional[str]:
+    """The message of a rank whose wait on the others failed; None for other errors."""
+    dist = sys.modules.get("torch.distributed")
+    text = error_message(exc)
+    dist_error = dist is not None and isinstance(exc, getattr(dist, "DistError", ()))
+    if not (dist_error or any(m in text for m in PEER_LOST)):
+        return None
+    return (f"lost contact with the other ranks: another rank died (its own error line, or the launcher's report, names "
+            f"it) or hangs (waited launch.timeout_s); {type(exc).__name__}: {text}")
 
 
 def debug_requested(argv: Optional[list[str]]) -> bool:
@@ -87,8 +135,89 @@ def run_worker(fn: Callable[[DareConfig], object], argv: Optional[list[str]], de
         # before any tensor work: torch's default (a thread per logical CPU in every rank)
         # oversubscribes shared or multi-rank machines
         configure_threads(cfg.launch.threads)
+        # waiting on the other ranks is bounded: read by training/engine.py's init_distributed
+        os.environ["DARE_DIST_TIMEOUT_S"] = str(cfg.launch.timeout_s)
         fn(cfg)
         log_threads()  # stages that log it once their checks pass already did; others log it here
         return 0
 
     return run_reporting_errors(work, debug_requested(argv))
+
+
+# --------------------------------------------------------------------------- one rank
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # how launchers and users stop a job
+DEATH_HINTS = {signal.SIGKILL: " (the out-of-memory killer? `dmesg` says)", signal.SIGSEGV: " (a crash in native code)",
+               signal.SIGBUS: " (a crash in native code)",
+               signal.SIGABRT: " (a crash in native code, or NCCL's watchdog ending a collective that timed out)"}
+
+
+def _on_parent_death(signum: int) -> None:
+    """Linux: `signum` reaches this process when its parent dies (PR_SET_PDEATHSIG), so that no rank
+    outlives the launcher or its guard; elsewhere nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signum))
+    except (OSError, AttributeError):
+        pass
+
+
+def _worker_dies_with_guard() -> None:  # runs in the worker between fork and exec
+    _on_parent_death(signal.SIGKILL)
+
+
+def run_rank(argv: list[str]) -> int:
+    """`python -m dare_core.workers.common MODULE ARGS`: what `dare stage` has the launcher start on
+    every rank. It runs the stage worker `python -m MODULE ARGS` as its child and exits as it did.
+    A worker that ends with an error prints its own `error: rank N: ...` line; one killed by a
+    signal (the out-of-memory killer, a crash) cannot, so this says which rank died and how, before
+    the launcher stops the other ranks. Signals sent to this process (the launcher stopping the
+    job) are passed on to the worker."""
+    local_rank_args = [a for a in argv if a.startswith("--local_rank")]  # the deepspeed launcher's, before MODULE
+    rest = [a for a in argv if not a.startswith("--local_rank")]
+    if not rest:
+        print("usage: python -m dare_core.workers.common MODULE [ARGS...]", file=sys.stderr)
+        return 2
+    module, args = rest[0], rest[1:]
+    launcher = os.getppid()
+    _on_parent_death(signal.SIGTERM)  # a launcher killed outright: this rank stops too (passed on below)
+    if os.getppid() != launcher:
+        return 1  # it died before that was set
+    # the interpreter options this process was started with (the deepspeed launcher's -u)
+    options = sys.orig_argv[1:sys.orig_argv.index("-m")] if "-m" in sys.orig_argv else []
+    cmd = [sys.executable, *options, "-m", module, *local_rank_args, *args]
+    worker = subprocess.Popen(cmd, preexec_fn=_worker_dies_with_guard)
+    stopped: list[int] = []
+
+    def forward(signum, _frame) -> None:
+        stopped.append(signum)
+        if worker.poll() is None:
+            worker.send_signal(signum)
+            worker.send_signal(signal.SIGCONT)  # a stopped worker must still end now
+
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, forward)
+    code = worker.wait()
+    if code >= 0:
+        return code
+    died = signal.Signals(-code)
+    if not stopped and died in STOP_SIGNALS:
+        # the deepspeed launcher stops a rank's processes one by one, the worker first: a moment
+        # for its signal to this process tells that teardown from a worker stopped on its own
+        time.sleep(0.5)
+    if not stopped:  # not the launcher's teardown, nor Ctrl-C: this rank is the one that failed
+        who = rank_label() or f"rank {os.environ.get('RANK', '0')}: "
+        print(f"error: {who}the worker (pid {worker.pid}) was killed by {died.name}{DEATH_HINTS.get(died, '')}",
+              file=sys.stderr, flush=True)
+    # end the same way, so that the launcher reports this rank's signal
+    if died not in (signal.SIGKILL, signal.SIGSTOP):  # (their handling cannot be changed)
+        signal.signal(died, signal.SIG_DFL)
+    os.kill(os.getpid(), died)
+    return 128 + died
+
+
+if __name__ == "__main__":
+    sys.exit(run_rank(sys.argv[1:]))

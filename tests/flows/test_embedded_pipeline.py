@@ -19,6 +19,7 @@ def test_flow_runs_every_stage_then_skips(tmp_path):
     repo.mkdir()
     shutil.copy(REPO / "dvc.yaml", repo / "dvc.yaml")
     os.symlink(REPO / "dare_core", repo / "dare_core")  # dvc.yaml's code dependencies
+    os.symlink(REPO / "configs", repo / "configs")  # the recipes dvc.yaml depends on
     params = tiny_params(tmp_path)
     for section, keys in (("run", ("runs_dir", "models_dir", "metrics_dir")), ("data", ("prepared_dir", "tokenizer_dir"))):
         for k in keys:  # relative paths inside the throwaway repo, as in the real params.yaml

@@ -49,6 +49,7 @@ def test_a_user_task_runs_through_dvc_repro_and_eval_scores_its_test_file(tmp_pa
     (repo / "user").mkdir(parents=True)
     shutil.copy(REPO / "dvc.yaml", repo / "dvc.yaml")
     os.symlink(REPO / "dare_core", repo / "dare_core")
+    os.symlink(REPO / "configs", repo / "configs")  # the recipes dvc.yaml depends on
     (repo / "sort_rewards.py").write_text(REWARD_MODULE)
     rows = sort_rows(400, seed=0)
     train, test = rows[:340], rows[340:]

@@ -1,0 +1,206 @@
+"""Two ranks train as one does (issue 18), on the CPU (gloo) with a tiny model: SFT, preference and
+RL (d1, and BGPO with several Monte-Carlo rows per sequence) run on 2 ranks under ZeRO 0, 1, 2 and 3,
+through torchrun and the deepspeed launcher, with the global batch and seeds of a 1-rank run, log
+that run's losses and metrics step by step and end with its weights (the last checkpoint, and the
+exported model of SFT and preference).
+
+Each (stage, ZeRO stage) pair runs once, its launcher alternating (`LAUNCHER`), so that every stage
+and every ZeRO stage runs under both launchers: 16 two-rank runs against 4 one-rank references,
+3 steps each (4 minutes on 2 cores, 7-8 when other work shares them). The 1-rank reference walks
+one after the other (grad_accum 2, or two RL micro-batches) the micro-batches that the 2 ranks walk
+side by side.
+
+The optimiser is set so that the comparison sees the gradients' scale: with its default eps, AdamW's
+step m / (sqrt(v) + eps) is nearly invariant to it (and so is a clipped step), so ranks that averaged
+their shares of a global-denominator sum instead of summing them (half the 1-rank gradient) would
+still pass; with eps = 1 and no clipping the step is about lr * the gradient (|g| << 1)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dare_core.config import load_config
+from dare_core.data.prepare import prepare
+from dare_core.models.hf_folder import load_model
+from dare_core.training.checkpoint import checkpoint_state_dict
+from pipeline_helpers import dare, tiny_params, worker_env, write_params
+
+STEPS = 3
+# one-digit sums: 90 of the 100 for SFT, the RL prompts among them
+DATA = {"data__task_args": {"min_digits": 1, "max_digits": 1, "ops": "+", "zero_pad": True},
+        "data__num_sft": 90, "data__num_rl": 20, "data__num_eval": 4, "data__num_val": 4, "data__num_preference": 32}
+# the tiny model with a wide MLP: its 3200 x 32 weights are above DeepSpeed's ZeRO-3 persistence
+# threshold (1e5 elements; `test_zero3_partitions_the_mlp`), so ZeRO-3 partitions them across the
+# ranks and gathers them for each forward and the export (it keeps smaller parameters whole on every
+# rank: with the usual tiny model ZeRO-3 would shard only the optimiser state)
+MODEL = {"model__init": {"d_model": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "mlp_hidden_size": 3200,
+                         "max_sequence_length": 24}}
+# the SFT model RL and preference start from: a short run that has learnt to answer with a number.
+# RL scores a sum within 5 of the truth as right (`numeric`, abs_tol 5), so that most groups hold
+# both rewards and every step has a gradient to compare (exact sums are rare after 60 steps)
+BASE_SFT = {"sft__max_steps": 60, "sft__micro_batch_size": 16, "sft__log_every": 20, "sft__save_every": 1000,
+            "sft__optim": {"lr": 5e-3, "schedule": "cosine", "warmup_steps": 10}}
+# see the module docstring: eps = 1 and no clipping make the update follow the gradient's scale
+OPTIM = {"eps": 1.0, "max_grad_norm": 0.0}
+RL = {"rl__num_steps": STEPS, "rl__prompts_per_step": 4, "rl__group_size": 4, "rl__num_iterations": 2,
+      "rl__micro_batch_size": 8, "rl__save_every": STEPS, "rl__keep_last": 1, "rl__log_every": 1,
+      "rl__reward": "numeric", "rl__reward_args": {"abs_tol": 5}, "rl__optim": {**OPTIM, "lr": 0.2}}
+# per stage: the settings of every run, then those of the 1-rank run alone (the same global batch:
+# 2 ranks x 1 micro-batch = 1 rank x 2; RL's rl.micro_batch_size is per rank, its batch the prompts')
+STAGES = {
+    "sft": ({"sft__max_steps": STEPS, "sft__log_every": 1, "sft__save_every": STEPS, "sft__keep_last": 1,
+             "sft__micro_batch_size": 8, "sft__optim": {**OPTIM, "lr": 0.2}},
+            {"sft__grad_accum": 2}),
+    "preference": ({"preference__max_steps": STEPS, "preference__log_every": 1, "preference__save_every": STEPS,
+                    "preference__keep_last": 1, "preference__micro_batch_size": 4, "preference__optim": {**OPTIM, "lr": 0.5}},
+                   {"preference__grad_accum": 2}),
+    "d1": (RL, {}),
+    # BGPO's loss is ~10x d1's here: a smaller step keeps the model answering (a gradient at every step)
+    "bgpo": ({**RL, "rl__algorithm": "bgpo", "rl__algorithm_args": {"bgpo": {"mc_num": 4}}, "rl__optim": {**OPTIM, "lr": 0.03}}, {}),
+}
+METRICS = {"sft": ("loss",), "preference": ("loss", "reward_margin", "reward_accuracy"),
+           "d1": ("loss", "reward", "accuracy"), "bgpo": ("loss", "reward", "accuracy")}
+LAUNCHER = {(stage, zero): ("torchrun", "deepspeed")[(i + zero) % 2] for i, stage in enumerate(STAGES) for zero in range(4)}
+
+# Tolerances. The 2-rank runs add the ranks' gradients in another order than the 1-rank run
+# accumulates its micro-batches (gloo's all-reduce, DeepSpeed's ZeRO buckets and partitions), and
+# the 1-rank RL rollouts decode 16 rows per forward where each rank decodes 8: float32 sums in
+# another order, ulps apart (~1e-7 relative), which 6 updates of the RL policy amplify a little.
+# Measured over the 16 runs: metrics within 1e-6 (metrics.jsonl keeps 6 decimals; most are equal),
+# weights within 1.5e-6 (d1 under ZeRO-3; 7.4e-7 under ZeRO 0-2; SFT, preference and BGPO within
+# 3e-8), weights that moved by up to 0.3. The bounds leave a margin of ~7x over that and are more
+# than 1000x below what a wrong gradient makes (ranks that average their gradients instead of
+# summing them: 0.16 on SFT's third loss, 0.025 on the weights).
+LOSS_ATOL = 1e-5
+WEIGHT_ATOL = 1e-5
+TIMEOUT_S = 300  # a run that hangs (a rank waiting forever in a collective) fails the test
+
+
+def _run(params: Path, stage: str) -> None:
+    name = "rl" if stage in ("d1", "bgpo") else stage
+    # a session of its own, so that a hung run can be ended: SIGTERM has the launcher (in the session;
+    # torchrun starts each rank in a session of its own) stop its ranks, SIGKILL follows
+    proc = subprocess.Popen(dare("stage", name, "--params", str(params)), env=worker_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            _, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            _, err = proc.communicate()
+        pytest.fail(f"dare stage {name} ({params}) did not end within {TIMEOUT_S} s (a rank hung?):\n{err[-4000:]}")
+    assert proc.returncode == 0, err[-4000:]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    """Prepared data and a short SFT run's model, the start of the RL and preference runs."""
+    root = tmp_path_factory.mktemp("base")
+    params = write_params(root / "params.yaml", tiny_params(root, **DATA, **MODEL, **BASE_SFT))
+    prepare(load_config(params))
+    _run(params, "sft")
+    return root
+
+
+def _train(base: Path, dest: Path, stage: str, ranks: int, zero: int = 0, launcher: str = "local") -> Path:
+    """`stage` (sft, preference, d1, bgpo) from `base`'s data (and SFT model) in `dest`."""
+    shutil.copytree(base / "data", dest / "data")
+    if stage != "sft":
+        shutil.copytree(base / "runs" / "t" / "sft" / "model", dest / "runs" / "t" / "sft" / "model")
+    common, one_rank = STAGES[stage]
+    launch = {"launch__launcher": launcher, "launch__nproc": ranks, "launch__zero_stage": zero}
+    if launcher == "deepspeed":  # its default port, 29500, may be taken by another run on this machine
+        launch["launch__master_port"] = _free_port()
+    params = write_params(dest / "params.yaml", tiny_params(dest, **DATA, **MODEL, **common, **(one_rank if ranks == 1 else {}), **launch))
+    _run(params, stage)
+    return dest
+
+
+def _outcome(root: Path, stage: str) -> dict:
+    """Per metric its values at steps 1..STEPS; the weights the stage started from and those of its
+    last checkpoint (our names; ZeRO-3's partitions consolidated as `dare stage convert` does); the
+    exported model's (SFT and preference: what the next stage reads; RL exports nothing)."""
+    out = root / "runs" / "t" / ("rl" if stage in ("d1", "bgpo") else stage)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if METRICS[stage][0] in r]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    start = root / "runs" / "t" / ("base" if stage == "sft" else "sft/model")
+    weights, meta = checkpoint_state_dict(out / "checkpoints")
+    assert meta["step"] == STEPS
+    exported = {}
+    for f in sorted((out / "model").glob("*.safetensors")):
+        exported.update(load_file(f))
+    return {"metrics": {k: [r[k] for r in rows] for k in METRICS[stage]},
+            "start": {k: v.detach().float() for k, v in load_model(start, dtype=torch.float32).net.state_dict().items()},
+            "weights": {k: v.float() for k, v in weights.items()}, "exported": exported}
+
+
+@pytest.fixture(scope="module")
+def reference(base, tmp_path_factory):
+    """The 1-rank run of each stage, made once, when a test first needs it."""
+    made: dict = {}
+
+    def get(stage: str) -> dict:
+        if stage not in made:
+            made[stage] = _outcome(_train(base, tmp_path_factory.mktemp(f"ref-{stage}"), stage, 1), stage)
+        return made[stage]
+
+    return get
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    for k in a:  # e.g. a ZeRO-3 export of one rank's empty partitions
+        assert a[k].shape == b[k].shape, f"{k}: shape {tuple(a[k].shape)} vs {tuple(b[k].shape)}"
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize("stage,zero", [(s, z) for s in STAGES for z in range(4)],
+                         ids=[f"{s}-zero{z}-{LAUNCHER[s, z]}" for s in STAGES for z in range(4)])
+def test_two_ranks_match_one(base, reference, tmp_path, stage, zero):
+    ref = reference(stage)
+    t0 = time.time()
+    got = _outcome(_train(base, tmp_path, stage, 2, zero, LAUNCHER[stage, zero]), stage)
+    seconds = time.time() - t0
+    metric_diff = max(abs(a - b) for k in ref["metrics"] for a, b in zip(got["metrics"][k], ref["metrics"][k]))
+    weight_diff = _max_diff(got["weights"], ref["weights"])
+    export_diff = _max_diff(got["exported"], ref["exported"]) if ref["exported"] else 0.0
+    moved = _max_diff(ref["weights"], ref["start"])
+    print(f"\n{stage} zero{zero} {LAUNCHER[stage, zero]}: {seconds:.1f} s; 1 rank {ref['metrics']}; max |diff|: metrics "
+          f"{metric_diff:.2e}, weights {weight_diff:.2e}, export {export_diff:.2e} (weights moved up to {moved:.2e})")
+    assert _max_diff(got["start"], ref["start"]) == 0  # the same start
+    for k in ref["metrics"]:
+        assert got["metrics"][k] == pytest.approx(ref["metrics"][k], rel=0, abs=LOSS_ATOL), k
+    assert weight_diff <= WEIGHT_ATOL and export_diff <= WEIGHT_ATOL
+    # the runs trained: a gradient at every RL step (a group's rewards differ), weights that moved
+    if stage in ("d1", "bgpo"):
+        assert all(loss != 0 for loss in ref["metrics"]["loss"]), ref["metrics"]
+    else:
+        assert ref["exported"]
+    assert moved > 100 * WEIGHT_ATOL
+
+
+def test_zero3_partitions_the_mlp():
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    init = MODEL["model__init"]
+    assert init["d_model"] * init["mlp_hidden_size"] > DeepSpeedZeroConfig().param_persistence_threshold
