@@ -5,9 +5,9 @@ import os
 from pathlib import Path
 
 from dare_core.diffusion.seeding import generator
-from dare_core.models.lm import build_model
 from dare_core.models.family import get_family
 from dare_core.models.hf_folder import save_model
+from dare_core.models.lm import build_model
 from dare_core.models.tokenizer import build_char_tokenizer
 
 TESTS = Path(__file__).resolve().parent

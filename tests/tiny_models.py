@@ -2,8 +2,8 @@
 import torch
 
 from dare_core.diffusion.seeding import generator
-from dare_core.models.lm import build_model
 from dare_core.models.family import get_family
+from dare_core.models.lm import build_model
 
 VOCAB, MASK, EOS = 64, 63, 62
 FAMILIES = ["llada", "llada_moe", "Dream", "sdar", "sdar_moe", "llada2_moe"]

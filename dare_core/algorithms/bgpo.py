@@ -14,11 +14,10 @@ from typing import Optional
 
 import torch
 
-from dare_core.batch import Batch
-from dare_core.algorithms.common import LossOutput
 from dare_core.algorithms.base import RLAlgorithm
-from dare_core.algorithms.common import ppo_clip_ratio, sequence_kl, weighted_mean_metrics
+from dare_core.algorithms.common import LossOutput, ppo_clip_ratio, sequence_kl, weighted_mean_metrics
 from dare_core.algorithms.registry import register
+from dare_core.batch import Batch
 from dare_core.diffusion.likelihood import elbo_rows, proxy_backward, separable_backward
 from dare_core.diffusion.masking import CorruptionSet
 from dare_core.diffusion.mc_laws import count_rows

@@ -41,11 +41,10 @@ from typing import Optional
 
 import torch
 
-from dare_core.batch import Batch
-from dare_core.algorithms.common import LossOutput
 from dare_core.algorithms.base import RLAlgorithm
-from dare_core.algorithms.common import token_policy_loss, wants_entropy
+from dare_core.algorithms.common import LossOutput, token_policy_loss, wants_entropy
 from dare_core.algorithms.registry import register
+from dare_core.batch import Batch
 from dare_core.diffusion.likelihood import entropy_of_logprobs, token_logprobs
 from dare_core.diffusion.masking import Corruption, valid_region
 from dare_core.sampling.tree import TreeOutput, TreeShape, tree_rollout, tree_shape

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from dare_core.batch import Batch
 from dare_core.algorithms.base import RLAlgorithm
 from dare_core.algorithms.common import SequenceELBOMixin
 from dare_core.algorithms.registry import register
+from dare_core.batch import Batch
 from dare_core.diffusion.masking import CorruptionSet
 from dare_core.diffusion.mc_laws import per_block_rows, response_blocks
 from dare_core.diffusion.seeding import sample_generators

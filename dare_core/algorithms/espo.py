@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dare_core.batch import Batch
 from dare_core.algorithms.base import RLAlgorithm
 from dare_core.algorithms.common import SequenceELBOMixin
 from dare_core.algorithms.registry import register
+from dare_core.batch import Batch
 from dare_core.diffusion.masking import CorruptionSet
 from dare_core.diffusion.mc_laws import count_rows
 from dare_core.diffusion.seeding import sample_generators

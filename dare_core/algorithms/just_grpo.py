@@ -13,12 +13,11 @@ from typing import Optional
 
 import torch
 
-from dare_core.batch import Batch
-from dare_core.algorithms.common import LossOutput
 from dare_core.algorithms.base import RLAlgorithm
-from dare_core.algorithms.common import replayed_token_update
+from dare_core.algorithms.common import LossOutput, replayed_token_update
 from dare_core.algorithms.registry import register
 from dare_core.algorithms.rollout import rollout
+from dare_core.batch import Batch
 from dare_core.diffusion.likelihood import rows_logprobs
 from dare_core.diffusion.masking import CorruptionSet
 from dare_core.diffusion.replay import ar_rows

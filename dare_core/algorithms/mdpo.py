@@ -17,9 +17,9 @@ from typing import Optional
 
 import torch
 
-from dare_core.batch import Batch
-from dare_core.algorithms.common import LossOutput
 from dare_core.algorithms.base import RLAlgorithm
+from dare_core.algorithms.common import LossOutput
+from dare_core.batch import Batch
 from dare_core.algorithms.common import (ADVANTAGES, kl_estimate, ppo_clip, replay_temperature, wants_entropy,
                                         weighted_mean_metrics)
 from dare_core.algorithms.registry import register

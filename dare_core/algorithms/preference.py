@@ -48,8 +48,8 @@ import torch
 import torch.nn.functional as F
 
 from dare_core.algorithms.base import Algorithm
-from dare_core.batch import Batch
 from dare_core.algorithms.common import LossOutput
+from dare_core.batch import Batch
 from dare_core.diffusion.likelihood import chunks, elbo_rows, proxy_backward
 from dare_core.diffusion.masking import CorruptionSet, valid_region
 from dare_core.diffusion.mc_laws import TAIL_POLICIES, count_rows

@@ -11,9 +11,9 @@ from typing import Sequence
 import torch
 
 from dare_core.algorithms.base import Algorithm
-from dare_core.batch import Batch
 from dare_core.algorithms.common import LossOutput
 from dare_core.algorithms.registry import register
+from dare_core.batch import Batch
 from dare_core.diffusion.likelihood import weighted_masked_nll
 from dare_core.diffusion.masking import EPS, count_mask, masked_corruption, response_corruption, sample_mask_prob
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from dare_core.diffusion.seeding import generator
-from dare_core.rewards.scoring import score_texts
 from dare_core.rewards import RewardResult
+from dare_core.rewards.scoring import score_texts
 from dare_core.sampling.decode import SamplingParams, decode_responses, generate
 
 # one graded sample: the reward's result and the decoded response it graded

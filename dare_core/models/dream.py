@@ -3,8 +3,8 @@ attention, and shifted logits (position i's prediction is output i-1, kept from 
 See docs/families/dream.md."""
 from __future__ import annotations
 
-from dare_core.models.qwen import qwen_config, qwen_name_map
 from dare_core.models.family import Family, register_family
+from dare_core.models.qwen import qwen_config, qwen_name_map
 
 
 def config_from_hf(cfg: dict):

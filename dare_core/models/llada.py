@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from dare_core.models.llada2 import LING_TOKEN_IDS
-from dare_core.models.qwen import qwen_name_map
 from dare_core.models.family import FAMILIES, Family, register_family
 from dare_core.models.hf_folder import ModelLoadError
+from dare_core.models.llada2 import LING_TOKEN_IDS
+from dare_core.models.qwen import qwen_name_map
 from dare_core.models.transformer import MoEConfig, TransformerConfig
 
 # config.json fields of a LLaDA checkpoint that describe its on-disk format; a from-scratch model

@@ -4,8 +4,8 @@ unshifted logits; the 30B-A3B checkpoint is the Qwen3-MoE layout (softmax top-k 
 layer sparse). See docs/families/sdar.md."""
 from __future__ import annotations
 
-from dare_core.models.qwen import qwen_config, qwen_name_map
 from dare_core.models.family import Family, register_family
+from dare_core.models.qwen import qwen_config, qwen_name_map
 from dare_core.models.transformer import MoEConfig
 
 

@@ -29,8 +29,8 @@ import dataclasses
 import json
 from typing import Any, Optional
 
-from dare_core.rewards.extract import extract_code
 from dare_core.rewards.base import RewardResult
+from dare_core.rewards.extract import extract_code
 from dare_core.rewards.registry import ground_truth_check, register_reward
 from dare_core.rewards.sandbox import SandboxLimits, SandboxResult, check_available, run_python
 

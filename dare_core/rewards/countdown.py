@@ -20,8 +20,8 @@ import re
 from fractions import Fraction
 from typing import Optional
 
-from dare_core.rewards.extract import last_answer_tag
 from dare_core.rewards.base import RewardResult
+from dare_core.rewards.extract import last_answer_tag
 from dare_core.rewards.registry import ground_truth_check, register_reward
 
 FORMAT_SCORE = 0.1

@@ -11,8 +11,8 @@ from __future__ import annotations
 import re
 from typing import Callable, Optional
 
-from dare_core.rewards.options import flag, one_of
 from dare_core.rewards.base import RewardResult
+from dare_core.rewards.options import flag, one_of
 from dare_core.rewards.registry import ground_truth_check, register_reward
 
 _RUN = re.compile(r"\s+")

@@ -23,8 +23,8 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-from dare_core.rewards.extract import last_answer_tag, last_boxed
 from dare_core.rewards.base import RewardResult
+from dare_core.rewards.extract import last_answer_tag, last_boxed
 from dare_core.rewards.registry import ground_truth_check, register_reward
 
 __all__ = ["gsm8k_reward", "gsm8k_d1_reward", "last_boxed"]

@@ -31,8 +31,8 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Optional
 
-from dare_core.rewards.extract import braced, last_boxed, unwrap_boxed
 from dare_core.rewards.base import RewardResult
+from dare_core.rewards.extract import braced, last_boxed, unwrap_boxed
 from dare_core.rewards.registry import register_reward
 
 DEFAULT_TIMEOUT = 5.0

@@ -14,8 +14,8 @@ import re
 from decimal import Decimal
 from typing import Optional
 
-from dare_core.rewards.options import non_negative
 from dare_core.rewards.base import RewardResult
+from dare_core.rewards.options import non_negative
 from dare_core.rewards.registry import ground_truth_check, register_reward
 
 _NUMBER = re.compile(r"(?:(?<![\w.])[+-])?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)(?:[eE][+-]?\d+)?")

@@ -17,8 +17,8 @@ import math
 import re
 from typing import Optional
 
-from dare_core.rewards.extract import last_answer_tag
 from dare_core.rewards.base import RewardResult
+from dare_core.rewards.extract import last_answer_tag
 from dare_core.rewards.registry import ground_truth_check, register_reward
 
 FORMATS = ("tag", "plain")

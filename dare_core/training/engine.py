@@ -125,12 +125,25 @@ def all_gather_objects(obj) -> list:
     return out
 
 
-def summed_gradient_scale() -> float:
-    """The factor a loss normalised by a global denominator (`all_reduce_sum` over the ranks) is
-    multiplied by before its backward: DeepSpeed averages the ranks' gradients, so each rank's
-    share of a global sum must be scaled by the number of ranks for the update to follow the
-    gradient of the sum itself (the gradient one rank would compute on all the rows)."""
-    return float(world_size())
+def backward_global(engine, loss: torch.Tensor) -> None:
+    """Backward of this rank's share of a loss normalised by a global denominator (`all_reduce_sum`
+    over the ranks): DeepSpeed averages the ranks' gradients, so the share is scaled by the number
+    of ranks for the update to follow the gradient of the sum itself (what one rank computes on
+    all the rows). Gradient accumulation is not rescaled either: the denominator already covers it."""
+    world = world_size()
+    engine.backward(loss * world if world > 1 else loss, scale_wrt_gas=False)
+
+
+def gathered(params, enabled: bool = True):
+    """A context in which the ZeRO-3-partitioned `params` are whole on every rank (a collective:
+    every rank must enter it); a no-op when not `enabled` (ZeRO 0-2 keep every parameter whole)."""
+    import contextlib
+
+    if not enabled:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(params), modifier_rank=None)
 
 
 def whole_weights(engine, needed: bool = True):
@@ -139,10 +152,4 @@ def whole_weights(engine, needed: bool = True):
     an empty tensor and its shard), so an export must gather them first; every rank must enter it
     (the gather is a collective), each then holds the whole model until it exits. A no-op under
     ZeRO 0-2 (every rank holds every parameter) or when not `needed`."""
-    import contextlib
-
-    if not needed or engine.zero_optimization_stage() < 3:
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None)
+    return gathered(engine.module.parameters(), needed and engine.zero_optimization_stage() >= 3)

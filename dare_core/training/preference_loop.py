@@ -20,22 +20,22 @@ from typing import Optional
 import torch
 from tqdm.auto import tqdm
 
+from dare_core import devices
 from dare_core.algorithms.preference import build_preference, get_preference, reference_model
 from dare_core.config import DareConfig
 from dare_core.data.batching import global_batch_indices, pair_batch
 from dare_core.data.lengths import resolve as resolve_lengths
 from dare_core.data.schema import DataError, read_rows
+from dare_core.devices import resolve_dtype
 from dare_core.models.hf_folder import inspect_model, load_model, save_model
 from dare_core.storage import atomic_write_json
+from dare_core.timing import PhaseTimer, phase_times_requested
 from dare_core.training import engine as eng
 from dare_core.training.checkpoint import CheckpointManager, stage_fingerprint
-from dare_core import devices
-from dare_core.devices import resolve_dtype
+from dare_core.training.engine import whole_weights
 from dare_core.training.metrics import MetricsLogger, last_logged
 from dare_core.training.preflight import check_outputs, checkpoint_bytes, model_bytes, stage_writes
 from dare_core.training.setup import prepare_for_training, sampler_dict, stage_tokenizer, tokenizer_folder
-from dare_core.training.engine import whole_weights
-from dare_core.timing import PhaseTimer, phase_times_requested
 
 log = logging.getLogger(__name__)
 
@@ -149,12 +149,8 @@ def run_preference(cfg: DareConfig, progress: bool = True, save_checkpoints: boo
     start = ckpt.begin(engine, "preference")
     logger = MetricsLogger(out_dir, resume_step=start, plot_keys=PLOT_KEYS, enabled=rank == 0)
 
-    grad_scale = eng.summed_gradient_scale()
-
-    def backward(loss: torch.Tensor) -> None:
-        # the loss is this rank's share of a sum divided by the global number of pairs: DeepSpeed
-        # averages the ranks' gradients, the scale makes it their sum (the one-rank gradient)
-        engine.backward(loss * grad_scale if grad_scale != 1 else loss, scale_wrt_gas=False)
+    def backward(loss: torch.Tensor) -> None:  # a share of a sum over the global number of pairs
+        eng.backward_global(engine, loss)
 
     engine.train()
     bar = tqdm(range(start, pcfg.max_steps), initial=start, total=pcfg.max_steps, desc=f"preference[{pcfg.algorithm}]",

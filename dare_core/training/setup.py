@@ -7,12 +7,12 @@ from typing import Optional
 import torch
 
 from dare_core.config import ConfigError, DareConfig
+from dare_core.devices import resolve_dtype
 from dare_core.diffusion.seeding import generator
-from dare_core.models.lm import DiffusionLM, build_model, empty_model
 from dare_core.models.family import get_family
 from dare_core.models.hf_folder import inspect_model, load_model
+from dare_core.models.lm import DiffusionLM, build_model, empty_model
 from dare_core.models.tokenizer import Tokenizer, load_tokenizer
-from dare_core.devices import resolve_dtype
 
 
 def stage_tokenizer(cfg: DareConfig) -> Tokenizer:

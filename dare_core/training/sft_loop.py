@@ -11,23 +11,23 @@ from typing import Optional
 import torch
 from tqdm.auto import tqdm
 
+from dare_core import devices
 from dare_core.algorithms.registry import build_options, get_algorithm
 from dare_core.config import DareConfig
 from dare_core.data.batching import global_batch_indices, sft_batch
 from dare_core.data.lengths import resolve as resolve_lengths
 from dare_core.data.schema import DataError, read_rows
+from dare_core.devices import resolve_dtype
 from dare_core.diffusion.seeding import sample_generators
 from dare_core.models.hf_folder import save_model
 from dare_core.storage import atomic_write_json
+from dare_core.timing import PhaseTimer, phase_times_requested
 from dare_core.training import engine as eng
-from dare_core.training.engine import whole_weights
 from dare_core.training.checkpoint import CheckpointManager, stage_fingerprint
-from dare_core import devices
-from dare_core.devices import resolve_dtype
+from dare_core.training.engine import whole_weights
 from dare_core.training.metrics import MetricsLogger, last_logged
 from dare_core.training.preflight import check_outputs, checkpoint_bytes, model_bytes, stage_writes
 from dare_core.training.setup import initial_model, initial_spec, sampler_dict, stage_tokenizer, tokenizer_folder
-from dare_core.timing import PhaseTimer, phase_times_requested
 
 log = logging.getLogger(__name__)
 
@@ -122,16 +122,13 @@ def run_sft(cfg: DareConfig, progress: bool = True, save_checkpoints: bool = Tru
         mine = micro[rank::world]
         batches = [sft_batch([prompts[i] for i in m], [responses[i] for i in m], [rows[i]["uid"] for i in m], scfg.pad_to, model.eos_token_id, model.pad_token_id, eos_padding=model.block_size is None) for m in mine]
         denom = eng.all_reduce_sum(algo.global_denominator([b.response_mask for b in batches]))
-        # each rank's loss is its share of a global-denominator sum: DeepSpeed averages the ranks'
-        # gradients, the scale makes it their sum (the gradient one rank computes on the whole batch)
-        grad_scale = eng.summed_gradient_scale()
         loss_sum = 0.0
         for b in batches:
             b = _to(b, engine.device)
             gens = sample_generators((cfg.run.seed, "sft", step), b.uids)
             with timer.phase("forward_backward"):
                 out = algo.loss(engine.module, b, gens, denom)
-                engine.backward(out.loss * grad_scale if grad_scale != 1 else out.loss, scale_wrt_gas=False)
+                eng.backward_global(engine, out.loss)
             with timer.phase("optimizer"):
                 engine.step()
             loss_sum += out.loss.item()

@@ -358,8 +358,8 @@ def test_fingerprint_names_what_changed(tmp_path: Path) -> None:
 _SAVE_ON_A_FULL_DISK = r"""
 import sys
 from pathlib import Path
-from dare_core.diffusion.seeding import generator
 from dare_core.config import OptimConfig
+from dare_core.diffusion.seeding import generator
 from dare_core.errors import UserError
 from dare_core.models.llada import tiny_config
 from dare_core.models.lm import build_model

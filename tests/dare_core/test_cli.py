@@ -6,9 +6,9 @@ import pytest
 from dare_core.cli import main
 from dare_core.data.schema import write_rows
 from dare_core.diffusion.seeding import generator
+from dare_core.models.hf_folder import save_model
 from dare_core.models.llada import tiny_config
 from dare_core.models.lm import build_model
-from dare_core.models.hf_folder import save_model
 from dare_core.models.tokenizer import build_char_tokenizer
 
 

@@ -17,8 +17,8 @@ from dare_core.algorithms.d_tree_rpo import (
     sd_tau,
 )
 from dare_core.config import DareConfig, RLConfig, SamplerConfig
-from dare_core.rewards.registry import REWARDS
 from dare_core.rewards.base import RewardResult
+from dare_core.rewards.registry import REWARDS
 from dare_core.sampling.decode import generate
 from dare_core.sampling.tree import TreeOutput, branch_points, tree_rollout, tree_shape
 

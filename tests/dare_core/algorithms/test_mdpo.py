@@ -3,9 +3,9 @@ import torch
 
 from algo_helpers import make_algo, run_update
 from conftest import make_tiny_llada
-from dare_core.batch import Batch
 from dare_core.algorithms.common import token_policy_loss
 from dare_core.algorithms.mdpo import select_steps, step_advantages, step_scores
+from dare_core.batch import Batch
 from dare_core.config import RLConfig
 from dare_core.sampling.params import SamplingParams
 

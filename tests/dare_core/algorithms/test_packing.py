@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from algo_helpers import make_algo, run_update
-from dare_core.batch import Batch
 from dare_core.algorithms.preference import build_preference
 from dare_core.algorithms.registry import build_options, get_algorithm
+from dare_core.batch import Batch
 from dare_core.config import PreferenceConfig, RLConfig, SamplerConfig
 from dare_core.data.batching import pair_batch, sft_batch
 from dare_core.diffusion.block import two_stream_logits

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from algo_helpers import make_algo, run_update
-from dare_core.batch import Batch
 from dare_core.algorithms.spg import spg_bounds
+from dare_core.batch import Batch
 from dare_core.config import RLConfig, SamplerConfig
 from dare_core.diffusion.masking import valid_region
 from rl_reference import plain_logp

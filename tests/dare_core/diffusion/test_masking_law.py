@@ -3,7 +3,8 @@ import random
 
 import torch
 
-from dare_core.diffusion.masking import bernoulli_mask, full_response_corruption, response_corruption, sample_mask_prob, valid_region
+from dare_core.diffusion.masking import (bernoulli_mask, full_response_corruption, response_corruption,
+                                         sample_mask_prob, valid_region)
 from dare_core.diffusion.seeding import derive_seed, sample_generators
 
 MASK, EOS, PAD = 99, 98, 98

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from algo_helpers import make_algo, run_update
-from dare_core.batch import Batch
 from dare_core.algorithms.common import kl_estimate, ppo_clip_log_space
+from dare_core.batch import Batch
 from dare_core.config import RLConfig, SamplerConfig
 from dare_core.diffusion.likelihood import elbo_rows, proxy_backward, separable_backward
 from dare_core.diffusion.masking import valid_region

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from dare_core.diffusion.seeding import generator
-from dare_core.models.lm import block_causal_mask
 from dare_core.models.hf_folder import save_model
+from dare_core.models.lm import block_causal_mask
 from tiny_models import tiny
 
 transformers = pytest.importorskip("transformers")

@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from dare_core.errors import ModelLoadError, UserError
 from dare_core.models import hf_folder
-from dare_core.models.lm import build_model
 from dare_core.models.hf_folder import inspect_model, load_model, save_model
+from dare_core.models.lm import build_model
 from tiny_models import EOS, tiny
 
 REF = Path(__file__).resolve().parents[4] / "shared" / "reference" / "checkpoints"

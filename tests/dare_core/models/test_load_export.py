@@ -18,10 +18,10 @@ from dare_core.config import load_config
 from dare_core.diffusion.seeding import generator
 from dare_core.errors import UserError
 from dare_core.models import safetensors_io
-from dare_core.models.lora import LoraSettings, apply_lora, lora_layers, merged_state_dict
+from dare_core.models.family import get_family
 from dare_core.models.hf_folder import ModelLoadError, inspect_model, load_model, save_model, verify_saved
 from dare_core.models.lm import build_model, empty_model
-from dare_core.models.family import get_family
+from dare_core.models.lora import LoraSettings, apply_lora, lora_layers, merged_state_dict
 from dare_core.models.tokenizer import char_tokenizer
 from dare_core.training.checkpoint import META, convert_checkpoint
 from dare_core.training.setup import initial_model

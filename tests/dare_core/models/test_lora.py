@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from dare_core.diffusion.seeding import generator
-from dare_core.models.lora import LoraSettings, adapter_disabled, apply_lora, lora_layers, merged_state_dict
 from dare_core.models.lm import build_model
+from dare_core.models.lora import LoraSettings, adapter_disabled, apply_lora, lora_layers, merged_state_dict
 from tiny_models import FAMILIES, tiny
 
 

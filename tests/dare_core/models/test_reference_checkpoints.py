@@ -4,8 +4,8 @@ Configs and indexes: tests/reference; tokenizer files (ids a config lacks): ../s
 import pytest
 import torch
 
-from dare_core.models.lm import build_model
 from dare_core.models.hf_folder import tokenizer_token_ids
+from dare_core.models.lm import build_model
 from reference_metadata import CHECKPOINTS, NAMES, config, has_index, index, shared_checkpoint
 
 # Mask/eos/pad ids a config lacks (LLaDA2 has neither mask nor eos id) come from tokenizer files;

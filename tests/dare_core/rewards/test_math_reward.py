@@ -2,8 +2,7 @@ import time
 
 import pytest
 
-from dare_core.rewards import REWARDS, compute_reward
-from dare_core.rewards import math as math_reward
+from dare_core.rewards import REWARDS, compute_reward, math as math_reward
 from dare_core.rewards.extract import last_boxed, unwrap_boxed
 from dare_core.rewards.math import as_rational, math_equal, normalize_answer
 

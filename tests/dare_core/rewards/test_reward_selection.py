@@ -9,8 +9,8 @@ import pytest
 from dare_core.config import ConfigError
 from dare_core.data.schema import DataError, check_ground_truths, read_rows, write_rows
 from dare_core.eval.configs.task import PreparedTask
-from dare_core.rewards.scoring import reward_for, reward_name_for, score_texts
 from dare_core.rewards import user
+from dare_core.rewards.scoring import reward_for, reward_name_for, score_texts
 
 ROW = {"prompt": "p", "ground_truth": "42", "task": "arithmetic", "uid": "u0", "prompt_text": "p"}
 

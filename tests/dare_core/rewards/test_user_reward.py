@@ -7,8 +7,7 @@ import uuid
 
 import pytest
 
-from dare_core.rewards import RewardError, RewardResult, check_ground_truth, compute_reward, get_reward
-from dare_core.rewards import user
+from dare_core.rewards import RewardError, RewardResult, check_ground_truth, compute_reward, get_reward, user
 
 MODULE = '''
 from pathlib import Path
