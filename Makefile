@@ -41,7 +41,7 @@ ifneq ($(HAVE_GPU),1)
 export DS_ACCELERATOR := cpu
 endif
 
-.PHONY: venv venv-test sandbox run test repro lock clean distclean
+.PHONY: venv venv-test sandbox browser run test repro lock clean distclean
 
 venv: $(VENV)/.stamp
 venv-test: $(VENV)/.stamp-test
@@ -71,11 +71,23 @@ sandbox:
 	    || { $$sudo apt-get update -q && $$sudo apt-get install -y --no-install-recommends bubblewrap; }; \
 	} || { echo "error: could not install bubblewrap (the code sandbox needs it): install the bubblewrap package" >&2; exit 1; }
 
+# Headless Chromium for the Prefect UI screenshot test (tests/flows/test_ui_screenshot.py, through
+# Playwright with executable_path; Playwright's own browser download is not used). Debian package,
+# installed as root or through sudo.
+browser:
+	@test -x /usr/bin/chromium || { \
+	  sudo=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  $$sudo apt-get install -y --no-install-recommends chromium \
+	    || { $$sudo apt-get update -q && $$sudo apt-get install -y --no-install-recommends chromium; }; \
+	} || { echo "error: could not install chromium (the UI screenshot test needs it): install the chromium package" >&2; exit 1; }
+
 run: venv
+	mkdir -p "$(PREFECT_HOME)"
 	$(PY) -m flows.pipeline $(RUN_ARGS)
 
 # Tests marked "gpu" are skipped automatically when no CUDA device is present (tests/conftest.py).
-test: venv-test sandbox
+test: venv-test sandbox browser
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # stage commands call `dare`, so the venv's bin goes first on PATH

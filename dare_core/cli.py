@@ -70,11 +70,13 @@ def cmd_stage(args: argparse.Namespace) -> int:
         worker_args.append("--debug")
     if args.restart != "never":
         worker_args.append("--restart" if args.restart == "always" else "--restart-if-changed")
+    from dare_core.config import load_config
+
     if not distributed:
         import importlib
 
-        return importlib.import_module(module).main(worker_args)
-    from dare_core.config import load_config
+        code = importlib.import_module(module).main(worker_args)
+        return code or _publish(args.name, load_config(args.params, args.set))
     from dare_core.training.threads import launcher_env
 
     cfg = load_config(args.params, args.set)
@@ -82,7 +84,18 @@ def cmd_stage(args: argparse.Namespace) -> int:
     # each rank starts with its share of the cores (torchrun would otherwise give every rank one)
     env = launcher_env(cfg.launch.threads, cfg.launch.nproc, os.environ)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    return subprocess.call(cmd, env=env)
+    return subprocess.call(cmd, env=env) or _publish(args.name, cfg)
+
+
+def _publish(stage: str, cfg: DareConfig) -> int:
+    """Once a stage has succeeded: copy its outputs to run.artifact_root, if set (training
+    checkpoints went up as they were saved; dare_core/artifacts.py). Here, in the one process that
+    started the stage, not in its ranks; with torchrun on several nodes, on the first node only."""
+    if cfg.run.artifact_root and cfg.launch.node_rank == 0:
+        from dare_core.artifacts import publish_stage
+
+        publish_stage(cfg, stage)
+    return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -16,8 +16,9 @@ from typing import Any, Optional, Union
 import yaml
 
 from dare_core.recipes import apply_recipe
+from dare_core.remote import cache_path, local_copy, redact
 from dare_core.sampling.params import SamplingParams
-from dare_core.storage import read_yaml_mapping
+from dare_core.storage import is_remote, read_yaml_mapping
 
 
 class ConfigError(ValueError):
@@ -58,6 +59,16 @@ def _one_of(section: Any, name: str, allowed: tuple) -> None:
 # --------------------------------------------------------------------------- sections
 
 
+def _local_output(section: Any, *names: str) -> None:
+    """Outputs DVC tracks live on the local (or shared) file system: a URL there would become a
+    folder named `s3:` in the project. Copies in object storage are what run.artifact_root is for."""
+    for name in names:
+        value = getattr(section, name)
+        if isinstance(value, str) and "://" in value:
+            raise FieldError(name, f"is a DVC output and must be a local path, got {redact(value)!r}; set "
+                                   f"run.artifact_root: s3://... to copy run artifacts to object storage")
+
+
 @dataclass
 class RunConfig:
     name: str = "embedded"
@@ -65,6 +76,14 @@ class RunConfig:
     runs_dir: str = "runs"
     models_dir: str = "models"
     metrics_dir: str = "metrics"
+    # where copies of the run's artifacts go (dare_core/artifacts.py): an fsspec URL (s3://bucket/prefix)
+    # or a folder; null = none. <artifact_root>/<name>/runs/..., models/..., metrics/...
+    artifact_root: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        _local_output(self, "runs_dir", "models_dir", "metrics_dir")
+        if self.artifact_root is not None and not self.artifact_root.strip():
+            raise FieldError("artifact_root", "is empty; give a URL (s3://bucket/prefix) or a folder, or null")
 
 
 @dataclass
@@ -99,6 +118,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _at_least(self, 0, "num_sft", "num_rl", "num_eval", "num_preference", "num_val")
+        _local_output(self, "prepared_dir", "tokenizer_dir")
 
 
 DTYPES = ("auto", "float32", "bfloat16", "fp32", "bf16")
@@ -107,7 +127,8 @@ DTYPES = ("auto", "float32", "bfloat16", "fp32", "bf16")
 @dataclass
 class ModelConfig:
     family: str = "llada"
-    # a Hugging Face folder to start from; null means initialise from `init` with run.seed
+    # a Hugging Face folder to start from, or a URL of one (s3://bucket/prefix: fetched into the
+    # download cache, `model_folder()`); null means initialise from `init` with run.seed
     path: Optional[str] = None
     init: dict = field(default_factory=dict)
     dtype: str = "auto"  # auto | float32 | bfloat16
@@ -423,12 +444,20 @@ class DareConfig:
     def final_model_dir(self) -> Path:
         return Path(self.run.models_dir) / self.run.name
 
+    def model_folder(self) -> Optional[Path]:
+        """`model.path` as a local folder: itself, or for a URL its verified copy in the download
+        cache, fetched (or refreshed) here; None for a from-scratch model."""
+        if not self.model.path:
+            return None
+        return local_copy(self.model.path, "model folder", folder=True)
+
     @property
     def checkpoint_dirs(self) -> dict[str, Path]:
-        """The pipeline's checkpoints, in pipeline order: base (untrained or the given model), SFT,
-        preference (the side branch), RL."""
+        """The pipeline's checkpoints, in pipeline order: base (untrained or the given model; for a
+        URL, where `model_folder()` puts its copy), SFT, preference (the side branch), RL."""
+        given = self.model.path
         return {
-            "base": Path(self.model.path) if self.model.path else self.base_model_dir,
+            "base": (cache_path(given) if is_remote(given) else Path(given)) if given else self.base_model_dir,
             "sft": self.stage_dir("sft") / "model",
             "preference": self.stage_dir("preference") / "model",
             "rl": self.final_model_dir,

@@ -9,8 +9,14 @@ in `dvc.yaml`, so `dvc repro` alone reproduces the same run; this flow adds orde
 rerun of a killed stage resumes from its checkpoints), a per-stage summary and the eval table as a
 Prefect artifact.
 
-Parameter overrides are not a flow argument: they belong to DVC, which tracks params. Use
-`dvc exp run -S sft.lr=1e-5` (or edit params.yaml) and then run the flow.
+Parameter overrides: `overrides=["rl.num_steps=200"]` (a deployment parameter; `--set` here) sets
+params.yaml keys for the run, recorded in the run's `dare-run` artifact; DVC tracks them as params
+like `dvc exp run -S` does. `isolated=True` (deployments set it in prefect.yaml) runs in a git
+worktree of the checkout's commit, so concurrent runs never collide (tasks/workspace.py).
+
+Prefect shows each stage's output lines in its task's log (rate-limited), a failed stage's own
+error line as the task's message, and per-stage artifacts (`dare-<stage>-report`: the metrics and
+plots that stage wrote in this run; nothing for a stage that was up to date).
 
 Prefect server: with `PREFECT_API_URL` unset, Prefect runs in ephemeral mode (a temporary local
 API server inside this process; nothing to start). `main()` then keeps Prefect's state in
@@ -37,18 +43,26 @@ ENV_DEFAULTS = {
 }
 for _key, _value in ENV_DEFAULTS.items():
     os.environ.setdefault(_key, _value)
+# Prefect creates only the last level of PREFECT_HOME, and complains at import when its parent is
+# missing ("Failed to create the Prefect home directory"), e.g. the Makefile's .cache/prefect.
+if os.environ.get("PREFECT_HOME"):
+    os.makedirs(os.path.expanduser(os.environ["PREFECT_HOME"]), exist_ok=True)
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import re  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass, field, replace  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from prefect import flow, get_run_logger  # noqa: E402
+from prefect.runtime import flow_run  # noqa: E402
 from prefect.artifacts import create_markdown_artifact, create_table_artifact  # noqa: E402
 
+from flows.report import run_markdown, stage_markdown  # noqa: E402
 from tasks.dvc_stage import StageResult, dvc_stage  # noqa: E402
+from tasks.workspace import apply_overrides, checkout_state, create_workspace  # noqa: E402
 
 # preference is a side branch: it trains from the SFT model (as RL does) and exports its own folder
 DEFAULT_STAGES = ["prepare", "sft", "preference", "rl", "convert", "eval"]
@@ -139,23 +153,47 @@ def dare_pipeline(
     force: bool = False,
     retries: int = 1,
     retry_delay_seconds: float = 2.0,
+    overrides: list[str] | None = None,
+    isolated: bool = False,
 ) -> PipelineResult:
     """Run the DVC stages in order (default: prepare, sft, preference, rl, convert, eval), each as a Prefect
-    task with `retries` retries; then read metrics/eval.json, print and publish the eval table.
+    task with `retries` retries, and publish what each stage produced in this run.
 
-    Param overrides: use `dvc exp run -S key=value` (DVC tracks params); this flow takes none.
+    overrides: params.yaml keys to set for this run (`["rl.num_steps=200"]`), written into the params.yaml
+    the stages read, so DVC tracks them; recorded in the `dare-run` artifact.
+    isolated: work in a git worktree of the checkout's commit (`.cache/workspaces/<flow run>`, DVC cache
+    shared) instead of the checkout itself, so concurrent runs never collide and the checkout stays clean.
+    Deployments set it (prefect.yaml); a run from the command line works in place by default.
+
     Returns a PipelineResult (per-stage ran/skipped, attempts, wall time; eval metrics and table).
-    A failing stage raises StageFailed (stage name and exit code) after printing the summary.
+    A failing stage raises StageFailed (the worker's error line, the stage and its exit code).
     """
     logger = get_run_logger()
-    root = Path(repo).resolve()
+    checkout = Path(repo).resolve()
     stages = list(DEFAULT_STAGES if stages is None else stages)
-    _check_stages(stages, root)
+    overrides = list(overrides or [])
+    _check_stages(stages, checkout)
+    commit, dirty = checkout_state(checkout) if (checkout / ".git").exists() else (None, [])
+    root = checkout
+    if isolated:
+        root, commit = create_workspace(checkout, flow_run.get_name() or f"run-{os.getpid()}")
+        logger.info("isolated workspace %s (commit %s)", root, commit[:12])
+        if dirty:
+            logger.warning("uncommitted changes in %s are not part of this run: %s", checkout, ", ".join(dirty))
+    if overrides:
+        applied = apply_overrides(root / "params.yaml", overrides)
+        logger.info("params.yaml overrides: %s", ", ".join(f"{k}={v!r}" for k, v in applied))
+    create_markdown_artifact(
+        key="dare-run",
+        markdown=run_markdown(checkout=checkout, workdir=root, commit=commit, overrides=overrides,
+                              stages=stages, isolated=isolated, dirty=dirty),
+        description="where this run worked, its commit and params.yaml overrides",
+    )
     run = dvc_stage.with_options(retries=retries, retry_delay_seconds=retry_delay_seconds)
     result = PipelineResult(repo=str(root))
 
     for stage in stages:
-        t0 = time.perf_counter()
+        t0, started = time.perf_counter(), time.time()
         try:
             r = run(stage, repo=str(root), force=force)
         except BaseException:
@@ -163,6 +201,10 @@ def dare_pipeline(
             print(f"\nDARE pipeline FAILED at stage {stage!r} ({root})\n{result.stage_table()}", flush=True)
             raise
         result.stages.append(replace(r, seconds=time.perf_counter() - t0))
+        report = stage_markdown(stage.split("@")[0], root, started) if r.ran else None
+        if report:  # only what this run wrote: a skipped stage's files belong to an earlier run
+            create_markdown_artifact(key=f"dare-{_artifact_key(stage)}-report", markdown=report,
+                                     description=f"{stage}: metrics and plots written by this run")
 
     summary = result.stage_table()
     create_table_artifact(
@@ -173,8 +215,10 @@ def dare_pipeline(
     )
 
     result.metrics = read_eval_metrics(root)
+    eval_ran = any(r.stage == "eval" and r.ran for r in result.stages)
     if result.metrics is not None:
         result.table = eval_table(result.metrics)
+    if result.metrics is not None and eval_ran:
         create_markdown_artifact(
             key="dare-eval-table",
             markdown="## DARE evaluation (accuracy %, OpenCompass)\n\n" + result.table + "\n",
@@ -185,14 +229,22 @@ def dare_pipeline(
             table=eval_rows(result.metrics),
             description=f"{EVAL_METRICS} in {root}",
         )
+    elif result.metrics is not None:
+        logger.info("eval did not run in this flow run: %s is from an earlier run, not republished", EVAL_METRICS)
     else:
         logger.info("no %s in %s: no eval table", EVAL_METRICS, root)
 
     out = [f"\nDARE pipeline ({root})", summary]
     if result.table:
-        out += ["", "Evaluation (accuracy %)", result.table]
+        out += ["", "Evaluation (accuracy %)" + ("" if eval_ran else ", from an earlier run (eval was up to date)"),
+                result.table]
     print("\n".join(out), flush=True)
     return result
+
+
+def _artifact_key(stage: str) -> str:
+    """Prefect artifact keys allow lowercase letters, digits and dashes."""
+    return re.sub(r"[^a-z0-9-]+", "-", stage.lower()).strip("-")
 
 
 def apply_env_defaults(repo: str | Path = ".") -> None:
@@ -211,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m flows.pipeline",
         description="Run the DARE pipeline (DVC stages as Prefect tasks).",
-        epilog="Param overrides: `dvc exp run -S key=value`. Set PREFECT_API_URL to use a Prefect "
+        epilog="Set PREFECT_API_URL to use a Prefect "
                "server (UI); otherwise Prefect runs in ephemeral mode.",
     )
     parser.add_argument("--stages", default=",".join(DEFAULT_STAGES),
@@ -220,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="rerun stages even if unchanged")
     parser.add_argument("--retries", type=int, default=1, help="retries per stage (default: 1)")
     parser.add_argument("--retry-delay", type=float, default=2.0, help="seconds between retries")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                        help="set a params.yaml key for this run (repeatable), e.g. --set rl.num_steps=200")
+    parser.add_argument("--isolated", action="store_true",
+                        help="run in a git worktree of the checkout's commit (.cache/workspaces/<run>)")
     args = parser.parse_args(argv)
 
     apply_env_defaults(args.repo)
@@ -230,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     try:
         dare_pipeline(stages=stages, repo=args.repo, force=args.force,
-                      retries=args.retries, retry_delay_seconds=args.retry_delay)
+                      retries=args.retries, retry_delay_seconds=args.retry_delay,
+                      overrides=args.overrides, isolated=args.isolated)
     except Exception as exc:  # Prefect has logged the traceback
         print(f"dare pipeline failed: {exc}", file=sys.stderr)
         return 1

@@ -5,13 +5,14 @@ The task is thin on purpose. Everything a stage does lives in `dvc.yaml` (its cm
 
 1. `dvc status <stage> --json`: has anything the stage depends on (deps, params, cmd, outs) changed?
 2. if so (or if forced): `dvc repro --single-item [--force] <stage>` as a subprocess in the repo
-   directory. Its stdout is this process's stdout (inherited file descriptor); its stderr is
-   forwarded live, chunk by chunk, to sys.stderr, so the workers' tqdm bars (which redraw with
-   `\\r`) show up as they happen, and DVC's error line ("... exited with N") is kept for the error.
+   directory. Its stdout and stderr are echoed live, chunk by chunk, to ours (the workers' tqdm
+   bars, which redraw with `\\r`, show up as they happen), and their complete lines go to the
+   task's Prefect log, rate-limited (tasks/stage_output.py).
 
 An unchanged stage is reported as skipped without calling `dvc repro` (DVC would only print
-"Stage '<name>' didn't change, skipping"). A failed stage raises `StageFailed` naming the stage and
-the stage command's exit code; the task's retries rerun it, and the worker resumes from its checkpoints.
+"Stage '<name>' didn't change, skipping"). A failed stage raises `StageFailed`, whose message is
+the worker's own error line (`error: unknown config key ...`) followed by the stage and its exit
+code; the task's retries rerun it, and the worker resumes from its checkpoints.
 """
 
 from __future__ import annotations
@@ -22,35 +23,43 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import task_run
 
+from tasks.stage_output import LineForwarder, dvc_error, error_line
+
 __all__ = ["StageFailed", "StageResult", "dvc_stage", "run_stage", "stage_changes"]
 
 
 class StageFailed(RuntimeError):
-    """A stage failed: `returncode` is the stage cmd's exit code when DVC reported it ("exited
-    with N"), else the DVC command's own exit code (`dvc_returncode`; DVC exits 255 on any error)."""
+    """A stage failed. Its message starts with the line that explains why: the worker's own
+    `error: ...` line when it printed one (`error_line`), else DVC's report. `returncode` is the
+    stage cmd's exit code when DVC reported it ("exited with N"), else the DVC command's own exit
+    code (`dvc_returncode`; DVC exits 255 on any error)."""
 
     def __init__(self, stage: str, dvc_returncode: int, command: list[str], repo: str | Path,
-                 dvc_error: str = ""):
+                 dvc_error: str = "", cause: str = ""):
         m = re.search(r"exited with (-?\d+)", dvc_error)
         self.stage = stage
         self.returncode = int(m.group(1)) if m else dvc_returncode
         self.dvc_returncode = dvc_returncode
         self.dvc_error = dvc_error
+        self.cause = cause if cause and cause != dvc_error else ""
         self.command = command
         self.repo = str(repo)
         detail = f" (dvc: {dvc_error.removeprefix('ERROR: ')})" if dvc_error else ""
-        super().__init__(f"stage {stage!r} failed with exit code {self.returncode}{detail}")
+        what = f"stage {stage!r} failed with exit code {self.returncode}"
+        super().__init__(f"{self.cause} [{what}]" if self.cause else what + detail)
 
     def __reduce__(self):  # picklable (Prefect may serialize exceptions)
-        return (type(self), (self.stage, self.dvc_returncode, self.command, self.repo, self.dvc_error))
+        return (type(self), (self.stage, self.dvc_returncode, self.command, self.repo, self.dvc_error, self.cause))
 
 
 @dataclass(frozen=True)
@@ -71,15 +80,20 @@ def dvc_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "dvc", *args]
 
 
-def stage_env() -> dict[str, str]:
-    """Environment of the DVC subprocess: ours, plus DVC analytics off and this Python's bin dir
-    first on PATH, so a stage cmd `dare stage <name>` resolves to this environment's `dare`."""
+def stage_env(repo: str | Path | None = None) -> dict[str, str]:
+    """Environment of the DVC subprocess: ours, plus DVC analytics off, this Python's bin dir first
+    on PATH (a stage cmd `dare stage <name>` resolves to this environment's `dare`) and the project
+    first on PYTHONPATH, so a stage runs the dare_core of the checkout or workspace it runs in (the
+    code dvc.yaml's deps hash), not whichever copy is installed."""
     env = dict(os.environ)
     env.setdefault("DVC_NO_ANALYTICS", "1")
+    env.setdefault("DARE_LOG_STEPS", "1")  # workers print a line per logged step, which the task forwards
     bindir = str(Path(sys.executable).parent)
     path = env.get("PATH", "")
     if bindir not in path.split(os.pathsep):
         env["PATH"] = bindir + (os.pathsep + path if path else "")
+    if repo is not None and (Path(repo) / "dare_core").is_dir():
+        env["PYTHONPATH"] = os.pathsep.join([str(Path(repo).resolve()), *filter(None, [env.get("PYTHONPATH")])])
     return env
 
 
@@ -87,12 +101,12 @@ def stage_changes(stage: str, repo: str | Path = ".") -> list:
     """What `dvc status <stage> --json` reports for the stage; an empty list means up to date."""
     cmd = dvc_command("status", stage, "--json")
     proc = subprocess.run(
-        cmd, cwd=repo, env=stage_env(), stdin=subprocess.DEVNULL,
+        cmd, cwd=repo, env=stage_env(repo), stdin=subprocess.DEVNULL,
         capture_output=True, text=True,
     )
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr)
-        raise StageFailed(stage, proc.returncode, cmd, repo, _last_error(proc.stderr))
+        raise StageFailed(stage, proc.returncode, cmd, repo, dvc_error(proc.stderr))
     out = proc.stdout.strip()
     # DVC may print warnings before the JSON object; the JSON is the last line.
     status = json.loads(out.splitlines()[-1]) if out else {}
@@ -111,44 +125,55 @@ def _describe(changes: list) -> str:
     return ", ".join(parts)
 
 
-def _run_streaming(cmd: list[str], repo: str | Path) -> tuple[int, str]:
-    """Run cmd with stdout inherited (our fd 1) and stderr forwarded live, chunk by chunk, to
-    sys.stderr (tqdm's `\\r` redraws pass through unchanged). Returns (exit code, stderr tail)."""
+def _pump(fd: int, stream: str, sink, forward: LineForwarder | None, tails: dict[str, str]) -> None:
+    """Copy one pipe to our console stream, chunk by chunk (tqdm's `\\r` redraws pass through
+    unchanged), and into the line forwarder and the shared output tail."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    while chunk := os.read(fd, 65536):
+        text = decoder.decode(chunk)
+        try:
+            sink.write(text)
+            sink.flush()
+        except (OSError, ValueError):  # our console is gone: keep draining the pipe
+            pass
+        if forward is not None:
+            forward.feed(text, stream)
+        tails[stream] = (tails[stream] + text)[-16384:]
+
+
+def _run_streaming(cmd: list[str], repo: str | Path, forward: LineForwarder | None = None,
+                   env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Run cmd with its stdout and stderr echoed live to ours and fed, line by line, to `forward`.
+    Returns (exit code, the last 16 KB of stdout then of stderr: kept apart, since lines of the two
+    interleave mid-line)."""
     sys.stdout.flush()
     sys.stderr.flush()
-    proc = subprocess.Popen(cmd, cwd=repo, env=stage_env(), stdin=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    tail = ""
+    proc = subprocess.Popen(cmd, cwd=repo, env=env or stage_env(repo), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    tails = {"stdout": "", "stderr": ""}
+    pumps = [threading.Thread(target=_pump, args=(pipe.fileno(), name, sink, forward, tails), daemon=True)
+             for pipe, name, sink in ((proc.stdout, "stdout", sys.stdout), (proc.stderr, "stderr", sys.stderr))]
     try:
-        assert proc.stderr is not None
-        fd = proc.stderr.fileno()
-        while chunk := os.read(fd, 65536):
-            text = decoder.decode(chunk)
-            try:
-                sys.stderr.write(text)
-                sys.stderr.flush()
-            except (OSError, ValueError):  # our stderr is gone: keep draining the pipe
-                pass
-            tail = (tail + text)[-8192:]
-        return proc.wait(), tail
+        for t in pumps:
+            t.start()
+        for t in pumps:
+            t.join()
+        return proc.wait(), tails["stdout"] + "\n" + tails["stderr"]
     except BaseException:
         proc.kill()
         proc.wait()
         raise
     finally:
-        proc.stderr.close()
+        for pipe in (proc.stdout, proc.stderr):
+            pipe.close()
+        if forward is not None:
+            forward.close()
 
 
-def _last_error(stderr_tail: str) -> str:
-    """DVC's last "ERROR: ..." line (it names the stage and the cmd's exit code)."""
-    lines = [ln.strip() for ln in re.split(r"[\r\n]+", stderr_tail) if ln.strip()]
-    errors = [ln for ln in lines if ln.startswith("ERROR")]
-    return errors[-1] if errors else (lines[-1] if lines else "")
-
-
-def run_stage(stage: str, repo: str | Path = ".", force: bool = False, attempt: int = 1) -> StageResult:
-    """Run one DVC stage if it changed (or if forced). Plain function: no Prefect needed."""
+def run_stage(stage: str, repo: str | Path = ".", force: bool = False, attempt: int = 1,
+              log_line: Callable[[str], None] | None = None, env: dict[str, str] | None = None) -> StageResult:
+    """Run one DVC stage if it changed (or if forced). Plain function: no Prefect needed.
+    `log_line` receives the stage's output lines (rate-limited; see tasks/stage_output.py)."""
     t0 = time.perf_counter()
     if force:
         reason = "forced"
@@ -158,9 +183,10 @@ def run_stage(stage: str, repo: str | Path = ".", force: bool = False, attempt: 
             return StageResult(stage, "skipped", time.perf_counter() - t0, attempt, "up to date")
         reason = _describe(changes)
     cmd = dvc_command("repro", "--single-item", *(["--force"] if force else []), stage)
-    returncode, err_tail = _run_streaming(cmd, repo)
+    forward = LineForwarder(log_line) if log_line else None
+    returncode, tail = _run_streaming(cmd, repo, forward, env)
     if returncode != 0:
-        raise StageFailed(stage, returncode, cmd, repo, _last_error(err_tail))
+        raise StageFailed(stage, returncode, cmd, repo, dvc_error(tail), error_line(tail))
     return StageResult(stage, "ran", time.perf_counter() - t0, attempt, reason)
 
 
@@ -173,13 +199,14 @@ def run_stage(stage: str, repo: str | Path = ".", force: bool = False, attempt: 
     persist_result=False,
 )
 def dvc_stage(stage: str, repo: str = ".", force: bool = False) -> StageResult:
-    """Prefect task: `dvc repro --single-item <stage>` when DVC says the stage changed.
+    """Prefect task: `dvc repro --single-item <stage>` when DVC says the stage changed. The stage's
+    output lines go to this task's Prefect log; a failure's message is the worker's error line.
 
     Retries are set per call from the flow with `dvc_stage.with_options(retries=..., ...)`.
     """
     logger = get_run_logger()
     attempt = int(task_run.run_count or 1)
     logger.info("stage %s: attempt %d in %s", stage, attempt, repo)
-    result = run_stage(stage, repo, force=force, attempt=attempt)
+    result = run_stage(stage, repo, force=force, attempt=attempt, log_line=logger.info)
     logger.info("stage %s: %s in %.1f s (%s)", stage, result.status, result.seconds, result.reason)
     return result

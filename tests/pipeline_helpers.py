@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import random
 import sys
 from pathlib import Path
 
@@ -59,3 +60,16 @@ def worker_env() -> dict:
 
 def dare(*args: str) -> list[str]:
     return [sys.executable, "-m", "dare_core.cli", *args]
+
+
+def sort_rows(n: int, seed: int) -> list[dict]:
+    """A user's task: sort the digits ("sort 3 1 2" -> "1 2 3"), graded by exact_match."""
+    rng, rows, seen = random.Random(seed), [], set()
+    while len(rows) < n:
+        digits = [str(rng.randrange(10)) for _ in range(rng.randint(2, 4))]
+        if " ".join(digits) in seen:
+            continue
+        seen.add(" ".join(digits))
+        answer = " ".join(sorted(digits))
+        rows.append({"prompt": "sort " + " ".join(digits), "response": answer, "ground_truth": answer})
+    return rows

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import random
 import re
-from pathlib import Path
 from typing import Any
 
 from dare_core.config import DareConfig
@@ -48,7 +47,7 @@ def _max_length(cfg: DareConfig) -> int:
         if family.tiny_config is None:
             return DEFAULT_MAX_LENGTH
         return family.config_from_hf(family.tiny_config(8, 7, 6, **cfg.model.init)).max_sequence_length
-    path = Path(cfg.model.path) / "config.json"
+    path = cfg.model_folder() / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"model config not found: {path}")
     model_config = read_json(path)
@@ -261,7 +260,7 @@ def prepare(cfg: DareConfig) -> dict[str, Any]:
     outputs = [cfg.data.prepared_dir] + ([cfg.data.tokenizer_dir] if from_scratch else [])
     for output in outputs:
         check_writable(output)
-    tokenizer = char_tokenizer() if from_scratch else load_tokenizer(cfg.model.path)
+    tokenizer = char_tokenizer() if from_scratch else load_tokenizer(cfg.model_folder())
     length_key = derived.model_length_key(cfg)  # a from-scratch model sized by the data
     limit = _UNSIZED_LIMIT if length_key else _max_length(cfg)
     counts = (cfg.data.num_sft, cfg.data.num_rl, cfg.data.num_eval, cfg.data.num_val)

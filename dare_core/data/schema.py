@@ -19,7 +19,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dare_core.errors import clip
-from dare_core.storage import atomic_write_bytes
+from dare_core.remote import RemoteError, local_copy, redact
+from dare_core.storage import atomic_write_bytes, is_remote
 
 PathLike = Union[str, Path]
 
@@ -139,10 +140,11 @@ def check_ground_truths(rows: list[dict], reward: str, source: str, reward_args:
             raise DataError(f"{where}: column 'ground_truth': {clip(str(exc))}") from None
 
 
-def json_lines(path: Path, error: type = DataError, stream=None) -> Iterator[tuple[int, dict]]:
+def json_lines(path: Path, error: type = DataError, stream=None, name: Optional[str] = None) -> Iterator[tuple[int, dict]]:
     """(line number, object) for every non-blank line of a JSON-lines file; a line that is not a
-    JSON object raises `error` naming the file and the line. `stream`: an already opened text
-    stream (e.g. gzip) instead of opening `path`."""
+    JSON object raises `error` naming the file (`name`, else `path`) and the line. `stream`: an
+    already opened text stream (e.g. gzip) instead of opening `path`."""
+    where = name or path
     # bytes, decoded line by line: a non-UTF-8 byte is reported with its line
     with (stream if stream is not None else path.open("rb")) as f:
         for lineno, line in enumerate(f, start=1):
@@ -150,49 +152,59 @@ def json_lines(path: Path, error: type = DataError, stream=None) -> Iterator[tup
                 try:
                     line = line.decode("utf-8")
                 except UnicodeDecodeError as exc:
-                    raise error(f"{path}: line {lineno}: not UTF-8 text (byte {exc.start} of the line)") from None
+                    raise error(f"{where}: line {lineno}: not UTF-8 text (byte {exc.start} of the line)") from None
             if not line.strip():
                 continue
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise error(f"{path}: line {lineno}: not valid JSON ({exc.msg})") from exc
+                raise error(f"{where}: line {lineno}: not valid JSON ({exc.msg})") from exc
             if not isinstance(obj, dict):
-                raise error(f"{path}: line {lineno}: expected a JSON object, got {type(obj).__name__}")
+                raise error(f"{where}: line {lineno}: expected a JSON object, got {type(obj).__name__}")
             yield lineno, obj
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    return [obj for _, obj in json_lines(path)]
+def _read_jsonl(path: Path, name: str) -> list[dict]:
+    return [obj for _, obj in json_lines(path, name=name)]
 
 
-def _read_parquet(path: Path) -> list[dict]:
+def _read_parquet(path: Path, name: str) -> list[dict]:
     try:
         return pq.read_table(path).to_pylist()
     except (pa.ArrowException, OSError) as exc:
-        raise DataError(f"{path}: cannot read parquet: {exc}") from exc
+        raise DataError(f"{name}: cannot read parquet: {exc}") from exc
 
 
 _READERS = {".jsonl": _read_jsonl, ".parquet": _read_parquet}
 
 
 def read_rows(path: PathLike, kind: str) -> list[dict]:
-    """Read a `.parquet` or `.jsonl` file and validate its rows against `kind`."""
-    path = Path(path)
-    reader = _READERS.get(path.suffix)
+    """Read a `.parquet` or `.jsonl` file and validate its rows against `kind`. A URL (s3://...) is
+    read from its verified copy in the download cache (dare_core/remote.py); messages name the
+    path or URL as given."""
+    name = redact(path) if is_remote(path) else str(Path(path))
+    suffix = Path(name).suffix
+    reader = _READERS.get(suffix)
     if reader is None:
-        raise DataError(f"{path}: unsupported format '{path.suffix}', expected one of {sorted(_READERS)}")
-    if path.is_dir():
-        raise DataError(f"{path}: is a directory, not a {path.suffix} file")
-    if not path.exists():
-        raise DataError(f"data file not found: {path}")
-    if not path.is_file():
-        raise DataError(f"{path}: not a regular file")
+        raise DataError(f"{name}: unsupported format '{suffix}', expected one of {sorted(_READERS)}")
+    if is_remote(path):
+        try:
+            local = local_copy(path, "data file", folder=False)
+        except RemoteError as exc:
+            raise DataError(str(exc)) from None
+    else:
+        local = Path(path)
+        if local.is_dir():
+            raise DataError(f"{name}: is a directory, not a {suffix} file")
+        if not local.exists():
+            raise DataError(f"data file not found: {name}")
+        if not local.is_file():
+            raise DataError(f"{name}: not a regular file")
     try:
-        rows = reader(path)
+        rows = reader(local, name)
     except OSError as exc:
-        raise DataError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    validate_rows(rows, kind, str(path))
+        raise DataError(f"{name}: cannot read ({exc.strerror or exc})") from None
+    validate_rows(rows, kind, name)
     return rows
 
 

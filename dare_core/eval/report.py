@@ -1,7 +1,10 @@
 """Tables and plots of evaluation results: {model: {benchmark: accuracy (0-100)}}."""
 from __future__ import annotations
 
+import io
 from pathlib import Path
+
+from dare_core.storage import atomic_write_bytes
 
 
 def _benchmarks(results: dict) -> list:
@@ -43,6 +46,7 @@ def accuracy_plot(results: dict, path: Path) -> None:
     ax.set_ylim(0, 105)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
     plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())  # one rename: a reader never sees half a plot

@@ -15,14 +15,16 @@ from typing import Any, Optional
 
 import torch
 
+from dare_core.artifacts import CHECKPOINT_MARKER, ArtifactRoot
 from dare_core.config import DareConfig, to_dict
 from dare_core.errors import UserError
+from dare_core.remote import RemoteError, file_lock
 from dare_core.storage import atomic_write_json, atomic_write_text, read_json
 from dare_core.training.engine import planned_world_size
 
 log = logging.getLogger(__name__)
 
-META = "dare_checkpoint.json"
+META = CHECKPOINT_MARKER  # a checkpoint is complete once this file is in it (locally and remotely)
 
 
 class CheckpointMismatch(UserError):
@@ -117,10 +119,14 @@ class CheckpointManager:
     training, acts: it loads the checked checkpoint, or, when the run starts fresh over existing
     checkpoints (restart "always", or "if_changed" and they do not match), moves them to
     `<stage>/superseded/` (which holds the last set aside) so that no checkpoint is ever deleted
-    because settings changed."""
+    because settings changed.
+
+    With `mirror` (run.artifact_root), rank 0 uploads each checkpoint once it is complete, and a
+    run without local checkpoints resumes from the artifact root's latest one (a run continued
+    on another machine)."""
 
     def __init__(self, directory: Path, keep_last: int, fingerprint: Fingerprint, stage: str, restart: str = "never",
-                 checkpoint_bytes: int = 0):
+                 checkpoint_bytes: int = 0, mirror: Optional[ArtifactRoot] = None):
         self.dir = Path(directory)
         self.keep_last = keep_last
         self.fingerprint = fingerprint
@@ -129,6 +135,7 @@ class CheckpointManager:
         # about the size of one checkpoint (training/preflight.checkpoint_bytes): tells a full disk
         # from other write failures
         self.checkpoint_bytes = checkpoint_bytes
+        self.mirror = mirror
         self._tag: Optional[str] = None
         self._set_aside: Optional[str] = None  # why the existing checkpoints are set aside in begin()
 
@@ -161,8 +168,14 @@ class CheckpointManager:
 
     def check(self) -> Optional[str]:
         """The tag of the last checkpoint, made under this fingerprint; None when the run starts
-        fresh. Reads only."""
+        fresh. Reads only; but with an artifact root and no local checkpoint, it first fetches the
+        artifact root's latest one, if made with these settings (`_restore`)."""
         self._tag, self._set_aside = None, None
+        if self.mirror is not None and self.restart != "always":
+            # every rank of the job checks; the first fetches, the others wait and find it here
+            with file_lock(str(self.dir.absolute())):
+                if not (self.dir / "latest").exists():
+                    self._restore()
         if not (self.dir / "latest").exists():
             if self.restart == "always" and self.dir.is_dir() and any(self.dir.iterdir()):
                 self._set_aside = "--restart"
@@ -178,6 +191,24 @@ class CheckpointManager:
             self._set_aside = why
             return None
         raise self._refuse(why, revertible)
+
+    def _restore(self) -> None:
+        """No local checkpoint: fetch the artifact root's latest one if it was made with these
+        settings and inputs. One made with others is not fetched: refused like a local one, or
+        (restart "if_changed") left where it is while the run starts fresh."""
+        found = self.mirror.latest_checkpoint(self.dir)
+        if found is None:
+            return
+        tag, meta, url = found
+        if meta.get("fingerprint") != self.fingerprint.digest:
+            changes = self.fingerprint.changes(meta) if "settings" in meta else []
+            why = f"made with other settings or inputs ({'; '.join(changes[:6]) or 'the fingerprint'})"
+            if self.restart == "if_changed":
+                log.warning("%s: not resumed, %s; starting fresh (it stays in the artifact root)", url, why)
+                return
+            raise CheckpointMismatch(f"{url}: the artifact root's checkpoint was {why}; run `dare stage {self.stage} "
+                                     f"--restart` to start fresh (it stays there), or revert the change to resume it")
+        self.mirror.fetch_checkpoint(self.dir, tag)
 
     def begin(self, engine, what: str) -> int:
         """Right before the first step, after every check: the step to continue from (0: fresh).
@@ -222,7 +253,8 @@ class CheckpointManager:
                 shutil.rmtree(self.dir / tag, ignore_errors=True)
                 os.replace(tmp, self.dir / tag)
                 atomic_write_text(self.dir / "latest", tag)
-                self._prune(keep=tag)
+                pruned = self._prune(keep=tag)
+                self._upload(pruned)
         except BaseException as exc:
             # a half-written checkpoint is never left behind (disk full, killed); the last complete
             # one and the `latest` pointer are untouched
@@ -239,13 +271,25 @@ class CheckpointManager:
             torch.distributed.barrier()
         return tag
 
-    def _prune(self, keep: str) -> None:
+    def _prune(self, keep: str) -> list[str]:
         tags = sorted(p.name for p in self.dir.glob("step*") if p.is_dir())
-        for old in tags[: -self.keep_last]:
-            if old != keep:
-                shutil.rmtree(self.dir / old, ignore_errors=True)
+        pruned = [old for old in tags[: -self.keep_last] if old != keep]
+        for old in pruned:
+            shutil.rmtree(self.dir / old, ignore_errors=True)
         for stale in self.dir.glob(".tmp-step*"):
             shutil.rmtree(stale, ignore_errors=True)
+        return pruned
+
+    def _upload(self, pruned: list[str]) -> None:
+        """Copy the new checkpoint (and any an earlier upload missed) to the artifact root. A failed
+        upload does not stop training: the checkpoint is safe locally, and the next save, or the
+        end of the stage, uploads what is missing (the end of the stage fails if it still cannot)."""
+        if self.mirror is None:
+            return
+        try:
+            self.mirror.sync_checkpoints(self.dir, pruned)
+        except RemoteError as exc:
+            log.warning("%s (the checkpoint is safe locally; the next save or the end of the stage uploads it)", exc)
 
 
 def latest_checkpoint(ckpt_dir: Path) -> tuple[str, dict]:

@@ -1,9 +1,23 @@
-"""Metrics: JSON lines (the record), a CSV per plotted series (DVC plots), and TensorBoard."""
+"""Metrics: JSON lines (the record), a CSV per plotted series (DVC plots), a PNG per plotted series
+(`dare_core.training.plots`), and TensorBoard."""
 from __future__ import annotations
 
 import csv
 import json
+import os
+import sys
+import time
 from pathlib import Path
+from typing import Mapping, Optional
+
+from tqdm import tqdm
+
+from dare_core.training.plots import PlotSpec, PlotThrottle, line_plot
+
+# the share of a run's wall time drawing PNGs may take (`PlotThrottle`)
+PLOT_TIME_SHARE = 0.05
+# set (to 1) by the pipeline's stage task: print one line per logged step
+LOG_STEPS_ENV = "DARE_LOG_STEPS"
 
 
 def rows_upto(path: Path, resume_step: int) -> list[dict]:
@@ -26,20 +40,37 @@ def last_logged(directory: Path, key: str):
 
 
 class MetricsLogger:
-    """Append-only per-step metrics that survive a resume: rows after the resumed step are dropped."""
+    """Append-only per-step metrics that survive a resume: rows after the resumed step are dropped.
 
-    def __init__(self, directory: Path, resume_step: int = 0, plot_keys: tuple = (), enabled: bool = True):
+    `plot_keys`: the keys written to `<key>.csv` (DVC plots). `pngs`: {key: PlotSpec}, the keys drawn
+    to `<key>.png` at the end of a logged step that logs them (at most `png_share` of the wall time:
+    `PlotThrottle`; None: every such step) and at `close`. A fresh run removes the PNGs of an earlier
+    one; a resumed run redraws them from the rows it keeps."""
+
+    def __init__(self, directory: Path, resume_step: int = 0, plot_keys: tuple = (), enabled: bool = True,
+                 pngs: Optional[Mapping[str, PlotSpec]] = None, png_share: Optional[float] = PLOT_TIME_SHARE):
         self.dir = Path(directory)
         self.enabled = enabled
         self.plot_keys = plot_keys
+        self.pngs = dict(pngs or {})
         self.jsonl = self.dir / "metrics.jsonl"
         self._tb = None
+        self._series: dict[str, list] = {key: [] for key in self.pngs}
+        self._stale: set[str] = set()  # keys logged since their PNG was last drawn
+        self._throttle = PlotThrottle(png_share)
         if not enabled:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
         rows = rows_upto(self.jsonl, resume_step)
         self.jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
         self._rewrite_plots(rows)
+        for key in self.pngs:
+            self._series[key] = [(r["step"], r[key]) for r in rows if key in r]
+            if self._series[key]:
+                self._stale.add(key)
+            else:
+                (self.dir / f"{key}.png").unlink(missing_ok=True)  # an earlier run's plot would mislead
+        self.draw(force=True)
 
     def _rewrite_plots(self, rows: list) -> None:
         for key in self.plot_keys:
@@ -61,11 +92,27 @@ class MetricsLogger:
             if key in metrics:
                 with (self.dir / f"{key}.csv").open("a", newline="") as f:
                     csv.writer(f).writerow([step, metrics[key]])
+        for key in self.pngs:
+            if key in metrics:  # the value as metrics.jsonl keeps it: a resumed run redraws the same
+                self._series[key].append((step, row[key]))
+                self._stale.add(key)
+        self.draw()
+        if os.environ.get(LOG_STEPS_ENV):
+            self._print_step(row)
         tb = self._writer()
         if tb is not None:
             for k, v in metrics.items():
                 if isinstance(v, (int, float)):
                     tb.add_scalar(k, v, step)
+
+    def _print_step(self, row: dict) -> None:
+        """One console line per logged step (the pipeline's Prefect task forwards it; a progress bar
+        alone shows only its last frame there): plotted keys first."""
+        keys = [k for k in self.plot_keys if k in row] + [k for k in row if k != "step" and k not in self.plot_keys]
+        cells = [f"{k}={row[k]:.4g}" if isinstance(row[k], float) else f"{k}={row[k]}" for k in keys
+                 if isinstance(row[k], (int, float, str))]
+        line = f"{self.dir.name} step {row['step']}: " + " ".join(cells)
+        tqdm.write(line[:400], file=sys.stdout)
 
     def _writer(self):
         if self._tb is None:
@@ -77,6 +124,17 @@ class MetricsLogger:
                 self._tb = False
         return self._tb or None
 
+    def draw(self, force: bool = False) -> None:
+        """Redraw the PNGs of the keys logged since their last drawing, if `PlotThrottle` says so."""
+        if not self.enabled or not self._stale or not self._throttle.due(force):
+            return
+        started = time.monotonic()
+        for key in sorted(self._stale):
+            line_plot(self.dir / f"{key}.png", {key: self._series[key]}, self.pngs[key])
+        self._stale.clear()
+        self._throttle.record(started)
+
     def close(self) -> None:
+        self.draw(force=True)  # the last logged step, whatever the throttle skipped
         if self._tb:
             self._tb.close()

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from dare_core import devices
 from dare_core.algorithms.preference import build_preference, get_preference, reference_model
+from dare_core.artifacts import artifact_root
 from dare_core.config import DareConfig
 from dare_core.data.batching import global_batch_indices, pair_batch
 from dare_core.data.lengths import resolve as resolve_lengths
@@ -34,6 +35,7 @@ from dare_core.training import engine as eng
 from dare_core.training.checkpoint import CheckpointManager, stage_fingerprint
 from dare_core.training.engine import whole_weights
 from dare_core.training.metrics import MetricsLogger, last_logged
+from dare_core.training.plots import STAGE_PLOTS
 from dare_core.training.preflight import check_outputs, checkpoint_bytes, model_bytes, stage_writes
 from dare_core.training.setup import prepare_for_training, sampler_dict, stage_tokenizer, tokenizer_folder
 
@@ -108,7 +110,8 @@ def check_preference(cfg: DareConfig, save_checkpoints: bool = True, export: boo
     fingerprint = stage_fingerprint(cfg, "preference", {"data file": data_path, "start model": start_folder})
     dtype = resolve_dtype(cfg.model.dtype)
     ckpt_bytes = checkpoint_bytes(spec, dtype)
-    ckpt = CheckpointManager(out_dir / "checkpoints", pcfg.keep_last, fingerprint, "preference", cfg.restart, ckpt_bytes)
+    ckpt = CheckpointManager(out_dir / "checkpoints", pcfg.keep_last, fingerprint, "preference", cfg.restart, ckpt_bytes,
+                             mirror=artifact_root(cfg))
     ckpt.check()
     writes = stage_writes(out_dir) + [Path(cfg.run.metrics_dir) / "preference.json"]
     needs = [(out_dir / "checkpoints", ckpt_bytes)] if save_checkpoints else []
@@ -147,7 +150,7 @@ def run_preference(cfg: DareConfig, progress: bool = True, save_checkpoints: boo
     world, rank = eng.world_size(), eng.rank()
     global_pairs = pcfg.micro_batch_size * pcfg.grad_accum * world
     start = ckpt.begin(engine, "preference")
-    logger = MetricsLogger(out_dir, resume_step=start, plot_keys=PLOT_KEYS, enabled=rank == 0)
+    logger = MetricsLogger(out_dir, resume_step=start, plot_keys=PLOT_KEYS, enabled=rank == 0, pngs=STAGE_PLOTS["preference"])
 
     def backward(loss: torch.Tensor) -> None:  # a share of a sum over the global number of pairs
         eng.backward_global(engine, loss)

@@ -16,6 +16,7 @@ from dare_core import devices
 from dare_core.algorithms.registry import build_algorithm
 from dare_core.algorithms.rollout import RolloutContext, prompt_rows_expanded
 from dare_core.batch import Batch
+from dare_core.artifacts import artifact_root
 from dare_core.config import ConfigError, DareConfig
 from dare_core.data.batching import global_batch_indices
 from dare_core.data.lengths import resolve as resolve_lengths
@@ -29,6 +30,7 @@ from dare_core.timing import PhaseTimer, phase_times_requested
 from dare_core.training import engine as eng
 from dare_core.training.checkpoint import CheckpointManager, stage_fingerprint
 from dare_core.training.metrics import MetricsLogger
+from dare_core.training.plots import STAGE_PLOTS
 from dare_core.training.preflight import check_outputs, checkpoint_bytes, stage_writes
 from dare_core.training.rl_ranks import rank_prompts, reduce_step_metrics
 from dare_core.training.rl_validation import RLValidator
@@ -181,7 +183,8 @@ def check_rl(cfg: DareConfig, save_checkpoints: bool = True) -> RLPlan:
 
     fingerprint = stage_fingerprint(cfg, "rl", {"data file": data_path, "start model": start_folder}, VALIDATION_KEYS)
     ckpt_bytes = checkpoint_bytes(spec, resolve_dtype(cfg.model.dtype))
-    ckpt = CheckpointManager(out_dir / "checkpoints", rl.keep_last, fingerprint, "rl", cfg.restart, ckpt_bytes)
+    ckpt = CheckpointManager(out_dir / "checkpoints", rl.keep_last, fingerprint, "rl", cfg.restart, ckpt_bytes,
+                             mirror=artifact_root(cfg))
     ckpt.check()
     check_outputs(stage_writes(out_dir) + [Path(cfg.run.metrics_dir) / "rl.json"],
                   [(out_dir / "checkpoints", ckpt_bytes)] if save_checkpoints else [], "an RL checkpoint")
@@ -243,7 +246,8 @@ def _run_rl(cfg: DareConfig, progress: bool, save_checkpoints: bool, timer: Phas
             log.warning("rl.ref_sync_steps = %d: resuming at step %d, between two syncs; the reference is the resumed "
                         "policy instead of that of step %d (save_every a multiple of ref_sync_steps makes resumes exact)",
                         rl.ref_sync_steps, start, start - start % rl.ref_sync_steps)
-    logger = MetricsLogger(out_dir, resume_step=start, plot_keys=("reward", "accuracy"), enabled=rank == 0)
+    logger = MetricsLogger(out_dir, resume_step=start, plot_keys=("reward", "accuracy"), enabled=rank == 0,
+                           pngs=STAGE_PLOTS["rl"])
     validator.open(start, writer=rank == 0)
     trivial_ratio = rl.num_iterations == 1 and rl.mini_batches == 1
     if trivial_ratio:

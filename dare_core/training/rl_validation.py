@@ -8,11 +8,15 @@ of a prompt samples one of its own again and drops the result) so that every ran
 number of sampling calls: under ZeRO-3 every forward gathers the sharded weights collectively, which
 a rank left out would hang. The numbers go into the RL metrics (on every rank) as `val/mean@k`,
 `val/best@k`, `val/maj@k`; rank 0 writes `validation.jsonl` (one row per validation, rows after a
-resumed step dropped) and `validation.png`, redrawn after each validation.
+resumed step dropped), `validation.csv` (a row per validation and metric: `step,metric,accuracy`, the
+curve `dvc plots` draws, dvc.yaml's rl stage) and `validation.png` (`dare_core.training.plots`), both
+rewritten in one rename after each validation; a fresh run starts them empty.
 """
 from __future__ import annotations
 
+import csv
 import dataclasses
+import io
 import json
 import logging
 import time
@@ -23,8 +27,10 @@ from dare_core.config import DareConfig, RLConfig
 from dare_core.data.schema import read_rows
 from dare_core.eval.validation import at_k_of_prompts, prompt_at_k, sample_groups
 from dare_core.sampling.params import SamplingParams
+from dare_core.storage import atomic_write_text
 from dare_core.training import engine as eng
 from dare_core.training.metrics import rows_upto
+from dare_core.training.plots import VALIDATION, line_plot
 
 log = logging.getLogger(__name__)
 
@@ -69,32 +75,29 @@ def validation_share(n_prompts: int, rank: int, world: int) -> list[Optional[int
     return mine + [None] * (-(-n_prompts // world) - len(mine))
 
 
+def validation_series(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """{"mean@k": [(step, value), ...], "best@k": ..., "maj@k": ...}, k the last row's (a row's own
+    keys carry its k: validate_k may differ before a resume)."""
+    k = rows[-1]["k"] if rows else "k"
+    return {f"{name}@{k}": [(r["step"], r[f"{name}@{r['k']}"]) for r in rows] for name in METRICS}
+
+
+def validation_csv(rows: list[dict]) -> str:
+    """validation.csv: `step,metric,accuracy`, a row per validation and metric (long form: one
+    `dvc plots` curve per metric, `.dvc/plots/dare_validation.json`)."""
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["step", "metric", "accuracy"])
+    for r in rows:
+        for name in METRICS:
+            w.writerow([r["step"], f"{name}@{r['k']}", r[f"{name}@{r['k']}"]])
+    return buf.getvalue()
+
+
 def plot_validation(rows: list[dict], path: Path) -> None:
-    """mean@k, best@k and maj@k against the RL step."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    k = rows[-1]["k"]
-    fig, ax = plt.subplots(figsize=(5, 3.5), dpi=120)
-    for name in METRICS:
-        # a row's keys carry its own k (validate_k may differ before a resume)
-        points = [(r["step"], r[f"{name}@{r['k']}"]) for r in rows]
-        ax.plot(*zip(*points), marker="o", markersize=3, label=f"{name}@{k}")
-    ax.set_xlabel("RL step")
-    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-    ax.set_ylabel("accuracy")
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_title(f"validation: {rows[-1]['prompts']} held-out prompts x {k} samples", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".tmp-{path.name}")
-    fig.savefig(tmp, format="png")
-    plt.close(fig)
-    tmp.replace(path)  # never a half-written plot
+    """mean@k, best@k and maj@k against the RL step, replacing `path` in one rename."""
+    title = f"RL validation: {rows[-1]['prompts']} held-out prompts x {rows[-1]['k']} samples"
+    line_plot(path, validation_series(rows), dataclasses.replace(VALIDATION, title=title))
 
 
 class RLValidator:
@@ -106,7 +109,8 @@ class RLValidator:
         rl = cfg.rl
         check_validation_config(rl)
         self.rl, self.seed, self.writer = rl, cfg.run.seed, False
-        self.jsonl, self.png = Path(out_dir) / "validation.jsonl", Path(out_dir) / "validation.png"
+        out_dir = Path(out_dir)
+        self.jsonl, self.csv, self.png = out_dir / "validation.jsonl", out_dir / "validation.csv", out_dir / "validation.png"
         self.params = validation_params(rl)
         self.rows: list[dict] = []
         if rl.validate_every > 0:
@@ -124,14 +128,15 @@ class RLValidator:
         dropped. `writer`: this rank writes (rank 0)."""
         self.writer = writer
         if writer:
-            # always written (empty when validation is off): dvc.yaml tracks it as an output
+            # always written (empty when validation is off): dvc.yaml tracks them as outputs
             self.jsonl.parent.mkdir(parents=True, exist_ok=True)
             self.history = rows_upto(self.jsonl, resume_step)
             self.jsonl.write_text("".join(json.dumps(r) + "\n" for r in self.history))
+            atomic_write_text(self.csv, validation_csv(self.history))
             if self.history:
                 plot_validation(self.history, self.png)
-            elif self.png.exists():
-                self.png.unlink()  # a fresh run: the plot of an earlier one would mislead
+            else:
+                self.png.unlink(missing_ok=True)  # a fresh run: the plot of an earlier one would mislead
 
     def __call__(self, model, tokenizer, step: int) -> dict:
         """Validate `model` after `step` training steps if due (every rank calls it: each samples its
@@ -161,6 +166,7 @@ class RLValidator:
         if self.writer:
             with self.jsonl.open("a") as f:
                 f.write(json.dumps(row) + "\n")
+            atomic_write_text(self.csv, validation_csv(self.history))
             plot_validation(self.history, self.png)
             log.info("validation at step %d (%d prompts x %d samples, %d rank(s), %.1fs): %s", step, len(self.rows), k,
                      world, row["time_s"], "  ".join(f"{key} {v:.3f}" for key, v in values.items()))

@@ -16,11 +16,11 @@ from dare_core.models.tokenizer import Tokenizer, load_tokenizer
 
 
 def stage_tokenizer(cfg: DareConfig) -> Tokenizer:
-    return load_tokenizer(cfg.model.path or cfg.data.tokenizer_dir)
+    return load_tokenizer(tokenizer_folder(cfg))
 
 
 def tokenizer_folder(cfg: DareConfig) -> Path:
-    return Path(cfg.model.path or cfg.data.tokenizer_dir)
+    return cfg.model_folder() or Path(cfg.data.tokenizer_dir)
 
 
 def sampler_dict(cfg: DareConfig) -> dict:
@@ -50,7 +50,7 @@ def initial_spec(cfg: DareConfig, tokenizer: Tokenizer) -> DiffusionLM:
     as configured: its sizes, family and parameter count for the checks made before anything is
     loaded or written. `model.path`'s folder is checked as far as possible without its weights."""
     if cfg.model.path:
-        model = inspect_model(cfg.model.path)
+        model = inspect_model(cfg.model_folder())
     else:
         hf_config = _scratch_config(cfg, tokenizer)
         try:
@@ -65,7 +65,7 @@ def initial_model(cfg: DareConfig, tokenizer: Tokenizer, device: Optional[torch.
     dtype = resolve_dtype(cfg.model.dtype)
     device = torch.device(device or "cpu")
     if cfg.model.path:
-        model = load_model(cfg.model.path, dtype=dtype, device=device)
+        model = load_model(cfg.model_folder(), dtype=dtype, device=device)
     else:
         # allocated on the device in the training dtype and drawn there: a CPU init is the same
         # tensors as ever (float32 draws, cast); a GPU's generator is seeded from the same seed

@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 
 from dare_core import devices
 from dare_core.algorithms.registry import build_options, get_algorithm
+from dare_core.artifacts import artifact_root
 from dare_core.config import DareConfig
 from dare_core.data.batching import global_batch_indices, sft_batch
 from dare_core.data.lengths import resolve as resolve_lengths
@@ -26,6 +27,7 @@ from dare_core.training import engine as eng
 from dare_core.training.checkpoint import CheckpointManager, stage_fingerprint
 from dare_core.training.engine import whole_weights
 from dare_core.training.metrics import MetricsLogger, last_logged
+from dare_core.training.plots import sft_plots
 from dare_core.training.preflight import check_outputs, checkpoint_bytes, model_bytes, stage_writes
 from dare_core.training.setup import initial_model, initial_spec, sampler_dict, stage_tokenizer, tokenizer_folder
 
@@ -72,7 +74,8 @@ def check_sft(cfg: DareConfig, save_checkpoints: bool = True, export: bool = Tru
     dtype = resolve_dtype(cfg.model.dtype)
     ckpt_bytes = checkpoint_bytes(spec, dtype)
     ckpt = CheckpointManager(out_dir / "checkpoints", scfg.keep_last, stage_fingerprint(cfg, "sft", {"data file": data_path}),
-                             "sft", cfg.restart, ckpt_bytes)
+                             "sft", cfg.restart, ckpt_bytes,
+                             mirror=artifact_root(cfg))
     ckpt.check()
     writes = stage_writes(out_dir) + [Path(cfg.run.metrics_dir) / "sft.json"]
     needs = [(out_dir / "checkpoints", ckpt_bytes)] if save_checkpoints else []
@@ -109,7 +112,7 @@ def run_sft(cfg: DareConfig, progress: bool = True, save_checkpoints: bool = Tru
     world, rank = eng.world_size(), eng.rank()
     global_batch = scfg.micro_batch_size * scfg.grad_accum * world
     start = ckpt.begin(engine, "SFT")
-    logger = MetricsLogger(out_dir, resume_step=start, plot_keys=("loss",), enabled=rank == 0)
+    logger = MetricsLogger(out_dir, resume_step=start, plot_keys=("loss",), enabled=rank == 0, pngs=sft_plots(scfg.loss_norm))
 
     engine.train()
     bar = tqdm(range(start, scfg.max_steps), initial=start, total=scfg.max_steps, desc="sft", disable=not progress or rank != 0, dynamic_ncols=True)

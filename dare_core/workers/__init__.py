@@ -1,0 +1,1 @@
+"""Stage workers: one module per `dare stage <name>`, run under the launcher (dare_core/cli.py)."""

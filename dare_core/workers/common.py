@@ -127,7 +127,8 @@ def parse(argv: Optional[list[str]], description: str) -> DareConfig:
 
 def run_worker(fn: Callable[[DareConfig], object], argv: Optional[list[str]], description: str) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("DeepSpeed", "torch.distributed"):
+    # (botocore: a line per S3 client about where it found credentials and endpoint)
+    for noisy in ("DeepSpeed", "torch.distributed", "botocore", "aiobotocore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
     def work() -> int:

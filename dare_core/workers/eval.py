@@ -33,6 +33,8 @@ def run_eval(cfg: DareConfig) -> dict:
 
     everything = cfg.checkpoint_dirs
     folders = {name: everything[name] for name in cfg.eval.checkpoints}
+    if "base" in folders and cfg.model.path:
+        folders["base"] = cfg.model_folder()  # a URL: fetched (verified) into the download cache
     for name, folder in folders.items():
         if not (folder / "config.json").exists():
             raise FileNotFoundError(f"{folder}: checkpoint '{name}' not found (run the earlier stages first)")

@@ -154,3 +154,119 @@ def test_pipeline_runs_skips_retries_and_reports(tmp_path, prefect_env, capsys):
     # An unknown stage fails before anything runs.
     with pytest.raises(ValueError, match="nope"):
         dare_pipeline(stages=["prepare", "nope"], repo=str(tmp_path))
+
+
+CHATTY_PY = """\
+import sys
+import time
+for i in range(1, 4):
+    print(f"step {i} loss {3.0 / i:.3f}", flush=True)
+for j in range(200):  # a progress bar: 200 redraws, one line in the end
+    sys.stderr.write(f"\\rsampling {j + 1}/200")
+sys.stderr.write("\\n")
+sys.stderr.flush()
+time.sleep(0.5)
+for j in range(300):  # a flood of lines: the rate limit keeps most of them out of Prefect
+    print(f"noise {j}")
+"""
+
+TYPO_PY = """\
+import sys
+print("loading params.yaml", flush=True)
+print("error: params.yaml: unknown config key 'sft.max_step' (did you mean 'max_steps'?)", file=sys.stderr)
+sys.exit(2)
+"""
+
+
+def _task_logs(flow_run_id) -> dict[str, list[str]]:
+    """Task run name -> its log messages, after Prefect's log worker has sent them."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=10, at_exit=False)
+
+    async def read():
+        async with get_client() as client:
+            runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [flow_run_id]}))
+            logs = await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+            names = {r.id: r.name for r in runs}
+            states = {r.name: r.state.message for r in runs}
+            out: dict[str, list[str]] = {}
+            for log in logs:
+                out.setdefault(names.get(log.task_run_id, "flow"), []).append(log.message)
+            return out, states
+
+    return asyncio.run(read())
+
+
+def _artifact_versions(key: str) -> int:
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    async def count():
+        async with get_client() as client:
+            return len(await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key]))))
+
+    return asyncio.run(count())
+
+
+def test_prefect_sees_stage_output_errors_overrides_and_isolated_runs(tmp_path, prefect_env):
+    from flows.pipeline import dare_pipeline
+    from prefect.artifacts import Artifact
+    from tasks.dvc_stage import StageFailed
+
+    _make_repo(tmp_path)
+    with open(tmp_path / "dvc.yaml", "a") as f:
+        f.write("  chatty:\n    cmd: python chatty.py\n  typo:\n    cmd: python typo.py\n")
+    (tmp_path / "chatty.py").write_text(CHATTY_PY)
+    (tmp_path / "typo.py").write_text(TYPO_PY)
+
+    # the stage's own lines reach the task's log: each step, the bar's last frame, the rate-limit note
+    state = dare_pipeline(stages=["chatty"], repo=str(tmp_path), return_state=True)
+    logs, _ = _task_logs(state.state_details.flow_run_id)
+    chatty = logs["chatty"]
+    assert {"step 1 loss 3.000", "step 3 loss 1.000", "sampling 200/200"} <= set(chatty)
+    assert not any(m.startswith("sampling 57/200") for m in chatty)  # no intermediate redraws
+    assert any(m.endswith("lines not forwarded (more than 10/s; the worker's console has them)") for m in chatty)
+    assert sum(m.startswith("noise") for m in chatty) < 100
+
+    # a failed stage: the task's (and the exception's) message is the worker's own error line
+    worker_line = "error: params.yaml: unknown config key 'sft.max_step' (did you mean 'max_steps'?)"
+    state = dare_pipeline(stages=["typo"], repo=str(tmp_path), retries=0, return_state=True)
+    with pytest.raises(StageFailed) as err:
+        state.result()
+    assert str(err.value).startswith(worker_line) and err.value.returncode == 2
+    logs, messages = _task_logs(state.state_details.flow_run_id)
+    assert worker_line in messages["typo"] and worker_line in logs["typo"]
+
+    # eval publishes its table only from the run that evaluated: a run that skips eval adds no version
+    dare_pipeline(repo=str(tmp_path), retry_delay_seconds=0)
+    versions = _artifact_versions("dare-eval-table")
+    dare_pipeline(stages=["sft", "eval"], repo=str(tmp_path))
+    assert _artifact_versions("dare-eval-table") == versions
+
+    # overrides: params.yaml keys set for the run, tracked by DVC (rl reruns), recorded in dare-run
+    res = dare_pipeline(stages=["rl"], repo=str(tmp_path), overrides=["rl.lr=0.3"])
+    assert res.ran == ["rl"] and "lr: 0.3" in (tmp_path / "params.yaml").read_text()
+    assert "`rl.lr=0.3`" in Artifact.get("dare-run").data
+    with pytest.raises(ValueError, match=r"has no key 'l' under rl \(did you mean 'lr'\?\)"):
+        dare_pipeline(stages=["rl"], repo=str(tmp_path), overrides=["rl.l=0.3"])
+
+    # isolated: a git worktree of the commit; the checkout is left exactly as it was
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    with open(tmp_path / ".gitignore", "a") as f:  # DVC lists the outputs there
+        f.write(".convert_failed_once\nlog.txt\n")
+    subprocess.run(["git", "add", "-A"], cwd=tmp_path, check=True)
+    subprocess.run([*git, "commit", "-qm", "project"], cwd=tmp_path, check=True)
+    before = subprocess.run(["git", "status", "--porcelain"], cwd=tmp_path, capture_output=True, text=True).stdout
+    res = dare_pipeline(stages=["prepare", "sft", "rl"], repo=str(tmp_path), overrides=["rl.lr=0.5"], isolated=True)
+    work = Path(res.repo)
+    assert work.parent == tmp_path / ".cache" / "workspaces" and (work / "rl.out").exists()
+    assert "lr: 0.5" in (work / "params.yaml").read_text() and "lr: 0.3" in (tmp_path / "params.yaml").read_text()
+    assert subprocess.run(["git", "status", "--porcelain"], cwd=tmp_path, capture_output=True, text=True).stdout == before
+    assert "isolated git worktree" in Artifact.get("dare-run").data

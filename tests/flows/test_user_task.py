@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import subprocess
 import sys
 
 import pytest
 
-from pipeline_helpers import REPO, tiny_params, worker_env, write_params
+from pipeline_helpers import REPO, sort_rows, tiny_params, worker_env, write_params
 
 REWARD_MODULE = '''
 def score(completion, ground_truth, row):
@@ -29,18 +28,6 @@ def _check(ground_truth):
 
 score.validate = _check
 '''
-
-
-def sort_rows(n: int, seed: int) -> list[dict]:
-    rng, rows, seen = random.Random(seed), [], set()
-    while len(rows) < n:
-        digits = [str(rng.randrange(10)) for _ in range(rng.randint(2, 4))]
-        if " ".join(digits) in seen:
-            continue
-        seen.add(" ".join(digits))
-        answer = " ".join(sorted(digits))
-        rows.append({"prompt": "sort " + " ".join(digits), "response": answer, "ground_truth": answer})
-    return rows
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """In-loop validation of `dare stage rl` on a tiny config: a row per validated step in
-validation.jsonl and the RL metrics, a plot, no duplicate rows after a resume, the same training
+validation.jsonl, validation.csv (the `dvc plots` curve) and the RL metrics, a plot, no duplicate rows
+after a resume, the same training
 with validation on or off, and clear errors for settings it cannot run with."""
 import json
 import math
@@ -11,7 +12,7 @@ import pytest
 
 from dare_core.config import RLConfig, SamplerConfig, load_config
 from dare_core.data.prepare import prepare
-from dare_core.training.rl_validation import check_validation_config, due, plot_validation
+from dare_core.training.rl_validation import check_validation_config, due, plot_validation, validation_csv
 from pipeline_helpers import dare, tiny_params, worker_env, write_params
 
 KEYS = ("val/mean@4", "val/best@4", "val/maj@4")
@@ -26,6 +27,16 @@ def _run(params: Path, stage: str, *extra: str) -> subprocess.CompletedProcess:
 
 def _jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _csv_matches(out: Path, rows: list[dict]) -> bool:
+    """validation.csv holds `rows`: a line per (step, metric) in order, the values of validation.jsonl."""
+    lines = (out / "validation.csv").read_text().splitlines()
+    want = []
+    for r in rows:
+        names = [f"{m}@{r['k']}" for m in ("mean", "best", "maj")]
+        want += [f"{r['step']},{name},{r[name]}" for name in names]
+    return lines == ["step,metric,accuracy", *want]
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +71,9 @@ def test_rl_validates_every_step_and_resumes_without_duplicates(sft_run, tmp_pat
     assert r.stderr.count("validation at step") == 4 and "validation at step 3 (16 prompts x 4 samples" in r.stderr
     png = (out / "validation.png").read_bytes()
     assert png.startswith(b"\x89PNG")
+    assert _csv_matches(out, rows)
+    for key in ("reward", "accuracy"):  # the RL curves' PNGs, beside their CSVs
+        assert (out / f"{key}.png").read_bytes().startswith(b"\x89PNG") and (out / f"{key}.csv").is_file()
     # the RL metrics: step 0 holds the SFT model's validation alone, every step after it both
     metrics = _jsonl(out / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [0, 1, 2, 3]
@@ -83,6 +97,7 @@ def test_rl_validates_every_step_and_resumes_without_duplicates(sft_run, tmp_pat
     assert [{k: v for k, v in row.items() if k not in drop} for row in again] == [{k: v for k, v in row.items() if k not in drop} for row in rows]
     assert [m["step"] for m in _jsonl(out / "metrics.jsonl")] == [0, 1, 2, 3]
     assert (out / "validation.png").read_bytes().startswith(b"\x89PNG")
+    assert _csv_matches(out, again)  # no duplicate of step 3
 
 
 def test_validation_does_not_change_training(sft_run, tmp_path):
@@ -98,6 +113,8 @@ def test_validation_does_not_change_training(sft_run, tmp_path):
     on, off = _jsonl(runs["on"] / "metrics.jsonl"), _jsonl(runs["off"] / "metrics.jsonl")
     assert [v["step"] for v in _jsonl(runs["on"] / "validation.jsonl")] == [0, 2, 3]  # every 2, and the last
     assert (runs["off"] / "validation.jsonl").read_text() == "" and not (runs["off"] / "validation.png").exists()
+    assert (runs["off"] / "validation.csv").read_text() == "step,metric,accuracy\n"  # a DVC plot output, empty
+    assert _csv_matches(runs["on"], _jsonl(runs["on"] / "validation.jsonl"))
     train_on = [m for m in on if m["step"] > 0]
     assert [m["step"] for m in train_on] == [m["step"] for m in off] == [1, 2, 3]
     for a, b in zip(train_on, off):
@@ -136,4 +153,31 @@ def test_schedule_and_config_checks(tmp_path):
     rows = [{"step": 0, "k": 2, "prompts": 5, "mean@2": 0.1, "best@2": 0.3, "maj@2": 0.2},
             {"step": 4, "k": 2, "prompts": 5, "mean@2": 0.4, "best@2": 0.6, "maj@2": 0.5}]
     plot_validation(rows, tmp_path / "v.png")
-    assert (tmp_path / "v.png").read_bytes().startswith(b"\x89PNG") and not (tmp_path / ".tmp-v.png").exists()
+    assert (tmp_path / "v.png").read_bytes().startswith(b"\x89PNG") and [p.name for p in tmp_path.iterdir()] == ["v.png"]
+    # one validation (step 0 only): a plot all the same
+    plot_validation(rows[:1], tmp_path / "v.png")
+    assert (tmp_path / "v.png").read_bytes().startswith(b"\x89PNG")
+    # a k that changed at a resume: each row under its own k
+    assert validation_csv([rows[0], {**rows[1], "k": 3, "mean@3": 0.5, "best@3": 0.7, "maj@3": 0.6}]).splitlines() == [
+        "step,metric,accuracy", "0,mean@2,0.1", "0,best@2,0.3", "0,maj@2,0.2", "4,mean@3,0.5", "4,best@3,0.7", "4,maj@3,0.6"]
+
+
+def test_open_resumes_or_discards_the_record(tmp_path):
+    """`open` at a resumed step keeps the validations up to it in validation.jsonl, validation.csv and
+    the plot; a fresh run (step 0) starts all three empty, whatever an earlier run left."""
+    from dare_core.training.rl_validation import RLValidator
+
+    cfg = load_config(write_params(tmp_path / "params.yaml", tiny_params(tmp_path, rl__validate_every=0)))
+    out = cfg.stage_dir("rl")
+    out.mkdir(parents=True)
+    earlier = [{"step": s, "k": 4, "prompts": 16, "mean@4": s / 10, "best@4": s / 5, "maj@4": s / 8, "nfe": 1, "time_s": 0.1}
+               for s in (0, 2, 4)]
+    for resume, kept in ((2, earlier[:2]), (0, [])):
+        (out / "validation.jsonl").write_text("".join(json.dumps(r) + "\n" for r in earlier))
+        (out / "validation.csv").write_text(validation_csv(earlier))
+        (out / "validation.png").write_bytes(b"an earlier run's plot")
+        RLValidator(cfg, out).open(resume, writer=True)
+        assert _jsonl(out / "validation.jsonl") == kept
+        assert _csv_matches(out, kept)
+        png = out / "validation.png"
+        assert png.read_bytes().startswith(b"\x89PNG") if kept else not png.exists()

@@ -1,0 +1,175 @@
+"""PNG line plots of the training stages' logged series, drawn in one place and written atomically.
+
+`line_plot` draws one or more (step, value) series with a marker on every point, so that a series of
+one point shows; the x axis has whole-step ticks and, for a single step, spans step - 1 .. step + 1;
+a constant series gets a y axis around its value, a fraction one 0 .. 1. Non-finite values are left
+out (and counted in a note). The PNG is rendered in memory and moved into place in one rename
+(`dare_core.storage.atomic_write_bytes`), so a reader never sees a half-written file.
+
+`STAGE_PLOTS` holds each stage's plots: title and axis labels, the same as in dvc.yaml's `plots:`
+entries (tests/test_dvc_plots.py checks that they agree), so the PNG beside a run and `dvc plots show`
+say the same thing. The stage loops hand them to `dare_core.training.metrics.MetricsLogger`, which
+redraws `<key>.png` beside `<key>.csv` at the end of a logged step (`PlotThrottle`).
+"""
+from __future__ import annotations
+
+import io
+import math
+import textwrap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Optional, Sequence
+
+from dare_core.storage import atomic_write_bytes
+
+Point = tuple[float, float]
+
+
+@dataclass(frozen=True)
+class PlotSpec:
+    title: str
+    x_label: str
+    y_label: str
+    fraction: bool = False  # values in [0, 1]: the y axis shows all of 0 .. 1
+
+
+# The SFT loss (dare_core/algorithms/sft.py) is a negative ELBO in nats (log-softmax), averaged per
+# answer token (sft.loss_norm answer_length or token) or per answer (batch).
+SFT_LOSS_UNITS = {"answer_length": "nats per answer token", "token": "nats per answer token", "batch": "nats per answer"}
+
+
+def sft_plots(loss_norm: str = "answer_length") -> dict[str, PlotSpec]:
+    return {"loss": PlotSpec("SFT training loss", "SFT step", f"negative ELBO ({SFT_LOSS_UNITS.get(loss_norm, 'nats')})")}
+
+
+STAGE_PLOTS: dict[str, dict[str, PlotSpec]] = {
+    "sft": sft_plots(),
+    # dare_core/algorithms/preference.py: loss = -log sigmoid(margin), margin = beta x the ELBO
+    # differences (policy - reference, chosen - rejected); both are means over the step's pairs
+    "preference": {
+        "loss": PlotSpec("preference loss", "preference step", "-log sigmoid(margin), mean per pair (nats)"),
+        "reward_margin": PlotSpec("preference implicit reward margin", "preference step",
+                                  "beta x ELBO margin, mean per pair (nats)"),
+        "reward_accuracy": PlotSpec("preference reward accuracy", "preference step",
+                                    "fraction of pairs with margin > 0", fraction=True),
+    },
+    # dare_core/algorithms/rollout.py: the mean of the rollouts' rewards, the share graded correct
+    "rl": {
+        "reward": PlotSpec("RL reward", "RL step", "mean reward per rollout"),
+        "accuracy": PlotSpec("RL accuracy", "RL step", "fraction of rollouts correct", fraction=True),
+    },
+}
+
+# rl/validation.png and rl/validation.csv (dare_core/training/rl_validation.py)
+VALIDATION = PlotSpec("RL validation on held-out prompts", "RL step", "fraction of prompts correct", fraction=True)
+
+
+def x_limits(xs: Sequence[float]) -> tuple[float, float]:
+    """The x axis: the steps plus a margin; one step (or none) spans step - 1 .. step + 1."""
+    if not xs:
+        return 0.0, 1.0
+    lo, hi = min(xs), max(xs)
+    if hi - lo < 1:
+        return lo - 1, hi + 1
+    pad = 0.03 * (hi - lo)
+    return lo - pad, hi + pad
+
+
+def y_limits(ys: Sequence[float], fraction: bool) -> Optional[tuple[float, float]]:
+    """The y axis: 0 .. 1 (with a margin) for a fraction, around the value for a constant series,
+    None (matplotlib's own) otherwise."""
+    if fraction:
+        lo, hi = min([0.0, *ys]), max([1.0, *ys])
+        pad = 0.03 * (hi - lo)
+        return lo - pad, hi + pad
+    if not ys:
+        return None
+    lo, hi = min(ys), max(ys)
+    if hi - lo <= 1e-12 * max(1.0, abs(hi)):
+        pad = max(0.1 * abs(hi), 0.1)
+        return lo - pad, hi + pad
+    return None
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.4g}"
+
+
+def figure(series: Mapping[str, Sequence[Point]], spec: PlotSpec):
+    """A matplotlib Figure (no pyplot: no global state, any thread) of `series`
+    ({label: [(step, value), ...]}; one label: no legend, the last value in a corner)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(5.0, 3.4), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    xs_all: list[float] = []
+    ys_all: list[float] = []
+    dropped = 0
+    for label, points in series.items():
+        finite = [(float(x), float(y)) for x, y in points if math.isfinite(float(y))]
+        dropped += len(points) - len(finite)
+        xs_all += [float(x) for x, _ in points]
+        if finite:
+            xs, ys = zip(*finite)
+            ys_all += ys
+            ax.plot(xs, ys, marker="o", markersize=5 if len(finite) < 30 else 2.5, linewidth=1.3, label=label)
+    ax.set_xlim(*x_limits(xs_all))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    limits = y_limits(ys_all, spec.fraction)
+    if limits is not None:
+        ax.set_ylim(*limits)
+    ax.set_title(spec.title, fontsize=11)
+    ax.set_xlabel(spec.x_label, fontsize=9)
+    ax.set_ylabel("\n".join(textwrap.wrap(spec.y_label, 34)), fontsize=9)
+    ax.grid(alpha=0.3)
+    notes = []
+    if len(series) > 1:
+        ax.legend(fontsize=8)
+    else:
+        last = next((p for p in reversed(next(iter(series.values()), [])) if math.isfinite(float(p[1]))), None)
+        if last is not None:
+            notes.append(f"step {int(last[0])}: {_fmt(float(last[1]))}")
+    if dropped:
+        notes.append(f"{dropped} non-finite value(s) not shown")
+    if not ys_all:
+        notes.append("no finite values yet")
+    if notes:
+        ax.text(0.99, 0.98, "\n".join(notes), transform=ax.transAxes, ha="right", va="top", fontsize=8,
+                bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.8, "linewidth": 0})
+    return fig
+
+
+def render_png(series: Mapping[str, Sequence[Point]], spec: PlotSpec) -> bytes:
+    buf = io.BytesIO()
+    figure(series, spec).savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def line_plot(path: Path, series: Mapping[str, Sequence[Point]], spec: PlotSpec) -> None:
+    """Draw `series` into the PNG `path`, replacing it in one rename."""
+    atomic_write_bytes(path, render_png(series, spec))
+
+
+class PlotThrottle:
+    """When to redraw: at the first chance, then only once the time since the last drawing is
+    1 / `share` times what that drawing took, so that drawing costs at most about `share` of the
+    run's wall time (a drawing takes ~0.1 s; an RL step of the embedded run ~0.6 s). `share` None:
+    every time. `force` (the run's end) always draws."""
+
+    def __init__(self, share: Optional[float]):
+        self.share = share
+        self._cost = 0.0
+        self._end: Optional[float] = None
+
+    def due(self, force: bool = False) -> bool:
+        if force or self.share is None or self._end is None:
+            return True
+        return time.monotonic() - self._end >= self._cost / self.share
+
+    def record(self, started: float) -> None:
+        self._end = time.monotonic()
+        self._cost = self._end - started

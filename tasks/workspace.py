@@ -1,0 +1,130 @@
+"""Where a pipeline run works, and the params.yaml overrides it was given.
+
+Isolated runs: each run gets its own git worktree of the checkout's commit under
+`<checkout>/.cache/workspaces/<run>` (`.cache` is git- and DVC-ignored), with DVC's cache shared
+with the checkout. Two runs at once then never meet on DVC's stage locks (`'data/tokenizer' is
+busy`) or on each other's outputs, the checkout stays clean, and what one run cached (every output
+is cached) the next restores instead of recomputing. Only committed files are in a workspace.
+
+Overrides (`rl.num_steps=200`) are written into the workspace's params.yaml through DVC's own YAML
+round trip, the one `dvc exp run -S` uses, so DVC tracks them as params and the file keeps its
+layout (params.yaml is kept a fixed point of that round trip; tests/test_params_layout.py).
+"""
+from __future__ import annotations
+
+import difflib
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+WORKSPACES = Path(".cache") / "workspaces"
+
+
+class WorkspaceError(RuntimeError):
+    pass
+
+
+def _git(*args: str, cwd: Path) -> str:
+    proc = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise WorkspaceError(f"git {' '.join(args)} failed in {cwd}: {proc.stderr.strip() or proc.stdout.strip()}")
+    return proc.stdout.strip()
+
+
+def checkout_state(repo: Path) -> tuple[str | None, list[str]]:
+    """(HEAD commit, tracked files with uncommitted changes) of a git checkout; no commit yet: None."""
+    proc = subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"], cwd=repo, capture_output=True, text=True)
+    commit = proc.stdout.strip() or None
+    dirty = [line[3:] for line in _git("status", "--porcelain", "--untracked-files=no", cwd=repo).splitlines()]
+    return commit, dirty
+
+
+def dvc_cache_dir(repo: Path) -> Path:
+    proc = subprocess.run([sys.executable, "-m", "dvc", "cache", "dir"], cwd=repo, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise WorkspaceError(f"`dvc cache dir` failed in {repo}: {proc.stderr.strip()}")
+    return (repo / proc.stdout.strip().splitlines()[-1]).resolve()
+
+
+def create_workspace(repo: str | Path, name: str) -> tuple[Path, str]:
+    """A git worktree of `repo`'s HEAD at `<repo>/.cache/workspaces/<name>`, sharing its DVC cache.
+    Returns (workspace, commit). An existing workspace of that name (a retried flow run) is reused."""
+    repo = Path(repo).resolve()
+    commit, _ = checkout_state(repo)
+    if commit is None:
+        raise WorkspaceError(f"an isolated run works on a commit, and {repo} has none yet: commit the project first")
+    path = repo / WORKSPACES / name
+    _exclude_locally(repo, f"/{WORKSPACES.as_posix()}/")
+    if not (path / ".git").exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for attempt in range(5):  # concurrent `worktree add`s can meet on git's index lock
+            try:
+                _git("worktree", "add", "--detach", str(path), commit, cwd=repo)
+                break
+            except WorkspaceError:
+                if attempt == 4:
+                    raise
+                time.sleep(0.5 + attempt)
+    cache = dvc_cache_dir(repo)
+    cache.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run([sys.executable, "-m", "dvc", "cache", "dir", "--local", str(cache)], cwd=path,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise WorkspaceError(f"could not share the DVC cache {cache} with {path}: {proc.stderr.strip()}")
+    return path, commit
+
+
+def _exclude_locally(repo: Path, pattern: str) -> None:
+    """Keep the workspaces out of `git status` of the checkout, whatever its .gitignore says."""
+    exclude = repo / _git("rev-parse", "--git-path", "info/exclude", cwd=repo)
+    lines = exclude.read_text().splitlines() if exclude.is_file() else []
+    if pattern not in lines:
+        exclude.parent.mkdir(parents=True, exist_ok=True)
+        with open(exclude, "a") as f:
+            f.write(("\n" if lines and lines[-1] else "") + pattern + "\n")
+
+
+def remove_workspace(repo: str | Path, path: str | Path) -> None:
+    _git("worktree", "remove", "--force", str(path), cwd=Path(repo).resolve())
+
+
+def parse_overrides(overrides: list[str]) -> list[tuple[str, object]]:
+    parsed = []
+    for item in overrides:
+        key, sep, value = str(item).partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"override {item!r} must look like key.sub=value (e.g. rl.num_steps=200)")
+        parsed.append((key.strip(), yaml.safe_load(value)))
+    return parsed
+
+
+def apply_overrides(params_file: str | Path, overrides: list[str]) -> list[tuple[str, object]]:
+    """Set dotted keys of params.yaml in place. Every key must already exist (a typo fails with a
+    suggestion before anything runs); values are YAML (`200`, `1e-5`, `null`, `[a, b]`)."""
+    from dvc.utils.serialize._yaml import dumps_yaml, parse_yaml_for_update
+
+    params_file = Path(params_file)
+    parsed = parse_overrides(overrides)
+    text = params_file.read_text()
+    tree = parse_yaml_for_update(text, str(params_file))
+    for key, value in parsed:
+        node = tree
+        parts = key.split(".")
+        for depth, part in enumerate(parts):
+            if not isinstance(node, dict) or part not in node:
+                where = ".".join(parts[:depth]) or "the top level"
+                known = list(node) if isinstance(node, dict) else []
+                near = difflib.get_close_matches(part, known, n=1)
+                hint = f" (did you mean {near[0]!r}?)" if near else f" (known: {', '.join(map(str, known))})"
+                raise ValueError(f"override {key!r}: {params_file.name} has no key {part!r} under {where}{hint}")
+            if depth < len(parts) - 1:
+                node = node[part]
+        node[parts[-1]] = value
+    tmp = params_file.with_name(f".{params_file.name}.{os.getpid()}.tmp")
+    tmp.write_text(dumps_yaml(tree))
+    tmp.replace(params_file)
+    return parsed

@@ -1,0 +1,131 @@
+"""DARE deployed as an operator runs it: a real Prefect server on 127.0.0.1, prefect.yaml deployed with
+`prefect deploy`, a process worker, and the real (tiny) pipeline.
+
+- an interval schedule creates runs and the worker executes one to Completed;
+- two deployment runs at once both complete, each in its own worktree (no `'data/tokenizer' is busy`),
+  and the deploy checkout stays clean;
+- a stage that fails in its worker fails its Prefect task with the worker's own error line.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline_helpers import REPO, tiny_params, write_params
+from prefect_server import PrefectServer, api_get, api_post, flow_runs, free_port, wait_for
+
+pytestmark = pytest.mark.slow
+POOL = "dare-test"
+GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+
+
+def make_project(root: Path) -> Path:
+    """A committed DARE project: the real dvc.yaml, flows, tasks, code and recipes (symlinked), tiny params."""
+    root.mkdir()
+    (root / "dvc.yaml").write_text((REPO / "dvc.yaml").read_text())
+    for name in ("dare_core", "configs", "flows", "tasks"):
+        os.symlink(REPO / name, root / name)
+    params = tiny_params(root)
+    for section, keys in (("run", ("runs_dir", "models_dir", "metrics_dir")), ("data", ("prepared_dir", "tokenizer_dir"))):
+        for k in keys:
+            params[section][k] = os.path.relpath(params[section][k], root)
+    write_params(root / "params.yaml", params)
+    (root / ".gitignore").write_text(".cache/\n__pycache__/\n")
+    subprocess.run(["git", "init", "-q"], cwd=root, check=True)
+    subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=root, check=True)
+    subprocess.run(["git", "add", "-A"], cwd=root, check=True)
+    subprocess.run([*GIT, "commit", "-qm", "project"], cwd=root, check=True)
+    return root
+
+
+def deploy(server: PrefectServer, project: Path, name: str, parameters: dict, schedules: list) -> str:
+    """prefect.yaml's process deployment, pointed at the test pool, deployed with `prefect deploy`."""
+    config = yaml.safe_load((REPO / "prefect.yaml").read_text())
+    spec = next(d for d in config["deployments"] if d["name"] == "dare-pipeline")
+    spec.update(name=name, schedules=schedules)
+    spec["parameters"].update(parameters)
+    spec["work_pool"]["name"] = POOL
+    config["deployments"] = [spec]
+    (project / "prefect.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    server.cli("--no-prompt", "deploy", "--name", name, cwd=project)
+    return api_get(server, f"deployments/name/dare-pipeline/{name}")["id"]
+
+
+def run_deployment(server: PrefectServer, deployment_id: str, parameters: dict) -> str:
+    return api_post(server, f"deployments/{deployment_id}/create_flow_run", {"parameters": parameters})["id"]
+
+
+def final_state(server: PrefectServer, run_id: str, timeout: float) -> dict:
+    def done():
+        run = api_get(server, f"flow_runs/{run_id}")
+        return run if run["state_type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") else None
+
+    try:
+        return wait_for(done, timeout, f"flow run {run_id}", interval=2)
+    except TimeoutError:
+        raise AssertionError(f"flow run {run_id} did not finish; worker log:\n{server.worker_log()[-4000:]}")
+
+
+@pytest.fixture(scope="module")
+def deployed(tmp_path_factory):
+    base = tmp_path_factory.mktemp("deployments")
+    server = PrefectServer(base / "prefect", free_port()).start()
+    try:
+        project = make_project(base / "project")
+        server.cli("work-pool", "create", POOL, "--type", "process")
+        server.start_worker(POOL, cwd=project, limit=2, TORCH_EXTENSIONS_DIR=str(REPO / ".cache" / "torch_extensions"))
+        yield server, project
+    finally:
+        server.stop()
+
+
+def test_an_interval_schedule_creates_runs_that_the_worker_executes(deployed):
+    server, project = deployed
+    dep = deploy(server, project, "scheduled", {"stages": ["prepare"]}, [{"interval": 20}])
+    # the scheduler (its loop shortened to 2 s) creates runs ahead; the worker picks up the first due one
+    runs = wait_for(lambda: flow_runs(server, dep, ["COMPLETED"]), 240, "a scheduled run to complete", interval=2)
+    assert runs[0]["auto_scheduled"] is True and runs[0]["parameters"]["stages"] == ["prepare"]
+    assert len(flow_runs(server, dep, ["SCHEDULED"])) >= 2  # more runs scheduled ahead
+    server.cli("deployment", "delete", "dare-pipeline/scheduled")
+    assert "bulk DML" not in (server.home / "server.log").read_text()
+
+
+def test_concurrent_runs_complete_in_their_own_workspaces_and_failures_show_the_worker_error(deployed):
+    server, project = deployed
+    dep = deploy(server, project, "manual", {}, [])
+    before = subprocess.run(["git", "status", "--porcelain"], cwd=project, capture_output=True, text=True).stdout
+    stages = ["prepare", "sft"]
+    ids = [run_deployment(server, dep, {"stages": stages, "overrides": [f"sft.optim.lr={lr}"]}) for lr in (3e-3, 1e-3)]
+    states = [final_state(server, i, 420) for i in ids]
+    assert [s["state_type"] for s in states] == ["COMPLETED", "COMPLETED"], server.worker_log()[-4000:]
+    workspaces = [project / ".cache" / "workspaces" / s["name"] for s in states]
+    for ws, lr in zip(workspaces, ("0.003", "0.001")):
+        assert (ws / "runs" / "t" / "sft" / "model" / "config.json").exists()
+        assert f"lr: {lr}" in (ws / "params.yaml").read_text()
+        assert json.loads((ws / "metrics" / "sft.json").read_text())
+    after = subprocess.run(["git", "status", "--porcelain"], cwd=project, capture_output=True, text=True).stdout
+    assert after == before and not (project / "runs").exists()  # the checkout was not touched
+    assert "is busy" not in server.worker_log()
+
+    # the run's artifacts: the SFT metrics of this run, and the overrides it was given
+    arts = api_post(server, "artifacts/filter", {"flow_runs": {"id": {"any_": [ids[0]]}}})
+    keys = {a["key"] for a in arts}
+    assert {"dare-run", "dare-stages", "dare-sft-report"} <= keys
+    run_info = next(a for a in arts if a["key"] == "dare-run")["data"]
+    assert "`sft.optim.lr=0.003`" in run_info
+    logs = api_post(server, "logs/filter", {"logs": {"flow_run_id": {"any_": [ids[0]]}}, "limit": 200})
+    assert any("loss" in log["message"] and "step" in log["message"] for log in logs)  # the worker's step lines
+
+    # a stage failing in its worker: the Prefect task's message is the worker's error line
+    bad = run_deployment(server, dep, {"stages": ["prepare"], "overrides": ["data.num_sft=-1"], "retries": 0})
+    state = final_state(server, bad, 240)
+    assert state["state_type"] == "FAILED"
+    tasks = api_post(server, "task_runs/filter", {"flow_runs": {"id": {"any_": [bad]}}})
+    message = next(t for t in tasks if t["name"] == "prepare")["state"]["message"]
+    assert "error: params.yaml: key 'data.num_sft' must be >= 0, got -1" in message, message

@@ -1,0 +1,284 @@
+"""Acceptance test of the Prefect UI: a real Prefect server on 127.0.0.1, the pipeline flow run
+against it (`python -m flows.pipeline`, a subprocess) on a throwaway DVC repo, then headless Chromium
+(Playwright) opens the flow-run page and checks that the stage log lines and every artifact the run
+published are shown. Screenshots go to tmp_path; with DARE_UPDATE_DOCS=1 they are also copied to
+docs/images/ (prefect_flow_run.png, prefect_artifacts.png) for the README.
+
+The repo's stages are cheap (`python stage.py <name>`, a second or so each) but print like a real
+stage: "step 10 loss 2.31" lines on stdout, a tqdm-style `\\r` progress bar on stderr, a metrics
+file. The whole test takes about 30-60 s.
+
+Needs Chromium at /usr/bin/chromium (Debian's `chromium`, `make browser`; another binary with
+DARE_CHROMIUM) and the `playwright` package (requirements/test.txt; its own browser download is
+not used). Skipped, with the reason, when either is missing.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from prefect_server import PrefectServer, api_post, free_port
+
+REPO = Path(__file__).resolve().parents[2]
+DOCS_IMAGES = REPO / "docs" / "images"
+CHROMIUM = os.environ.get("DARE_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
+    "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]
+VIEWPORT = {"width": 1440, "height": 1400}
+UI_TIMEOUT_MS = 90_000  # the UI is a single-page app: JS load, then API calls, then rendering
+
+STAGES = ["prepare", "sft", "preference", "rl", "convert", "eval"]
+# Text that the flow run's Logs view must show (substrings of log lines). Extend freely, e.g. with
+# the stages' own output lines ("prepare: step 30 loss").
+EXPECTED_LOG_LINES = [f"stage {stage}: attempt 1 in" for stage in STAGES] + [
+    "prepare: step 30 loss", "sft: 100%|##########| 30/30", "stage sft: ran in", "eval: done"]
+# Artifact keys the flow publishes on a full run (the test also checks that every key the API lists
+# for the flow run is shown on the page).
+EXPECTED_ARTIFACTS = {"dare-run", "dare-stages", "dare-eval-table", "dare-eval-metrics", "dare-sft-report", "dare-rl-report"}
+
+STAGE_PY = """\
+import json, os, sys, time
+
+stage = sys.argv[1]
+for step in (10, 20, 30):
+    print(f"{stage}: step {step} loss {2.31 - step / 100:.2f}", flush=True)
+for done in range(0, 31, 10):  # tqdm-style: redraws one line with carriage returns
+    bar = "#" * (done // 3)
+    sys.stderr.write(f"\\r{stage}: {100 * done // 30:3d}%|{bar:<10}| {done}/30 [00:00<00:00]")
+    sys.stderr.flush()
+    time.sleep(0.05)
+sys.stderr.write("\\n")
+os.makedirs("out", exist_ok=True)
+os.makedirs("metrics", exist_ok=True)
+with open(f"out/{stage}.txt", "w") as f:
+    f.write(stage + "\\n")
+if stage in ("sft", "preference", "rl"):
+    with open(f"metrics/{stage}.json", "w") as f:
+        json.dump({"final_loss": 2.01, "steps": 30}, f)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    os.makedirs(f"runs/embedded/{stage}", exist_ok=True)
+    fig, ax = plt.subplots(figsize=(4, 2.5), dpi=80)
+    ax.plot([10, 20, 30], [2.21, 2.11, 2.01], marker="o")
+    ax.set_title(f"{stage} loss"), ax.set_xlabel("step"), ax.set_ylabel("loss")
+    fig.tight_layout()
+    fig.savefig(f"runs/embedded/{stage}/loss.png")
+if stage == "eval":
+    with open("metrics/eval.json", "w") as f:
+        json.dump({"base": {"arithmetic": 2.5}, "sft": {"arithmetic": 61.0}, "rl": {"arithmetic": 74.0},
+                   "artifacts": {"base": "runs/embedded/base", "sft": "runs/embedded/sft/model",
+                                 "rl": "models/embedded"}}, f)
+print(f"{stage}: done", flush=True)
+"""
+
+DVC_YAML = """\
+stages:
+  prepare:
+    cmd: python stage.py prepare
+    deps: [stage.py]
+    outs: [out/prepare.txt]
+  sft:
+    cmd: python stage.py sft
+    deps: [out/prepare.txt]
+    outs: [out/sft.txt]
+    metrics: [{metrics/sft.json: {cache: false}}]
+  preference:
+    cmd: python stage.py preference
+    deps: [out/sft.txt]
+    outs: [out/preference.txt]
+    metrics: [{metrics/preference.json: {cache: false}}]
+  rl:
+    cmd: python stage.py rl
+    deps: [out/sft.txt]
+    outs: [out/rl.txt]
+    metrics: [{metrics/rl.json: {cache: false}}]
+  convert:
+    cmd: python stage.py convert
+    deps: [out/rl.txt]
+    outs: [out/convert.txt]
+  eval:
+    cmd: python stage.py eval
+    deps: [out/convert.txt]
+    outs: [out/eval.txt]
+    metrics: [{metrics/eval.json: {cache: false}}]
+"""
+
+
+def _browser_missing() -> str | None:
+    if not Path(CHROMIUM).is_file():
+        return f"no Chromium at {CHROMIUM} (install Debian's chromium: `make browser`)"
+    if importlib.util.find_spec("playwright") is None:
+        return "the playwright package is not installed (requirements/test.txt)"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_browser_missing() is not None, reason=str(_browser_missing()))
+
+
+def _make_repo(root: Path) -> None:
+    root.mkdir(parents=True)
+    (root / "stage.py").write_text(STAGE_PY)
+    (root / "dvc.yaml").write_text(DVC_YAML)
+    (root / "params.yaml").write_text("run:\n  name: embedded\n")
+    subprocess.run(["git", "init", "-q"], cwd=root, check=True)
+    subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=root, check=True)
+
+
+@pytest.fixture
+def server(tmp_path):
+    srv = PrefectServer(tmp_path / "prefect_home", free_port())
+    try:
+        yield srv.start()
+    finally:
+        srv.stop()
+
+
+def _server_log(srv: PrefectServer) -> str:
+    path = srv.home / "server.log"
+    return path.read_text(errors="replace")[-3000:] if path.exists() else ""
+
+
+# Scrolls the nearest scrollable ancestor of the first element matching the selector (the Prefect UI
+# scrolls its main view, not the window) by most of a screen, or back to the top when it is at the
+# bottom (so text above the current view is found too).
+SCROLL_JS = """(selector) => {
+    let el = document.querySelector(selector);
+    while (el && !(el.scrollHeight > el.clientHeight + 5 && /auto|scroll/.test(getComputedStyle(el).overflowY)))
+        el = el.parentElement;
+    el = el || document.scrollingElement;
+    if (el.scrollTop + el.clientHeight >= el.scrollHeight - 2) el.scrollTop = 0;
+    else el.scrollBy(0, Math.max(200, el.clientHeight * 0.7));
+}"""
+
+
+def _find_text(page, text: str, timeout_s: float, scroll: str | None = None) -> bool:
+    """Wait until `text` is on the page. The Logs view renders its rows lazily (a virtual list),
+    so with a `scroll` selector, scroll that element's view down a screen at a time meanwhile."""
+    deadline = time.monotonic() + timeout_s
+    locator = page.get_by_text(text).first
+    while time.monotonic() < deadline:
+        if locator.count() and locator.is_visible():
+            return True
+        if scroll is not None:
+            page.evaluate(SCROLL_JS, scroll)
+        page.wait_for_timeout(300)
+    return False
+
+
+def _settle(page) -> None:
+    """Let pending API calls finish and the run graph (a canvas) draw before a screenshot."""
+    try:
+        page.wait_for_load_state("networkidle", timeout=15_000)
+    except Exception:  # the UI polls a running flow; a finished one goes quiet
+        pass
+    page.wait_for_timeout(1500)
+
+
+@pytest.mark.timeout(600)
+def test_flow_run_page_shows_stage_logs_and_artifacts(tmp_path, server):
+    from playwright.sync_api import sync_playwright
+
+    # The UI asks the server where its API is (ui-settings, from PREFECT_UI_API_URL).
+    assert server.env()["PREFECT_UI_API_URL"] == server.api
+    with urllib.request.urlopen(f"{server.url}/ui-settings", timeout=10) as r:
+        assert json.loads(r.read())["api_url"] == server.api
+
+    repo = tmp_path / "repo"
+    _make_repo(repo)
+    t0 = time.monotonic()
+    run = subprocess.run(
+        [sys.executable, "-m", "flows.pipeline", "--repo", str(repo), "--stages", ",".join(STAGES)],
+        cwd=REPO, env=server.env(PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=420,
+    )
+    assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}\n{_server_log(server)}"
+    print(f"flow run: {time.monotonic() - t0:.1f} s")
+
+    flow_runs = api_post(server, "flow_runs/filter",
+                         {"flows": {"name": {"any_": ["dare-pipeline"]}}, "sort": "EXPECTED_START_TIME_DESC"})
+    assert len(flow_runs) == 1, [fr["name"] for fr in flow_runs]
+    flow_run = flow_runs[0]
+    assert flow_run["state_type"] == "COMPLETED", flow_run["state"]
+    artifacts = api_post(server, "artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [flow_run["id"]]}}})
+    keys = sorted({a["key"] for a in artifacts if a.get("key")})
+    assert EXPECTED_ARTIFACTS <= set(keys), keys
+
+    url = f"{server.url}/runs/flow-run/{flow_run['id']}"
+    shots = {"flow_run": tmp_path / "prefect_flow_run.png", "artifacts": tmp_path / "prefect_artifacts.png",
+             "report": tmp_path / "prefect_stage_report.png"}
+    report_id = next(a["id"] for a in artifacts if a.get("key") == "dare-sft-report")
+    outside: list[str] = []  # requests that leave the local server (a CDN would break offline use)
+    page_errors: list[str] = []  # uncaught JavaScript exceptions, shown when a check fails
+    t0 = time.monotonic()
+    with sync_playwright() as pw:
+        context = pw.chromium.launch_persistent_context(
+            str(tmp_path / "chromium-profile"), executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS,
+            viewport=VIEWPORT, device_scale_factor=1, color_scheme="dark", timezone_id="UTC",
+        )
+        try:
+            page = context.new_page()
+            page.set_default_timeout(UI_TIMEOUT_MS)
+            page.on("request", lambda req: req.url.startswith(("http:", "https:"))
+                    and not req.url.startswith(server.url) and outside.append(req.url))
+            page.on("pageerror", lambda exc: page_errors.append(str(exc)))
+            page.goto(url, wait_until="domcontentloaded", timeout=UI_TIMEOUT_MS)
+
+            # The run: its name, its state, its flow, and the Logs view (the default tab).
+            page.get_by_text(flow_run["name"], exact=True).first.wait_for(timeout=UI_TIMEOUT_MS)
+            page.get_by_text("Completed", exact=True).first.wait_for(timeout=UI_TIMEOUT_MS)
+            page.get_by_text("dare-pipeline", exact=True).first.wait_for(timeout=UI_TIMEOUT_MS)
+            assert _find_text(page, EXPECTED_LOG_LINES[0], UI_TIMEOUT_MS / 1000), \
+                f"{EXPECTED_LOG_LINES[0]!r} not in the Logs view ({page_errors=}):\n{page.inner_text('body')[-3000:]}"
+            _settle(page)
+            page.screenshot(path=str(shots["flow_run"]), full_page=True)
+
+            # Every expected log line, scrolling the logs as needed.
+            missing = [text for text in EXPECTED_LOG_LINES if not _find_text(page, text, 30, scroll=".log-row")]
+            assert not missing, f"not in the Logs view: {missing} ({page_errors=})\n{page.inner_text('body')[-3000:]}"
+
+            # The Artifacts tab lists every artifact the API has for this run.
+            tab = page.locator(".p-tab").filter(has_text=re.compile(r"^\s*Artifacts\s*$"))
+            (tab.first if tab.count() else page.get_by_text("Artifacts", exact=True).first).click()
+            if not _find_text(page, keys[0], 20):  # the tab's own URL, in case the click missed
+                page.goto(f"{url}?tab=Artifacts", wait_until="domcontentloaded")
+            not_shown = [key for key in keys if not _find_text(page, key, UI_TIMEOUT_MS / 1000)]
+            assert not not_shown, f"artifacts not shown: {not_shown} (API: {keys}, {page_errors=})\n{page.inner_text('body')[-3000:]}"
+            page.mouse.move(0, 0)  # no hover highlight on a card
+            page.evaluate("document.querySelectorAll('*').forEach(e => { if (e.scrollTop) e.scrollTop = 0; })")
+            _settle(page)
+            page.screenshot(path=str(shots["artifacts"]), full_page=True)
+
+            # A stage's report: its metrics table and its plot, drawn as an image on the page.
+            page.goto(f"{server.url}/artifacts/artifact/{report_id}", wait_until="domcontentloaded")
+            page.get_by_text("final_loss").first.wait_for(timeout=UI_TIMEOUT_MS)
+            image = page.locator("img[src^='data:image/png']").first
+            image.wait_for(timeout=UI_TIMEOUT_MS)
+            assert image.evaluate("img => img.complete && img.naturalWidth > 0"), "the plot did not render"
+            _settle(page)
+            page.screenshot(path=str(shots["report"]), full_page=True)
+        finally:
+            context.close()
+    print(f"browser: {time.monotonic() - t0:.1f} s")
+
+    if page_errors:  # not a failure by itself: Prefect 3.8's UI throws "Cannot read properties of null
+        # (reading 'getBoundingClientRect')" on every run here, without any visible effect on the page
+        print(f"JavaScript errors on the page: {page_errors}")
+    assert not outside, f"the UI fetched from outside the Prefect server: {sorted(set(outside))}"
+    for path in shots.values():
+        assert path.stat().st_size > 20_000, f"{path} is suspiciously small (a blank page?)"
+    if os.environ.get("DARE_UPDATE_DOCS") == "1":
+        DOCS_IMAGES.mkdir(parents=True, exist_ok=True)
+        for path in shots.values():
+            shutil.copyfile(path, DOCS_IMAGES / path.name)

@@ -1,0 +1,149 @@
+"""A real Prefect server on 127.0.0.1 for tests: `prefect server start` in a fresh PREFECT_HOME,
+plus helpers to deploy from a project folder, run a process worker and wait for flow runs.
+
+The server's scheduler loop is shortened (default 60 s) so that an interval schedule creates runs
+within seconds; everything else is Prefect's default.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PREFECT = [sys.executable, "-m", "prefect"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class PrefectServer:
+    home: Path
+    port: int
+    proc: subprocess.Popen | None = None
+    workers: list[subprocess.Popen] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def api(self) -> str:
+        return f"{self.url}/api"
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = dict(os.environ)
+        for key in ("PREFECT_PROFILE", "PREFECT_PROFILES_PATH"):
+            env.pop(key, None)
+        env.update(
+            PREFECT_HOME=str(self.home), PREFECT_API_URL=self.api, PREFECT_SERVER_ANALYTICS_ENABLED="false",
+            DO_NOT_TRACK="1", DVC_NO_ANALYTICS="1", PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="2",
+            PREFECT_WORKER_QUERY_SECONDS="2", PREFECT_WORKER_PREFETCH_SECONDS="30",
+            PREFECT_UI_API_URL=self.api, PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+        )
+        env.update(extra)
+        return env
+
+    def start(self, timeout: float = 120) -> "PrefectServer":
+        self.home.mkdir(parents=True, exist_ok=True)
+        log = open(self.home / "server.log", "wb")
+        self.proc = subprocess.Popen([*PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
+                                     env=self.env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"prefect server exited: {(self.home / 'server.log').read_text()[-3000:]}")
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(f"{self.api}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            time.sleep(0.5)
+        raise TimeoutError(f"prefect server not healthy after {timeout} s")
+
+    def cli(self, *args: str, cwd: Path | str | None = None, check: bool = True, **env: str) -> subprocess.CompletedProcess:
+        proc = subprocess.run([*PREFECT, *args], cwd=cwd, env=self.env(**env), capture_output=True, text=True)
+        if check and proc.returncode != 0:
+            raise RuntimeError(f"prefect {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        return proc
+
+    def start_worker(self, pool: str, cwd: Path | str, limit: int | None = None, **env: str) -> subprocess.Popen:
+        name = f"worker-{len(self.workers)}"
+        log = open(self.home / f"{name}.log", "wb")
+        cmd = [*PREFECT, "worker", "start", "--pool", pool, "--name", name]
+        if limit is not None:
+            cmd += ["--limit", str(limit)]
+        worker = subprocess.Popen(cmd, cwd=cwd, env=self.env(**env), stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+        self.workers.append(worker)
+        return worker
+
+    def worker_log(self, index: int = 0) -> str:
+        return (self.home / f"worker-{index}.log").read_text(errors="replace")
+
+    def stop(self) -> None:
+        # a worker stops on SIGINT (twice), not SIGTERM; the server on SIGTERM
+        for proc, sig in [*((w, signal.SIGINT) for w in self.workers), (self.proc, signal.SIGTERM)]:
+            if proc is None or proc.poll() is not None:
+                continue
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+                if sig == signal.SIGINT:
+                    time.sleep(0.5)
+                    os.killpg(proc.pid, sig)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def flow_runs(server: PrefectServer, deployment_id: str | None = None, states: list[str] | None = None) -> list[dict]:
+    """Flow runs (latest expected start first) as the REST API returns them, optionally only those in
+    the given state types (COMPLETED, SCHEDULED, ...)."""
+    import json
+
+    body: dict = {"sort": "EXPECTED_START_TIME_DESC", "limit": 200, "flow_runs": {}}
+    if deployment_id:
+        body["flow_runs"]["deployment_id"] = {"any_": [deployment_id]}
+    if states:
+        body["flow_runs"]["state"] = {"type": {"any_": states}}
+    req = urllib.request.Request(f"{server.api}/flow_runs/filter", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def api_post(server: PrefectServer, path: str, body: dict) -> list | dict:
+    import json
+
+    req = urllib.request.Request(f"{server.api}/{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def api_get(server: PrefectServer, path: str) -> list | dict:
+    import json
+
+    with urllib.request.urlopen(f"{server.api}/{path}", timeout=10) as r:
+        return json.loads(r.read())
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 1.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout} s waiting for {what}")

@@ -1,0 +1,60 @@
+"""Stage output -> Prefect log lines (rate-limited) and the line that explains a failure."""
+from __future__ import annotations
+
+from tasks.stage_output import LineForwarder, dvc_error, error_line
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_complete_lines_only_and_a_bar_once_in_its_final_state():
+    out: list[str] = []
+    fwd = LineForwarder(out.append)
+    fwd.feed("step 1 lo")
+    fwd.feed("ss 2.5\n")
+    fwd.feed("\rsampling 1/3\rsampling 2/3", "stderr")
+    assert out == ["step 1 loss 2.5"]  # the bar has not ended its line yet
+    fwd.feed("\rsampling 3/3\n\x1b[32mgreen\x1b[0m\n\n", "stderr")
+    fwd.feed("tail without newline")
+    fwd.close()
+    assert out == ["step 1 loss 2.5", "sampling 3/3", "green", "tail without newline"]
+
+
+def test_streams_keep_their_own_partial_lines():
+    out: list[str] = []
+    fwd = LineForwarder(out.append)
+    fwd.feed("out-a", "stdout")
+    fwd.feed("err-a\n", "stderr")
+    fwd.feed("-b\n", "stdout")
+    assert out == ["err-a", "out-a-b"]
+
+
+def test_rate_limit_counts_what_it_drops_and_never_drops_the_error_line():
+    clock, out = Clock(), []
+    fwd = LineForwarder(out.append, rate=2.0, burst=3, clock=clock)
+    fwd.feed("".join(f"noise {i}\n" for i in range(10)))
+    assert out == ["noise 0", "noise 1", "noise 2"]  # the burst
+    fwd.feed("error: the real reason\n")  # through, after the count of what was dropped before it
+    assert out[-2:] == ["... 7 lines not forwarded (more than 2/s; the worker's console has them)", "error: the real reason"]
+    clock.t = 1.0  # two more tokens
+    fwd.feed("after 1\nafter 2\nafter 3\n")
+    assert out[-3:] == ["error: the real reason", "after 1", "after 2"]
+    fwd.close()
+    assert out[-1].startswith("... 1 lines not forwarded")
+
+
+def test_error_line_prefers_the_workers_own_line():
+    tail = ("Running stage 'sft':\n> dare stage sft\nloading\n"
+            "\nerror: params.yaml: unknown config key 'sft.max_step' (did you mean 'max_steps'?)\n"
+            "ERROR: failed to reproduce 'sft': failed to run: dare stage sft, exited with 2\n")
+    assert error_line(tail) == "error: params.yaml: unknown config key 'sft.max_step' (did you mean 'max_steps'?)"
+    assert dvc_error(tail).endswith("exited with 2")
+    traceback = "Traceback (most recent call last):\n  File x\nRuntimeError: boom\nERROR: failed to reproduce 'rl': exited with 1\n"
+    assert error_line(traceback) == "RuntimeError: boom"
+    only_dvc = "Running stage 'boom':\n> exit 7\nERROR: failed to reproduce 'boom': exited with 7\n"
+    assert error_line(only_dvc) == "ERROR: failed to reproduce 'boom': exited with 7"
