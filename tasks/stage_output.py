@@ -70,9 +70,10 @@ class LineForwarder:
 
 
 def error_line(output_tail: str) -> str:
-    """The line that explains a failed stage: the worker's own `error: ...` line if it printed one,
-    else the last line of a Python traceback or other output before DVC's report, else DVC's own
-    `ERROR: ...` line (which names the stage and its exit code)."""
+    """The line that explains a failed stage: the worker's own `error: ...` line if it printed one;
+    else, when the stage command failed ("exited with N"), the last line it printed before DVC's
+    report (a traceback's last line); else DVC's own `ERROR: ...` line, which is then the cause
+    (an output DVC refuses, a lock, a missing dependency)."""
     lines = [ANSI.sub("", ln).strip() for ln in re.split(r"[\r\n]+", output_tail)]
     lines = [ln for ln in lines if ln]
     worker = [ln for ln in lines if WORKER_ERROR.match(ln)]
@@ -80,8 +81,11 @@ def error_line(output_tail: str) -> str:
         return worker[-1]
     dvc = [i for i, ln in enumerate(lines) if ln.startswith("ERROR")]
     if dvc:
-        before = [ln for ln in lines[:dvc[0]] if not _dvc_chatter(ln)]
-        return before[-1] if before else lines[dvc[-1]]
+        if re.search(r"exited with -?\d+", lines[dvc[0]]):
+            before = [ln for ln in lines[:dvc[0]] if not _dvc_chatter(ln)]
+            if before:
+                return before[-1]
+        return lines[dvc[0]]
     return lines[-1] if lines else ""
 
 

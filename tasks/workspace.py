@@ -3,8 +3,8 @@
 Isolated runs: each run gets its own git worktree of the checkout's commit under
 `<checkout>/.cache/workspaces/<run>` (`.cache` is git- and DVC-ignored), with DVC's cache shared
 with the checkout. Two runs at once then never meet on DVC's stage locks (`'data/tokenizer' is
-busy`) or on each other's outputs, the checkout stays clean, and what one run cached (every output
-is cached) the next restores instead of recomputing. Only committed files are in a workspace.
+busy`) or on each other's outputs, the checkout stays clean, and what one run cached (the outputs
+are cached) the next restores instead of recomputing. Only committed files are in a workspace.
 
 Overrides (`rl.num_steps=200`) are written into the workspace's params.yaml through DVC's own YAML
 round trip, the one `dvc exp run -S` uses, so DVC tracks them as params and the file keeps its

@@ -58,3 +58,11 @@ def test_error_line_prefers_the_workers_own_line():
     assert error_line(traceback) == "RuntimeError: boom"
     only_dvc = "Running stage 'boom':\n> exit 7\nERROR: failed to reproduce 'boom': exited with 7\n"
     assert error_line(only_dvc) == "ERROR: failed to reproduce 'boom': exited with 7"
+
+
+def test_a_failure_of_dvc_itself_is_reported_as_dvcs_error():
+    # the stage command finished (its bar's last frame) and DVC then refused to save an output
+    tail = ("sft: 100%|##########| 3000/3000 [03:43<00:00, 13.40it/s, loss=0.054]\n"
+            "ERROR: failed to reproduce 'sft':  output 'metrics/sft.json' is already tracked by SCM (e.g. Git).\n"
+            "    You can remove it from Git, then add to DVC.\n")
+    assert error_line(tail) == "ERROR: failed to reproduce 'sft':  output 'metrics/sft.json' is already tracked by SCM (e.g. Git)."
