@@ -176,7 +176,7 @@ def dare_pipeline(
     commit, dirty = checkout_state(checkout) if (checkout / ".git").exists() else (None, [])
     root = checkout
     if isolated:
-        root, commit = create_workspace(checkout, flow_run.get_name() or f"run-{os.getpid()}")
+        root, commit = create_workspace(checkout, _workspace_name())
         logger.info("isolated workspace %s (commit %s)", root, commit[:12])
         if dirty:
             logger.warning("uncommitted changes in %s are not part of this run: %s", checkout, ", ".join(dirty))
@@ -240,6 +240,13 @@ def dare_pipeline(
                 result.table]
     print("\n".join(out), flush=True)
     return result
+
+
+def _workspace_name() -> str:
+    """`<flow run name>-<id prefix>`: readable, and unique (run names are random word pairs, which
+    repeat over many runs); a retry of the same flow run gets the same workspace back."""
+    name, run_id = flow_run.get_name(), flow_run.get_id()
+    return f"{name}-{str(run_id)[:8]}" if name and run_id else f"run-{os.getpid()}-{int(time.time())}"
 
 
 def _artifact_key(stage: str) -> str:

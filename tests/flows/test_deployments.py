@@ -104,7 +104,7 @@ def test_concurrent_runs_complete_in_their_own_workspaces_and_failures_show_the_
     ids = [run_deployment(server, dep, {"stages": stages, "overrides": [f"sft.optim.lr={lr}"]}) for lr in (3e-3, 1e-3)]
     states = [final_state(server, i, 420) for i in ids]
     assert [s["state_type"] for s in states] == ["COMPLETED", "COMPLETED"], server.worker_log()[-4000:]
-    workspaces = [project / ".cache" / "workspaces" / s["name"] for s in states]
+    workspaces = [project / ".cache" / "workspaces" / f"{s['name']}-{s['id'][:8]}" for s in states]
     for ws, lr in zip(workspaces, ("0.003", "0.001")):
         assert (ws / "runs" / "t" / "sft" / "model" / "config.json").exists()
         assert f"lr: {lr}" in (ws / "params.yaml").read_text()
