@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
 import sys
 from pathlib import Path
 
@@ -73,3 +74,19 @@ def sort_rows(n: int, seed: int) -> list[dict]:
         answer = " ".join(sorted(digits))
         rows.append({"prompt": "sort " + " ".join(digits), "response": answer, "ground_truth": answer})
     return rows
+
+
+def make_project(repo: Path, params: dict, links: tuple = ("dare_core", "configs"), env: dict | None = None) -> Path:
+    """A throwaway DARE project at `repo`: the real dvc.yaml, `links` symlinked from this checkout
+    (dvc.yaml's code dependencies and recipes; add flows/tasks to deploy it), `params` with its
+    outputs at the project's own relative paths, `git init` and `dvc init`."""
+    repo.mkdir()
+    (repo / "dvc.yaml").write_text((REPO / "dvc.yaml").read_text())
+    for name in links:
+        os.symlink(REPO / name, repo / name)
+    params["run"].update(runs_dir="runs", models_dir="models", metrics_dir="metrics")
+    params["data"].update(prepared_dir="data/prepared", tokenizer_dir="data/tokenizer")
+    write_params(repo / "params.yaml", params)
+    for cmd in (["git", "init", "-q"], [sys.executable, "-m", "dvc", "init", "-q"]):
+        subprocess.run(cmd, cwd=repo, check=True, env=env, capture_output=True)
+    return repo

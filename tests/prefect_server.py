@@ -7,6 +7,7 @@ within seconds; everything else is Prefect's default.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -110,22 +111,15 @@ class PrefectServer:
 def flow_runs(server: PrefectServer, deployment_id: str | None = None, states: list[str] | None = None) -> list[dict]:
     """Flow runs (latest expected start first) as the REST API returns them, optionally only those in
     the given state types (COMPLETED, SCHEDULED, ...)."""
-    import json
-
     body: dict = {"sort": "EXPECTED_START_TIME_DESC", "limit": 200, "flow_runs": {}}
     if deployment_id:
         body["flow_runs"]["deployment_id"] = {"any_": [deployment_id]}
     if states:
         body["flow_runs"]["state"] = {"type": {"any_": states}}
-    req = urllib.request.Request(f"{server.api}/flow_runs/filter", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
-    with urllib.request.urlopen(req, timeout=10) as r:
-        return json.loads(r.read())
+    return api_post(server, "flow_runs/filter", body)
 
 
 def api_post(server: PrefectServer, path: str, body: dict) -> list | dict:
-    import json
-
     req = urllib.request.Request(f"{server.api}/{path}", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"}, method="POST")
     with urllib.request.urlopen(req, timeout=10) as r:
@@ -133,8 +127,6 @@ def api_post(server: PrefectServer, path: str, body: dict) -> list | dict:
 
 
 def api_get(server: PrefectServer, path: str) -> list | dict:
-    import json
-
     with urllib.request.urlopen(f"{server.api}/{path}", timeout=10) as r:
         return json.loads(r.read())
 

@@ -9,15 +9,13 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from pipeline_helpers import REPO, tiny_params, write_params
+from pipeline_helpers import REPO, make_project, tiny_params
 from prefect_server import PrefectServer, api_get, api_post, flow_runs, free_port, wait_for
 
 pytestmark = pytest.mark.slow
@@ -25,20 +23,10 @@ POOL = "dare-test"
 GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
 
 
-def make_project(root: Path) -> Path:
+def committed_project(root: Path) -> Path:
     """A committed DARE project: the real dvc.yaml, flows, tasks, code and recipes (symlinked), tiny params."""
-    root.mkdir()
-    (root / "dvc.yaml").write_text((REPO / "dvc.yaml").read_text())
-    for name in ("dare_core", "configs", "flows", "tasks"):
-        os.symlink(REPO / name, root / name)
-    params = tiny_params(root)
-    for section, keys in (("run", ("runs_dir", "models_dir", "metrics_dir")), ("data", ("prepared_dir", "tokenizer_dir"))):
-        for k in keys:
-            params[section][k] = os.path.relpath(params[section][k], root)
-    write_params(root / "params.yaml", params)
+    make_project(root, tiny_params(root), links=("dare_core", "configs", "flows", "tasks"))
     (root / ".gitignore").write_text(".cache/\n__pycache__/\n")
-    subprocess.run(["git", "init", "-q"], cwd=root, check=True)
-    subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=root, check=True)
     subprocess.run(["git", "add", "-A"], cwd=root, check=True)
     subprocess.run([*GIT, "commit", "-qm", "project"], cwd=root, check=True)
     return root
@@ -77,7 +65,7 @@ def deployed(tmp_path_factory):
     base = tmp_path_factory.mktemp("deployments")
     server = PrefectServer(base / "prefect", free_port()).start()
     try:
-        project = make_project(base / "project")
+        project = committed_project(base / "project")
         server.cli("work-pool", "create", POOL, "--type", "process")
         server.start_worker(POOL, cwd=project, limit=2, TORCH_EXTENSIONS_DIR=str(REPO / ".cache" / "torch_extensions"))
         yield server, project

@@ -3,33 +3,21 @@ DeepSpeed workers -> eval table; a second run skips every stage."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 
-from pipeline_helpers import REPO, tiny_params, worker_env, write_params
+from pipeline_helpers import REPO, make_project, tiny_params, worker_env, write_params
 
 
 @pytest.mark.slow
 def test_flow_runs_every_stage_then_skips(tmp_path):
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    shutil.copy(REPO / "dvc.yaml", repo / "dvc.yaml")
-    os.symlink(REPO / "dare_core", repo / "dare_core")  # dvc.yaml's code dependencies
-    os.symlink(REPO / "configs", repo / "configs")  # the recipes dvc.yaml depends on
     params = tiny_params(tmp_path)
-    for section, keys in (("run", ("runs_dir", "models_dir", "metrics_dir")), ("data", ("prepared_dir", "tokenizer_dir"))):
-        for k in keys:  # relative paths inside the throwaway repo, as in the real params.yaml
-            params[section][k] = os.path.relpath(params[section][k], tmp_path)
-    write_params(repo / "params.yaml", params)
     env = worker_env()
     env.update(PREFECT_HOME=str(tmp_path / "prefect"), PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180", DVC_NO_ANALYTICS="1")
     env.pop("PREFECT_API_URL", None)
-    for cmd in (["git", "init", "-q"], [sys.executable, "-m", "dvc", "init", "-q"]):
-        subprocess.run(cmd, cwd=repo, check=True, env=env)
+    repo = make_project(tmp_path / "repo", params, env=env)
 
     run = subprocess.run([sys.executable, "-m", "flows.pipeline", "--repo", str(repo)], cwd=REPO, env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

@@ -84,37 +84,14 @@ if stage == "eval":
 print(f"{stage}: done", flush=True)
 """
 
-DVC_YAML = """\
-stages:
-  prepare:
-    cmd: python stage.py prepare
-    deps: [stage.py]
-    outs: [out/prepare.txt]
-  sft:
-    cmd: python stage.py sft
-    deps: [out/prepare.txt]
-    outs: [out/sft.txt]
-    metrics: [{metrics/sft.json: {cache: false}}]
-  preference:
-    cmd: python stage.py preference
-    deps: [out/sft.txt]
-    outs: [out/preference.txt]
-    metrics: [{metrics/preference.json: {cache: false}}]
-  rl:
-    cmd: python stage.py rl
-    deps: [out/sft.txt]
-    outs: [out/rl.txt]
-    metrics: [{metrics/rl.json: {cache: false}}]
-  convert:
-    cmd: python stage.py convert
-    deps: [out/rl.txt]
-    outs: [out/convert.txt]
-  eval:
-    cmd: python stage.py eval
-    deps: [out/convert.txt]
-    outs: [out/eval.txt]
-    metrics: [{metrics/eval.json: {cache: false}}]
-"""
+# stage -> (its upstream stage, whether it writes metrics/<stage>.json): the pipeline's shape
+STAGE_GRAPH = {"prepare": (None, False), "sft": ("prepare", True), "preference": ("sft", True),
+               "rl": ("sft", True), "convert": ("rl", False), "eval": ("convert", True)}
+DVC_YAML = "stages:\n" + "".join(
+    f"  {stage}:\n    cmd: python stage.py {stage}\n"
+    f"    deps: [{f'out/{up}.txt' if up else 'stage.py'}]\n    outs: [out/{stage}.txt]\n"
+    + (f"    metrics: [{{metrics/{stage}.json: {{cache: false}}}}]\n" if metrics else "")
+    for stage, (up, metrics) in STAGE_GRAPH.items())
 
 
 def _browser_missing() -> str | None:
