@@ -12,7 +12,8 @@ plugs in:
 Prompts are left-padded; padding is a key that no query ever sees, in every cache mode, and
 positions restart at 0 at each prompt's first token, so a batch decodes exactly as its prompts would
 one at a time. A sequence whose finished blocks hold EOS (or a stop id) leaves the batch. Returns
-token ids, never text.
+token ids, never text. Under ZeRO-3 the ranks decode in lockstep (`lockstep.py`): every rank makes
+the same forward calls, however early its own rows finish.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import torch
 
 from dare_core.models.transformer import KVCache
 from dare_core.sampling.cache import CachePolicy, Window, build_cache_policy
+from dare_core.sampling.lockstep import RankLockstep, zero3_partitioned
 from dare_core.sampling.params import SamplingParams
 from dare_core.sampling.trajectory import Trajectory, TrajectoryRecorder
 from dare_core.sampling.unmasking import StepContext, build_unmasker, score_block
@@ -82,7 +84,7 @@ class Canvas:
 
     @classmethod
     def build(cls, prompts, params: SamplingParams, mask_id: int, pad_id: int, block_diffusion: bool, device,
-              bucket: int = 1) -> "Canvas":
+              bucket: int = 1, min_blocks: int = 0) -> "Canvas":
         lens = [len(p) for p in prompts]
         if min(lens) == 0:
             raise ValueError("every prompt needs at least one token")
@@ -91,7 +93,8 @@ class Canvas:
             fulls = [n - n % bs for n in lens]
             unit = math.lcm(bucket, bs)
             origin = math.ceil(max(fulls) / unit) * unit
-            n_blocks = math.ceil((max(n % bs for n in lens) + L) / bs)
+            # (at least min_blocks: ranks in lockstep walk as many blocks as the longest canvas has)
+            n_blocks = max(math.ceil((max(n % bs for n in lens) + L) / bs), min_blocks)
             pads = [origin - f for f in fulls]
         else:
             origin, n_blocks = math.ceil(max(lens) / bucket) * bucket, L // bs
@@ -180,9 +183,10 @@ class Forward:
 def _graphs_wanted(model, params: SamplingParams) -> bool:
     if params.cuda_graphs is False or params.cache not in ("dual", "block_kv"):
         return False
-    ok = next(model.parameters()).is_cuda and model.config.moe is None and params.cfg_scale == 0
+    # (a captured graph would replay ZeRO-3's weight gathers from one moment as if they were static)
+    ok = next(model.parameters()).is_cuda and model.config.moe is None and params.cfg_scale == 0 and not zero3_partitioned(model)
     if params.cuda_graphs and not ok:
-        raise ValueError("cuda_graphs needs a CUDA model without MoE layers and cfg_scale = 0")
+        raise ValueError("cuda_graphs needs a CUDA model without MoE layers, not partitioned by ZeRO-3, and cfg_scale = 0")
     return ok
 
 
@@ -200,6 +204,7 @@ def generate(
     max_blocks: Optional[int] = None,
     init_response: Optional[torch.Tensor] = None,
     step_range: Optional[tuple[int, int]] = None,
+    lockstep: Optional[RankLockstep] = None,
 ) -> GenerationOutput:
     """Decode `params.gen_length` tokens after each prompt. `record`: "steps" keeps the step map
     (CJ-GRPO, d-TreeRPO), "full" also every step's proposals and confidences (MDPO). `max_blocks`
@@ -211,7 +216,10 @@ def generate(
     numbered over all blocks, `steps_per_block` per block). Per-block counts are those of decoding
     from the start, so running [0, j) and then [j, steps) from the first run's state commits what one
     uninterrupted run does with the same random draws. The state a partial run ends in is
-    `trajectory.tokens` (`record="steps"`; MASK where still undecoded); `response` fills those with EOS."""
+    `trajectory.tokens` (`record="steps"`; MASK where still undecoded); `response` fills those with EOS.
+
+    `lockstep`: how the ranks agree to go on; by default one exactly when ZeRO-3 partitions `model`
+    over several ranks (`RankLockstep.for_model`), else each rank stops on its own."""
     if record not in RECORD:
         raise ValueError(f"record must be one of {RECORD}, got '{record}'")
     device = next(model.parameters()).device
@@ -234,7 +242,15 @@ def generate(
     graphs = _graphs_wanted(model, params)
     # with CUDA graphs, canvases come in lengths rounded up to 64 columns of left padding (never
     # attended), so that rollouts with different prompt lengths replay the same captured graphs
-    canvas = Canvas.build(prompts, params, mask_id, model.pad_token_id, block_diffusion, device, bucket=64 if graphs else 1)
+    bucket = 64 if graphs else 1
+    canvas = Canvas.build(prompts, params, mask_id, model.pad_token_id, block_diffusion, device, bucket)
+    sync = lockstep if lockstep is not None else RankLockstep.for_model(model)
+    if sync is not None and (n_blocks := sync.max(len(canvas.blocks))) > len(canvas.blocks):
+        canvas = Canvas.build(prompts, params, mask_id, model.pad_token_id, block_diffusion, device, bucket, n_blocks)
+
+    def agree(going_on: bool) -> bool:
+        """Whether decoding goes on: on this rank's word, or in lockstep on any rank's."""
+        return sync.any(going_on) if sync is not None else going_on
     B, S, L = canvas.x.shape[0], canvas.x.shape[1], params.gen_length
     # what a block's count schedule starts from: its masked positions before any decoding (original rows)
     undecoded = canvas.x == mask_id
@@ -260,12 +276,13 @@ def generate(
     frozen = torch.zeros(B, dtype=torch.bool, device=device)
 
     def retire(done: torch.Tensor) -> bool:
-        """Move finished rows out of the batch (under CUDA graphs, whose shapes are fixed, they stay
-        in it, frozen: no position of theirs is masked any more); False when none is left."""
+        """Move finished rows out of the batch; False when none of this rank's is left. Under CUDA
+        graphs, whose shapes are fixed, they stay in it, frozen (no position of theirs is masked any
+        more); so do a lockstep rank's last rows, which its idle forward calls still run on."""
         nonlocal active, generators, frozen
         if not done.any():
-            return True
-        if forward.static is not None:
+            return not bool(frozen.all())
+        if forward.static is not None or (sync is not None and bool((done | frozen).all())):
             newly = done & ~frozen
             final[active[newly]] = canvas.x[newly]
             frozen = frozen | done
@@ -279,7 +296,7 @@ def generate(
         forward.select(keep)
         if generators is not None:
             generators = [generators[i] for i in keep.tolist()]
-        return True
+        return not bool(frozen.all())
 
     if (w := policy.prefill(canvas.origin)) is not None:
         forward(w)
@@ -287,7 +304,7 @@ def generate(
     alive = True
     if resuming and j_from // spb < len(canvas.blocks):
         # rows that stopped in a block finished before the range left an uninterrupted run there
-        alive = retire(_finished(canvas, canvas.blocks[j_from // spb][0], L, stop_ids, params.stop_at_eos))
+        alive = agree(retire(_finished(canvas, canvas.blocks[j_from // spb][0], L, stop_ids, params.stop_at_eos)))
     for bi, (lo, hi) in enumerate(canvas.blocks[:max_blocks] if alive else []):
         j = 0
         if resuming:
@@ -300,14 +317,18 @@ def generate(
         range_end = False
         while True:
             is_masked = (canvas.x[:, lo:hi] == mask_id) & ~frozen[:, None]
-            if not is_masked.any():
+            busy = bool(is_masked.any())
+            if not agree(busy):
                 break
             if resuming and bi * spb + j >= j_to:
                 range_end = True
                 break
-            if j >= limit:
+            if busy and j >= limit:
                 raise RuntimeError(f"unmasking '{params.unmasking}' left block {bi} unfinished after {j} steps")
             logits = forward(policy.step(j, lo, hi, S), lo, hi)
+            if not busy:  # in lockstep: another rank's rows still decode this block
+                j += 1
+                continue
             logits[..., mask_id] = float("-inf")  # committing MASK would leave the position masked
             if params.logits_eos_inf:
                 logits[..., eos_id] = float("-inf")
@@ -350,7 +371,7 @@ def generate(
             break
         if bi + 1 < len(canvas.blocks) and (w := policy.commit(lo, hi)) is not None:
             forward(w)
-        if not retire(_finished(canvas, hi, L, stop_ids, params.stop_at_eos)):
+        if not agree(retire(_finished(canvas, hi, L, stop_ids, params.stop_at_eos))):
             break
     if active.numel():
         final[active] = canvas.x

@@ -54,7 +54,10 @@ BASE_SFT = {"sft__max_steps": 60, "sft__micro_batch_size": 16, "sft__log_every":
 OPTIM = {"eps": 1.0, "max_grad_norm": 0.0}
 RL = {"rl__num_steps": STEPS, "rl__prompts_per_step": 4, "rl__group_size": 4, "rl__num_iterations": 2,
       "rl__micro_batch_size": 8, "rl__save_every": STEPS, "rl__keep_last": 1, "rl__log_every": 1,
-      "rl__reward": "numeric", "rl__reward_args": {"abs_tol": 5}, "rl__optim": {**OPTIM, "lr": 0.2}}
+      "rl__reward": "numeric", "rl__reward_args": {"abs_tol": 5}, "rl__optim": {**OPTIM, "lr": 0.2},
+      # rows stop after as many steps as their confidences take: under ZeRO-3 the ranks' rollouts
+      # end apart, and decode in lockstep (dare_core/sampling/lockstep.py)
+      "rl__sampler__unmasking": "threshold", "rl__sampler__threshold": 0.5}
 # per stage: the settings of every run, then those of the 1-rank run alone (the same global batch:
 # 2 ranks x 1 micro-batch = 1 rank x 2; RL's rl.micro_batch_size is per rank, its batch the prompts')
 STAGES = {

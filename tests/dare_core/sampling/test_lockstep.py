@@ -1,0 +1,41 @@
+"""Decoding under ZeRO-3 on two ranks (gloo on the CPU): ranks whose rows stop at different points
+still make the same forward calls (each gathers the partitioned weights from both ranks), so the job
+completes, and every row decodes as the one-rank run decodes it."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dare_core.sampling.lockstep import RankLockstep
+from pipeline_helpers import REPO, worker_env
+
+
+def test_no_lockstep_without_several_ranks(tiny_llada):
+    assert not torch.distributed.is_initialized()
+    assert RankLockstep.for_model(tiny_llada) is None
+
+
+@pytest.mark.timeout(300)
+def test_two_zero3_ranks_stopping_apart_decode_as_one_rank(tmp_path):
+    env = {**worker_env(), "DARE_DIST_TIMEOUT_S": "60", "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = f"{env['PYTHONPATH']}:{REPO / 'tests'}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(REPO / "tests" / "lockstep_ranks.py"), str(tmp_path)]
+    r = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=280)
+    assert r.returncode == 0, r.stderr[-6000:]
+    ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
+    for family in ("llada", "sdar"):
+        parts = [rank[family] for rank in ranks]
+        assert all(p["partitioned"] for p in parts)
+        alone = parts[0]["alone"]
+        assert parts[1]["alone"] == alone
+        steps = [sum(row["steps"] for row in p["mine"].values()) for p in parts]
+        # the ranks' own rows stop apart (the point of the test), yet both made every forward call
+        print(family, "steps of each rank's rows:", steps, "forward calls:", [p["forwards"] for p in parts])
+        assert steps[0] < steps[1], (family, steps)
+        assert parts[0]["forwards"] == parts[1]["forwards"], family
+        for p in parts:
+            for uid, row in p["mine"].items():
+                assert row == alone[uid], (family, uid)
