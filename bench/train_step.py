@@ -44,7 +44,6 @@ beside it because a user's `dare stage` command pays it too.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import json
@@ -366,46 +365,6 @@ def register_rl_pieces() -> None:
 # --------------------------------------------------------------------------- full-parameter training
 
 
-def offload_engine(model, optim, total_steps: int, micro_batch_size: int, grad_accum: int = 1, zero_stage: int = 3):
-    """`engine.build_engine`'s engine with ZeRO-3 (whatever `zero_stage` says) and the optimizer on the
-    CPU (DeepSpeedCPUAdam): the fp32 master weights, gradients and Adam moments of a full 8B model
-    (16 bytes a parameter) do not fit one GPU. Patched in for the full-parameter runs only: the
-    library has no offload setting."""
-    from dare_core.training import engine as eng
-
-    eng.ensure_dist_env()
-    import deepspeed
-
-    if not torch.distributed.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-    ds_config = {
-        "train_micro_batch_size_per_gpu": micro_batch_size,
-        "gradient_accumulation_steps": grad_accum,
-        "gradient_clipping": optim.max_grad_norm,
-        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
-        "optimizer": {"type": "AdamW", "params": {"lr": optim.lr, "betas": list(optim.betas), "eps": optim.eps,
-                                                  "weight_decay": optim.weight_decay}},
-        "bf16": {"enabled": next(model.parameters()).dtype == torch.bfloat16},
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
-    schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, eng.lr_lambda(optim, total_steps))  # noqa: E731
-    params = [p for p in model.parameters() if p.requires_grad]
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, lr_scheduler=schedule, config=ds_config)
-    return engine
-
-
-@contextlib.contextmanager
-def optimizer_offload():
-    from dare_core.training import engine as eng
-
-    original, eng.build_engine = eng.build_engine, offload_engine
-    try:
-        yield
-    finally:
-        eng.build_engine = original
-
-
 def optimizer_host_bytes(n_params: int) -> int:
     """Host memory of ZeRO-3's CPU optimizer: fp32 weights, gradients and two Adam moments."""
     return 16 * n_params
@@ -447,7 +406,9 @@ def sft_overrides(spec: dict, s: Settings) -> dict:
     lora = {"r": s.sft_lora[0], "alpha": s.sft_lora[1]} if spec["training"] == "lora" else None
     return {
         **common_overrides(spec), "model.packing": spec["packing"], "model.compile": spec.get("compile", False), "model.lora": lora,
-        "launch.zero_stage": 0 if lora else 3,
+        # full parameters: ZeRO-3 with the optimizer on the CPU (DeepSpeedCPUAdam): the fp32 master
+        # weights, gradients and Adam moments of a full 8B model (16 bytes a parameter) do not fit one GPU
+        "launch.zero_stage": 0 if lora else 3, "launch.offload_optimizer": "none" if lora else "cpu",
         "sft.max_steps": s.sft_warmup + s.sft_steps, "sft.micro_batch_size": s.sft_micro, "sft.grad_accum": s.sft_accum,
         "sft.pad_to": s.sft_pad_to, "sft.log_every": 1, "sft.save_every": 10**9,
         "sft.optim": {"lr": 1e-5, "warmup_steps": 0, "schedule": "constant"},
@@ -519,10 +480,8 @@ def run_sft_task(spec: dict, s: Settings) -> dict:
 
     cfg = stage_config({**spec, "overrides": sft_overrides(spec, s)})
     shutil.rmtree(cfg.run_dir, ignore_errors=True)
-    offload = optimizer_offload() if spec["training"] == "full" else contextlib.nullcontext()
     launch = time.time() - spec["spawned_at"]
-    with offload:
-        summary = run_sft(cfg, progress=False, save_checkpoints=False, export=spec["export"], phase_times=True)
+    summary = run_sft(cfg, progress=False, save_checkpoints=False, export=spec["export"], phase_times=True)
     out = {"summary": summary, "metrics": metrics_rows(cfg.stage_dir("sft")), "work": sft_step_work(cfg), "launch_s": launch}
     shutil.rmtree(cfg.stage_dir("sft") / "model", ignore_errors=True)  # 16 GB of the disk
     return out

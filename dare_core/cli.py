@@ -10,10 +10,9 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import shutil
 import subprocess
 import sys
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Mapping, Optional
 
 if TYPE_CHECKING:
     from dare_core.config import DareConfig, LaunchConfig
@@ -49,15 +48,37 @@ def launch_command(module: str, launch: LaunchConfig, worker_args: list[str]) ->
                     f"--master_addr={launch.master_addr or '127.0.0.1'}", f"--master_port={launch.master_port or 29500}"]
         return [*cmd, f"--nproc_per_node={launch.nproc}", "-m", *rank, *worker_args]
     if launch.launcher == "deepspeed":
-        cmd = [shutil.which("deepspeed") or "deepspeed"]
+        # the `deepspeed` script's own code, run by this interpreter: found without the venv on
+        # PATH, and its launcher starts the ranks with sys.executable too
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner"]
         # no hostfile: DeepSpeed's default (/job/hostfile) must not turn a one-node run into several
         cmd.append(f"--hostfile={launch.hostfile or os.devnull}")
+        if launch.no_ssh:
+            cmd += ["--no_ssh", f"--node_rank={_node_rank_in_hostfile(launch)}"]
         if launch.master_addr is not None:
             cmd.append(f"--master_addr={launch.master_addr}")
         if launch.master_port is not None:
             cmd.append(f"--master_port={launch.master_port}")
         return [*cmd, f"--num_gpus={launch.nproc}", "--module", *rank, *worker_args]
     raise ConfigError(f"unknown launch.launcher '{launch.launcher}' (local | torchrun | deepspeed)")
+
+
+def _node_rank_in_hostfile(launch: LaunchConfig) -> int:
+    """launch.node_rank, checked against the hostfile's nodes (DeepSpeed would fail with an
+    assertion, or quietly run on this machine alone where the hostfile is missing)."""
+    from dare_core.config import ConfigError
+
+    try:
+        lines = open(launch.hostfile, encoding="utf-8").read().splitlines()
+    except OSError as exc:
+        raise ConfigError(f"launch.hostfile {launch.hostfile}: {exc.strerror}") from None
+    hosts = [line.split()[0] for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    if not hosts:
+        raise ConfigError(f"launch.hostfile {launch.hostfile} lists no nodes (lines like 'worker-1 slots=8')")
+    if launch.node_rank >= len(hosts):
+        raise ConfigError(f"launch.node_rank must name one of the {len(hosts)} nodes of launch.hostfile "
+                          f"({launch.hostfile}): 0-{len(hosts) - 1}, got {launch.node_rank}")
+    return launch.node_rank
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
@@ -77,14 +98,30 @@ def cmd_stage(args: argparse.Namespace) -> int:
 
         code = importlib.import_module(module).main(worker_args)
         return code or _publish(args.name, load_config(args.params, args.set))
-    from dare_core.training.threads import launcher_env
-
     cfg = load_config(args.params, args.set)
     cmd = launch_command(module, cfg.launch, worker_args)
+    return subprocess.call(cmd, env=launch_env(cfg.launch, os.environ)) or _publish(args.name, cfg)
+
+
+def launch_env(launch: LaunchConfig, environ: Mapping[str, str]) -> dict:
+    """`environ` for the launcher and its ranks (what the user set wins)."""
+    from dare_core.training.threads import launcher_env
+
     # each rank starts with its share of the cores (torchrun would otherwise give every rank one)
-    env = launcher_env(cfg.launch.threads, cfg.launch.nproc, os.environ)
+    env = launcher_env(launch.threads, launch.nproc, environ)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    return subprocess.call(cmd, env=env) or _publish(args.name, cfg)
+    # when a collective times out, NCCL's watchdog waits for the flight recorder's debug dump
+    # before it ends the process: 60 s with torch 2.11's default, 40 s with this set to 10000
+    # (seen on H100s, the dump never written). With 2500, a rank that hangs ends the job about
+    # 10 s after launch.timeout_s.
+    env.setdefault("TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC", "2500")
+    # the ranks find this interpreter's tools (ninja, for the ops DeepSpeed builds on first use) as
+    # in an activated venv, also when `.venv/bin/dare` was run without activating it
+    tools = os.path.dirname(sys.executable)
+    path = [p for p in env.get("PATH", "").split(os.pathsep) if p]
+    if tools not in path:
+        env["PATH"] = os.pathsep.join([tools, *path])
+    return env
 
 
 def _publish(stage: str, cfg: DareConfig) -> int:

@@ -173,11 +173,21 @@ class OptimConfig:
             raise FieldError("betas", f"must be two numbers in [0, 1), got {list(self.betas)}")
 
 
+# where ZeRO may keep what it offloads (launch.offload_*): host memory, or nowhere
+OFFLOAD_DEVICES = ("none", "cpu")
+
+
 @dataclass
 class LaunchConfig:
     launcher: str = "local"  # local (one process) | torchrun | deepspeed
     nproc: int = 1
     zero_stage: int = 0
+    # ZeRO offload, for full-parameter training that does not fit the GPUs. optimizer cpu: the fp32
+    # master weights, their gradients and Adam's moments (16 bytes a parameter) live in host memory
+    # and DeepSpeedCPUAdam steps them there (needs zero_stage >= 1); params cpu: ZeRO-3's partitions
+    # of the weights wait in host memory between uses (zero_stage 3)
+    offload_optimizer: str = "none"  # none | cpu
+    offload_params: str = "none"  # none | cpu
     # torch CPU threads per rank: auto = physical cores available / local ranks (an explicit
     # OMP_NUM_THREADS wins over auto); an int wins over both (dare_core/training/threads.py)
     threads: Union[str, int] = "auto"
@@ -195,15 +205,37 @@ class LaunchConfig:
     # torchrun: the number of nodes and this node's index (`dare stage` runs on every node)
     nnodes: int = 1
     node_rank: int = 0
+    # deepspeed: start only this node's ranks (node_rank: its line in the hostfile), no ssh; run
+    # `dare stage` on every node, as with torchrun
+    no_ssh: bool = False
 
     def __post_init__(self) -> None:
         _one_of(self, "launcher", ("local", "torchrun", "deepspeed"))
         _one_of(self, "zero_stage", (0, 1, 2, 3))
+        _one_of(self, "offload_optimizer", OFFLOAD_DEVICES)
+        _one_of(self, "offload_params", OFFLOAD_DEVICES)
+        if self.offload_optimizer != "none" and self.zero_stage == 0:
+            raise FieldError("offload_optimizer", "needs launch.zero_stage 1, 2 or 3 (ZeRO's partitioned optimizer is what "
+                                                  "moves to the CPU), got zero_stage 0")
+        if self.offload_params != "none" and self.zero_stage != 3:
+            raise FieldError("offload_params", "needs launch.zero_stage 3 (only ZeRO-3 partitions the weights), got "
+                                               f"zero_stage {self.zero_stage}")
         _at_least(self, 1, "nproc", "threads", "timeout_s", "nnodes", "master_port")
         _at_least(self, 0, "node_rank")
         if isinstance(self.threads, str) and self.threads != "auto":
             raise FieldError("threads", f"must be 'auto' or a number of threads, got {self.threads!r}")
-        if isinstance(self.node_rank, int) and isinstance(self.nnodes, int) and self.node_rank >= self.nnodes:
+        if self.no_ssh and self.launcher != "deepspeed":
+            raise FieldError("no_ssh", f"is the deepspeed launcher's; launch.launcher is {self.launcher!r}")
+        if self.no_ssh and not (self.hostfile and self.master_addr):
+            raise FieldError("hostfile" if not self.hostfile else "master_addr",
+                             "must be set with launch.no_ssh (the nodes, and the first node's address that the "
+                             "others reach)")
+        if self.launcher == "deepspeed" and not self.no_ssh and isinstance(self.node_rank, int) and self.node_rank > 0:
+            raise FieldError("node_rank", "is read by torchrun, or by the deepspeed launcher with launch.no_ssh "
+                                          "(without it, the first node starts every node's ranks)")
+        # (with no_ssh, node_rank is checked against the hostfile when the stage starts: cli.py)
+        if (isinstance(self.node_rank, int) and isinstance(self.nnodes, int) and self.node_rank >= self.nnodes
+                and not self.no_ssh):
             raise FieldError("node_rank", f"must be below launch.nnodes ({self.nnodes}), got {self.node_rank}")
         if isinstance(self.master_port, int) and self.master_port > 65535:
             raise FieldError("master_port", f"must be a TCP port (1-65535), got {self.master_port}")

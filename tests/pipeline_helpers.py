@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -51,12 +52,27 @@ def write_params(path: Path, params: dict) -> Path:
     return path
 
 
-def worker_env() -> dict:
+def worker_env(venv_on_path: bool = True) -> dict:
+    """The environment of a `dare` subprocess; `venv_on_path=False`: as for a user who runs
+    `.venv/bin/dare` without activating the venv (nothing may be looked up on PATH)."""
     env = dict(os.environ)
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    venv_bin = str(Path(sys.executable).parent)
+    others = [d for d in env.get("PATH", "").split(os.pathsep) if d and Path(d) != Path(venv_bin)]
+    env["PATH"] = os.pathsep.join([venv_bin, *others] if venv_on_path else others)
     env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
     env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
     return env
+
+
+# what torch's C++ side prints when ranks end untidily (or would, unfiltered: workers/rank_output.py)
+NATIVE_NOISE = re.compile(r"TCPStore|destroy_process_group|frame #\d|Exception raised from|terminate called"
+                          r"|\[[EWIF]\d{4} \d\d:|Guessing device ID")
+
+
+def assert_no_native_noise(stderr: str) -> None:
+    """A successful multi-rank run's stderr holds no C++ warnings or traces."""
+    found = NATIVE_NOISE.search(stderr)
+    assert not found, stderr[max(0, found.start() - 1500):found.start() + 1500]
 
 
 def dare(*args: str) -> list[str]:

@@ -1,6 +1,7 @@
 """Training checkpoints: atomic DeepSpeed saves (write under a temporary tag, rename, then move the
-`latest` pointer), keep the last K, refuse (never silently discard) checkpoints made with other
-settings or inputs, and conversion of a checkpoint into a Hugging Face folder."""
+`latest` pointer), keep the last K, written where `SavePolicy` says (optimizer state only at resume
+points), refuse (never silently discard) checkpoints made with other settings or inputs, and
+conversion of a checkpoint into a Hugging Face folder."""
 from __future__ import annotations
 
 import dataclasses
@@ -20,11 +21,14 @@ from dare_core.config import DareConfig, to_dict
 from dare_core.errors import UserError
 from dare_core.remote import RemoteError, file_lock
 from dare_core.storage import atomic_write_json, atomic_write_text, read_json
-from dare_core.training.engine import planned_world_size
+from dare_core.training.engine import planned_world_size, whole_weights
 
 log = logging.getLogger(__name__)
 
 META = CHECKPOINT_MARKER  # a checkpoint is complete once this file is in it (locally and remotely)
+# a weights-only checkpoint's one file: the module's state dict, as DeepSpeed's ZeRO-0 model file holds it
+WEIGHTS_FILE = "weights.pt"
+FULL, WEIGHTS = "full", "weights"
 
 
 class CheckpointMismatch(UserError):
@@ -99,12 +103,45 @@ EXECUTION_KEYS = ("packing", "compile", "gradient_checkpointing")
 def stage_fingerprint(cfg: DareConfig, stage: str, inputs: dict[str, Path], cosmetic: tuple = ()) -> Fingerprint:
     """The fingerprint of a training stage: the model section, the stage's section without its
     cosmetic keys (`COSMETIC_KEYS` and the stage's own `cosmetic`), the seed, the ZeRO stage and the
-    number of ranks (they decide the data order and the checkpoint layout), and `inputs`."""
+    number of ranks (they decide the data order and the checkpoint layout), the optimizer's offload,
+    and `inputs`. (launch.offload_params is left out: the checkpoints of ZeRO-3 with and without it
+    are the same, and resume to the same weights.)"""
     section = {k: v for k, v in to_dict(getattr(cfg, stage)).items() if k not in COSMETIC_KEYS + cosmetic}
     model = {k: v for k, v in to_dict(cfg.model).items() if k not in EXECUTION_KEYS}
-    settings = {"model": model, stage: section, "run": {"seed": cfg.run.seed},
-                "launch": {"zero_stage": cfg.launch.zero_stage}, "world_size": planned_world_size()}
+    launch: dict = {"zero_stage": cfg.launch.zero_stage}
+    if cfg.launch.offload_optimizer != "none":
+        # another optimizer (DeepSpeedCPUAdam): DeepSpeed cannot load torch AdamW's state into it.
+        # Recorded only when on, so that checkpoints made before the setting existed still resume
+        launch["offload_optimizer"] = cfg.launch.offload_optimizer
+    settings = {"model": model, stage: section, "run": {"seed": cfg.run.seed}, "launch": launch,
+                "world_size": planned_world_size()}
     return Fingerprint.of(settings, inputs)
+
+
+@dataclass(frozen=True)
+class SavePolicy:
+    """Which checkpoint a training stage writes after a step. A full one (the weights, the fp32
+    master copy and Adam's moments: about 16 bytes a parameter) only where a resume point is due,
+    at multiples of `save_every`. After the last step, when it is none, the weights alone, which
+    `convert` reads and a rerun takes as the end of training; or nothing where the stage `exports`
+    its final weights anyway (SFT, preference): a run killed before its export resumes from the
+    last full checkpoint and trains the rest again."""
+
+    save_every: int
+    last_step: int
+    exports: bool
+
+    def kind(self, step: int) -> Optional[str]:
+        """FULL, WEIGHTS or None (no checkpoint) after `step` (1-based)."""
+        if step % self.save_every == 0:
+            return FULL
+        return WEIGHTS if step == self.last_step and not self.exports else None
+
+    def kinds(self, start: int) -> list[str]:
+        """What a run that continues from step `start` writes, in order."""
+        full = self.last_step // self.save_every - start // self.save_every
+        final = [WEIGHTS] if start < self.last_step and self.kind(self.last_step) == WEIGHTS else []
+        return [FULL] * full + final
 
 
 SUPERSEDED = "superseded"
@@ -123,20 +160,28 @@ class CheckpointManager:
 
     With `mirror` (run.artifact_root), rank 0 uploads each checkpoint once it is complete, and a
     run without local checkpoints resumes from the artifact root's latest one (a run continued
-    on another machine)."""
+    on another machine).
+
+    `policy` decides what `after_step` writes; a weights-only checkpoint (its last step) is resumed
+    only where there is nothing left to train and nothing after training reads the engine's
+    weights: never as the start of more training."""
 
     def __init__(self, directory: Path, keep_last: int, fingerprint: Fingerprint, stage: str, restart: str = "never",
-                 checkpoint_bytes: int = 0, mirror: Optional[ArtifactRoot] = None):
+                 checkpoint_bytes: int = 0, mirror: Optional[ArtifactRoot] = None, policy: Optional[SavePolicy] = None,
+                 weights_bytes: int = 0):
         self.dir = Path(directory)
         self.keep_last = keep_last
         self.fingerprint = fingerprint
         self.stage = stage
         self.restart = restart
-        # about the size of one checkpoint (training/preflight.checkpoint_bytes): tells a full disk
-        # from other write failures
+        # about the size of a full and of a weights-only checkpoint (training/preflight.py): the disk
+        # check's estimate, and what tells a full disk from other write failures
         self.checkpoint_bytes = checkpoint_bytes
+        self.weights_bytes = weights_bytes
         self.mirror = mirror
+        self.policy = policy
         self._tag: Optional[str] = None
+        self._meta: dict = {}  # the DARE metadata of the checkpoint to resume
         self._set_aside: Optional[str] = None  # why the existing checkpoints are set aside in begin()
 
     @property
@@ -163,8 +208,16 @@ class CheckpointManager:
             changes = self.fingerprint.changes(meta) or ["the settings' fingerprint"]
             shown = "; ".join(changes[:6]) + (f"; and {len(changes) - 6} more" if len(changes) > 6 else "")
             return f"the checkpoints were made with other settings or inputs ({shown})", True
-        self._tag = tag
+        if meta.get("weights_only") and not self._ends_here(meta["step"]):
+            return (f"the last checkpoint, {tag}, holds the weights of step {meta['step']} only (no optimizer state): "
+                    f"training cannot continue from it"), False
+        self._tag, self._meta = tag, meta
         return None
+
+    def _ends_here(self, step: int) -> bool:
+        """Whether a weights-only checkpoint of `step` ends this run: nothing left to train, and no
+        export after training that would read the engine's (then untrained) weights."""
+        return self.policy is not None and step == self.policy.last_step and not self.policy.exports
 
     def check(self) -> Optional[str]:
         """The tag of the last checkpoint, made under this fingerprint; None when the run starts
@@ -221,6 +274,10 @@ class CheckpointManager:
             return 0
         if self._tag is None:
             return 0
+        if self._meta.get("weights_only"):
+            log.info("resuming %s from %s (step %d, the last; weights only: nothing left to train)", what, self._tag,
+                     self._meta["step"])
+            return self._meta["step"]
         _, client_state = engine.load_checkpoint(str(self.dir), tag=self._tag)
         step = (client_state or {})["step"]
         log.info("resuming %s from %s (step %d)", what, self._tag, step)
@@ -235,20 +292,52 @@ class CheckpointManager:
         self.dir.mkdir(parents=True)
         log.warning("%s: starting fresh; the previous checkpoints are kept in %s (%s)", self.dir, self.superseded, why)
 
-    def save(self, engine, step: int, client_state: dict, hf_config: dict) -> str:
+    def planned_writes(self) -> tuple[list[int], list[int]]:
+        """After `check()`: the size of each checkpoint this run will write, in order (`policy`, from
+        the step it starts at), and of those already in the folder that stay beside them (a resumed
+        run's; a fresh start sets them aside, to the same disk)."""
+        if self.policy is None:
+            return [], []
+        sizes = {FULL: self.checkpoint_bytes, WEIGHTS: self.weights_bytes}
+        existing = [self.checkpoint_bytes] * len(self._tags()) if self._tag else []
+        return [sizes[kind] for kind in self.policy.kinds(self._meta.get("step", 0))], existing
+
+    def after_step(self, engine, step: int, hf_config: dict) -> None:
+        """Write the checkpoint `policy` asks for after `step`, if any; after the last step, when it
+        is not a resume point, one line says what is written instead."""
+        kind = self.policy.kind(step)
+        if step == self.policy.last_step and kind != FULL and engine.global_rank == 0:
+            instead = ("a checkpoint of the weights only (what `dare stage convert` reads; no optimizer state)" if kind == WEIGHTS
+                       else "no checkpoint: the exported model holds the final weights")
+            log.info("%s: the last step, %d, is not a multiple of %s.save_every (%d): %s", self.dir, step, self.stage,
+                     self.policy.save_every, instead)
+        if kind is not None:
+            self.save(engine, step, {"step": step}, hf_config, weights_only=kind == WEIGHTS)
+
+    def save(self, engine, step: int, client_state: dict, hf_config: dict, weights_only: bool = False) -> str:
+        """Write the checkpoint of `step`: DeepSpeed's whole training state, or (`weights_only`) the
+        module's weights alone, in the training dtype."""
         tag = f"step{step:08d}"
         tmp = self.dir / f".tmp-{tag}"
         if engine.global_rank == 0:
             # the leftover of a killed save; one rank removes it, and DeepSpeed's barrier at the start
-            # of save_checkpoint keeps every rank from writing before it is gone
+            # of save_checkpoint keeps every rank from writing before it is gone (a weights-only
+            # checkpoint is rank 0's alone)
             shutil.rmtree(tmp, ignore_errors=True)
         try:
-            engine.save_checkpoint(str(self.dir), tag=tmp.name, client_state=client_state, save_latest=False)
+            if weights_only:
+                # whole on rank 0 (under ZeRO-3 every rank takes part in gathering them)
+                with whole_weights(engine):
+                    if engine.global_rank == 0:
+                        tmp.mkdir(parents=True)
+                        torch.save({"module": engine.module.state_dict()}, tmp / WEIGHTS_FILE)
+            else:
+                engine.save_checkpoint(str(self.dir), tag=tmp.name, client_state=client_state, save_latest=False)
             if engine.global_rank == 0:
                 lora = getattr(engine.module, "lora", None)
                 atomic_write_json(tmp / META, {"fingerprint": self.fingerprint.digest, "settings": self.fingerprint.settings,
                                                "inputs": self.fingerprint.inputs, "step": step, "hf_config": hf_config,
-                                               "zero_stage": engine.zero_optimization_stage(),
+                                               "zero_stage": engine.zero_optimization_stage(), "weights_only": weights_only,
                                                "lora": dataclasses.asdict(lora) if lora is not None else None})
                 shutil.rmtree(self.dir / tag, ignore_errors=True)
                 os.replace(tmp, self.dir / tag)
@@ -260,9 +349,10 @@ class CheckpointManager:
             # one and the `latest` pointer are untouched
             shutil.rmtree(tmp, ignore_errors=True)
             free = shutil.disk_usage(self.dir).free if self.dir.is_dir() else 0
-            if isinstance(exc, (OSError, RuntimeError)) and free < self.checkpoint_bytes:
+            size = self.weights_bytes if weights_only else self.checkpoint_bytes
+            if isinstance(exc, (OSError, RuntimeError)) and free < size:
                 # torch.save reports a full disk as a RuntimeError
-                raise UserError(f"{self.dir}: the disk is full: writing checkpoint {tag} needs about {self.checkpoint_bytes} "
+                raise UserError(f"{self.dir}: the disk is full: writing checkpoint {tag} needs about {size} "
                                 f"bytes, {free} are free (the earlier checkpoints are intact)") from exc
             if isinstance(exc, OSError):
                 raise UserError(f"{self.dir}: writing checkpoint {tag} failed (the earlier checkpoints are intact): {exc}") from exc
@@ -271,8 +361,11 @@ class CheckpointManager:
             torch.distributed.barrier()
         return tag
 
+    def _tags(self) -> list[str]:
+        return sorted(p.name for p in self.dir.glob("step*") if p.is_dir())
+
     def _prune(self, keep: str) -> list[str]:
-        tags = sorted(p.name for p in self.dir.glob("step*") if p.is_dir())
+        tags = self._tags()
         pruned = [old for old in tags[: -self.keep_last] if old != keep]
         for old in pruned:
             shutil.rmtree(self.dir / old, ignore_errors=True)
@@ -315,7 +408,10 @@ def latest_checkpoint(ckpt_dir: Path) -> tuple[str, dict]:
 def weight_files(meta: dict) -> list[tuple[str, ...]]:
     """The DeepSpeed files that hold a checkpoint's weights (each as its possible names): the whole
     module (ZeRO 0-2), or under ZeRO-3 rank 0's module layout and every rank's shard of the fp32
-    weights (`bf16_`-prefixed in a bf16 run; the number of ranks is in the fingerprint's settings)."""
+    weights (`bf16_`-prefixed in a bf16 run; the number of ranks is in the fingerprint's settings);
+    or a weights-only checkpoint's one file."""
+    if meta.get("weights_only"):
+        return [(WEIGHTS_FILE,)]
     if meta.get("zero_stage", 0) < 3:
         return [("mp_rank_00_model_states.pt",)]
     ranks = int(meta.get("settings", {}).get("world_size", 1))
@@ -326,13 +422,16 @@ def weight_files(meta: dict) -> list[tuple[str, ...]]:
 
 def checkpoint_state_dict(ckpt_dir: Path, tag: Optional[str] = None) -> tuple[dict[str, torch.Tensor], dict]:
     """Module weights (our generic names, without the `net.` prefix) and the DARE metadata of a
-    DeepSpeed checkpoint; ZeRO-3 shards are gathered with DeepSpeed's own consolidation."""
+    DeepSpeed checkpoint (ZeRO-3 shards are gathered with DeepSpeed's own consolidation) or of a
+    weights-only one."""
     ckpt_dir = Path(ckpt_dir)
     if tag is None:
         tag, meta = latest_checkpoint(ckpt_dir)
     else:
         meta = read_json(ckpt_dir / tag / META)
-    if meta.get("zero_stage", 0) >= 3:
+    if meta.get("weights_only"):
+        state = torch.load(ckpt_dir / tag / WEIGHTS_FILE, map_location="cpu", weights_only=True)["module"]
+    elif meta.get("zero_stage", 0) >= 3:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         # the ranks' shards of the fp32 master weights, joined; then each in the dtype the module

@@ -2,6 +2,7 @@
 (gloo) or GPU (nccl), ZeRO stage, bf16 where the hardware has it, AdamW, grad clipping, LR schedule."""
 from __future__ import annotations
 
+import datetime
 import math
 import os
 
@@ -34,16 +35,84 @@ def dist_timeout_s() -> float:
 
 
 def init_distributed() -> None:
-    """The process group (nccl on GPUs, gloo on the CPU) with the `dist_timeout_s` timeout, once."""
+    """The process group (nccl on GPUs, gloo on the CPU) with the `dist_timeout_s` timeout, once.
+    Made here rather than by DeepSpeed so that on GPUs it is bound to this rank's GPU (DeepSpeed
+    then finds it made and uses it)."""
     if torch.distributed.is_initialized():
         return
     ensure_dist_env()
-    import datetime
-
     import deepspeed
 
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
-                               timeout=datetime.timedelta(seconds=dist_timeout_s()))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    timeout = datetime.timedelta(seconds=dist_timeout_s())
+    bound = {}
+    if backend == "nccl":
+        gpu = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        # the current device is where tensors made with device="cuda" go (all_reduce_sum's, the
+        # models' loaders'): otherwise GPU 0 for every rank of the node
+        torch.cuda.set_device(gpu)
+        if _bind_device(planned_world_size()):
+            bound["device_id"] = gpu
+    torch.distributed.init_process_group(backend, timeout=timeout, **bound)
+    _default_timeout_for_later_groups(timeout)
+    deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
+
+
+def _default_timeout_for_later_groups(timeout: datetime.timedelta) -> None:
+    """Groups made after the default one take torch's default timeout (NCCL 10 min, gloo 30 min),
+    not the default group's: DeepSpeed reduces the gradients over such a group (its copy of the
+    world group), so a hung rank would hold the others there that long, not launch.timeout_s.
+    `new_group` reads these module defaults when it is given no timeout."""
+    c10d = torch.distributed.distributed_c10d
+    c10d.default_pg_timeout = timeout
+    if getattr(c10d, "default_pg_nccl_timeout", None) is not None:  # (None: torch built without NCCL)
+        c10d.default_pg_nccl_timeout = timeout
+
+
+def _bind_device(world: int) -> bool:
+    """Whether to bind the NCCL group to this rank's GPU (`init_process_group(device_id=...)`): its
+    communicator is made at once, and barriers know their GPU instead of guessing it from the rank
+    (torch's "Guessing device ID" warning, a hang where ranks and GPUs do not map one to one). Not
+    on one rank (every later group would be split from a communicator that has no peer: DeepSpeed
+    #8248), nor on torch 2.6.x-2.7.0, where it can hang (pytorch#153960); DeepSpeed 0.19 follows
+    the same rules where it makes the group itself."""
+    from packaging.version import Version
+
+    return world > 1 and not Version("2.6.0") < Version(torch.__version__.split("+")[0]) < Version("2.7.1")
+
+
+def shutdown_distributed(clean: bool) -> None:
+    """Leave the process group before the process exits, so that torch's C++ side ends quietly:
+    without it, ranks that outlive rank 0 (the host of the rendezvous store) report the store gone
+    (`TCPStore recvValue failed`) and NCCL that `destroy_process_group() was not called`.
+    `clean` (the stage succeeded on this rank): wait for every rank first, so that none leaves
+    while the others still use the group (rank 0 hosts the store under the deepspeed launcher).
+    Otherwise the others may be gone or hung: abort (NCCL's orderly shutdown would wait for
+    their collectives); an error here must not hide the one that ended the stage."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if clean:
+        try:
+            if dist.get_world_size() > 1:  # (one rank's group is not bound to its GPU: torch would warn)
+                dist.barrier()
+        except BaseException:
+            _abandon_process_group()
+            raise
+        dist.destroy_process_group()
+    else:
+        _abandon_process_group()
+
+
+def _abandon_process_group() -> None:
+    dist = torch.distributed
+    try:
+        if dist.get_backend() == "nccl":
+            dist.distributed_c10d._abort_process_group()
+        else:  # gloo closes its connections at once
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 (already failing: leaving untidily is the lesser evil)
+        pass
 
 
 def lr_lambda(cfg: OptimConfig, total_steps: int):
@@ -60,8 +129,13 @@ def lr_lambda(cfg: OptimConfig, total_steps: int):
     return fn
 
 
-def build_engine(model: torch.nn.Module, optim: OptimConfig, total_steps: int, micro_batch_size: int, grad_accum: int = 1, zero_stage: int = 0):
-    """Wrap `model` in a DeepSpeed engine with a torch AdamW client optimizer (no fused-op JIT build)."""
+def build_engine(model: torch.nn.Module, optim: OptimConfig, total_steps: int, micro_batch_size: int, grad_accum: int = 1,
+                 zero_stage: int = 0, offload_optimizer: str = "none", offload_params: str = "none"):
+    """Wrap `model` in a DeepSpeed engine: AdamW with the LR schedule of `optim`, ZeRO `zero_stage`,
+    and what ZeRO offloads to host memory (`launch.offload_optimizer` / `offload_params`, checked by
+    LaunchConfig). AdamW is a torch client optimizer (no fused-op JIT build), except with the
+    optimizer offloaded: DeepSpeed steps offloaded state only with its own DeepSpeedCPUAdam (a C++
+    op built on first use), so the optimizer is then given in the DeepSpeed config, the same AdamW."""
     # every training stage gets here once its checks have passed: the thread count is worth a line now
     log_threads()
     ensure_dist_env()
@@ -69,19 +143,33 @@ def build_engine(model: torch.nn.Module, optim: OptimConfig, total_steps: int, m
 
     init_distributed()
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim, total_steps))
     dtype = next(model.parameters()).dtype
+    zero: dict = {"stage": zero_stage}
+    # pinned host memory: the copies to and from the GPU run asynchronously
+    if offload_optimizer != "none":
+        zero["offload_optimizer"] = {"device": offload_optimizer, "pin_memory": True}
+    if offload_params != "none":
+        zero["offload_param"] = {"device": offload_params, "pin_memory": True}
     ds_config = {
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": grad_accum,
         "gradient_clipping": optim.max_grad_norm,
-        "zero_optimization": {"stage": zero_stage},
+        "zero_optimization": zero,
         "bf16": {"enabled": dtype == torch.bfloat16},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+    adamw = {"lr": optim.lr, "betas": tuple(optim.betas), "eps": optim.eps, "weight_decay": optim.weight_decay}
+    schedule = lr_lambda(optim, total_steps)
+    if offload_optimizer == "none":
+        optimizer = torch.optim.AdamW(params, **adamw)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
+                                               lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, schedule))
+    else:
+        # DeepSpeed builds the optimizer from its config, then the schedule around it
+        ds_config["optimizer"] = {"type": "AdamW", "params": adamw}
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config,
+                                               lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
     return engine
 
 

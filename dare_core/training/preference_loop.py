@@ -32,11 +32,11 @@ from dare_core.models.hf_folder import inspect_model, load_model, save_model
 from dare_core.storage import atomic_write_json
 from dare_core.timing import PhaseTimer, phase_times_requested
 from dare_core.training import engine as eng
-from dare_core.training.checkpoint import CheckpointManager, stage_fingerprint
+from dare_core.training.checkpoint import CheckpointManager, SavePolicy, stage_fingerprint
 from dare_core.training.engine import whole_weights
 from dare_core.training.metrics import MetricsLogger, last_logged
 from dare_core.training.plots import STAGE_PLOTS
-from dare_core.training.preflight import check_outputs, checkpoint_bytes, model_bytes, stage_writes
+from dare_core.training.preflight import check_outputs, checkpoint_bytes, model_bytes, stage_writes, training_need
 from dare_core.training.setup import prepare_for_training, sampler_dict, stage_tokenizer, tokenizer_folder
 
 log = logging.getLogger(__name__)
@@ -88,8 +88,8 @@ class PreferencePlan:
 def check_preference(cfg: DareConfig, save_checkpoints: bool = True, export: bool = True) -> PreferencePlan:
     """Every check of the preference stage, before it writes anything or starts DeepSpeed: config,
     pairs, the SFT model (its config only), lengths, the objective's options, the checkpoints,
-    writable outputs and room on the disk (for the checkpoints and the exported model only where
-    they will be written)."""
+    writable outputs and room on the disk (for the checkpoints the save policy writes and the
+    exported model, where they will be written)."""
     pcfg = cfg.preference
     check_preference_config(cfg)
     out_dir = cfg.stage_dir("preference")
@@ -109,16 +109,17 @@ def check_preference(cfg: DareConfig, save_checkpoints: bool = True, export: boo
 
     fingerprint = stage_fingerprint(cfg, "preference", {"data file": data_path, "start model": start_folder})
     dtype = resolve_dtype(cfg.model.dtype)
-    ckpt_bytes = checkpoint_bytes(spec, dtype)
-    ckpt = CheckpointManager(out_dir / "checkpoints", pcfg.keep_last, fingerprint, "preference", cfg.restart, ckpt_bytes,
-                             mirror=artifact_root(cfg))
+    weights = model_bytes(spec, dtype)
+    ckpt = CheckpointManager(out_dir / "checkpoints", pcfg.keep_last, fingerprint, "preference", cfg.restart,
+                             checkpoint_bytes(spec, dtype), mirror=artifact_root(cfg),
+                             policy=SavePolicy(pcfg.save_every, pcfg.max_steps, exports=export), weights_bytes=weights)
     ckpt.check()
     writes = stage_writes(out_dir) + [Path(cfg.run.metrics_dir) / "preference.json"]
-    needs = [(out_dir / "checkpoints", ckpt_bytes)] if save_checkpoints else []
+    saves, existing = ckpt.planned_writes() if save_checkpoints else ([], [])
     if export:
         writes.append(out_dir / "model")
-        needs.append((out_dir / "model", model_bytes(spec, dtype)))
-    check_outputs(writes, needs, "a preference checkpoint and the exported model")
+    check_outputs(writes, [(out_dir, training_need(saves, existing, pcfg.keep_last, weights if export else 0))],
+                  "the preference checkpoints and the exported model")
     return PreferencePlan(rows, prompts, chosen, rejected, ckpt)
 
 
@@ -146,7 +147,8 @@ def run_preference(cfg: DareConfig, progress: bool = True, save_checkpoints: boo
     objective = build_preference(pcfg, policy)
 
     with timer.phase("engine"):
-        engine = eng.build_engine(policy, pcfg.optim, pcfg.max_steps, pcfg.micro_batch_size, pcfg.grad_accum, cfg.launch.zero_stage)
+        engine = eng.build_engine(policy, pcfg.optim, pcfg.max_steps, pcfg.micro_batch_size, pcfg.grad_accum, cfg.launch.zero_stage,
+                                  cfg.launch.offload_optimizer, cfg.launch.offload_params)
     world, rank = eng.world_size(), eng.rank()
     global_pairs = pcfg.micro_batch_size * pcfg.grad_accum * world
     start = ckpt.begin(engine, "preference")
@@ -192,8 +194,8 @@ def run_preference(cfg: DareConfig, progress: bool = True, save_checkpoints: boo
                                   "pairs_per_s": (step + 1 - start) * global_pairs / max(time.time() - t0, 1e-9),
                                   **timer.step_metrics()})
             bar.set_postfix(loss=f"{loss:.3f}", acc=f"{metrics['reward_accuracy']:.2f}")
-        if save_checkpoints and ((step + 1) % pcfg.save_every == 0 or step + 1 == pcfg.max_steps):
-            ckpt.save(engine, step + 1, {"step": step + 1}, engine.module.hf_config)
+        if save_checkpoints:
+            ckpt.after_step(engine, step + 1, engine.module.hf_config)
     bar.close()
 
     summary = {

@@ -1,8 +1,8 @@
 """What a training stage checks before it writes anything: that its output folders can be written
-and that the disk has room for a checkpoint (and the exported model), estimated from the parameter
-count of the model it will train. A stage runs these after its config and input checks and before
-DeepSpeed starts, so a full or read-only disk fails in a second with one line, not after an hour of
-training with a half-written checkpoint."""
+and that the disk has room for what it will write there (the checkpoints its save policy writes and
+the exported model), estimated from the parameter count of the model it will train. A stage runs
+these after its config and input checks and before DeepSpeed starts, so a full or read-only disk
+fails in a second with one line, not after an hour of training with a half-written checkpoint."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -25,7 +25,7 @@ def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
 
 
 def model_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
-    """The exported weights of `model` in `dtype`."""
+    """The exported weights of `model` in `dtype`; also about the size of a weights-only checkpoint."""
     return parameter_counts(model)[0] * dtype.itemsize
 
 
@@ -35,6 +35,26 @@ def checkpoint_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
     total, trainable = parameter_counts(model)
     per_trainable = ADAM_BYTES + (MASTER_BYTES if dtype.itemsize < 4 else 0)
     return total * dtype.itemsize + trainable * per_trainable
+
+
+def checkpoints_need(saves: list[int], existing: list[int], keep_last: int) -> tuple[int, int]:
+    """Bytes a run's checkpoints add to the disk: (at the peak, at the end). `saves`: the size of
+    each checkpoint it writes, in order; `existing`: those already in the folder, oldest first.
+    CheckpointManager.save writes each whole beside the kept ones and only then deletes all but the
+    last `keep_last`, so keep_last + 1 coexist while one is written."""
+    before = sum(existing)
+    on_disk, peak = list(existing), 0
+    for size in saves:
+        peak = max(peak, sum(on_disk) + size - before)
+        on_disk = (on_disk + [size])[-keep_last:]
+    return peak, sum(on_disk) - before
+
+
+def training_need(saves: list[int], existing: list[int], keep_last: int, export_bytes: int) -> int:
+    """What a training stage adds to the disk of its folder at the peak: its checkpoints
+    (`checkpoints_need`), then, beside those it keeps, the exported model (`export_bytes`; 0: none)."""
+    peak, kept = checkpoints_need(saves, existing, keep_last)
+    return max(peak, kept + export_bytes)
 
 
 def stage_writes(out_dir: Path) -> list[Path]:

@@ -28,10 +28,10 @@ from dare_core.sampling.engines import build_engine
 from dare_core.storage import atomic_write_json
 from dare_core.timing import PhaseTimer, phase_times_requested
 from dare_core.training import engine as eng
-from dare_core.training.checkpoint import CheckpointManager, stage_fingerprint
+from dare_core.training.checkpoint import CheckpointManager, SavePolicy, stage_fingerprint
 from dare_core.training.metrics import MetricsLogger
 from dare_core.training.plots import STAGE_PLOTS
-from dare_core.training.preflight import check_outputs, checkpoint_bytes, stage_writes
+from dare_core.training.preflight import check_outputs, checkpoint_bytes, model_bytes, stage_writes, training_need
 from dare_core.training.rl_ranks import rank_prompts, reduce_step_metrics
 from dare_core.training.rl_validation import RLValidator
 from dare_core.training.setup import prepare_for_training, stage_tokenizer
@@ -157,8 +157,8 @@ def check_rl(cfg: DareConfig, save_checkpoints: bool = True) -> RLPlan:
     """Every check of the RL stage, before it writes anything or starts DeepSpeed: the config, the
     SFT model (its config only) and the sampler's fit to its family, the algorithm's options and
     batch shapes, the prompts and their ground truths (train and val), the checkpoints (made with
-    these settings, unless --restart), writable outputs and room on the disk (for a checkpoint only
-    if checkpoints will be saved)."""
+    these settings, unless --restart), writable outputs and room on the disk (for the checkpoints
+    the save policy writes, if checkpoints will be saved)."""
     rl = cfg.rl
     out_dir = cfg.stage_dir("rl")
     start_folder = rl_start_folder(cfg)
@@ -182,12 +182,15 @@ def check_rl(cfg: DareConfig, save_checkpoints: bool = True) -> RLPlan:
     _check_prompt_lengths(data_path, rows, tokenizer, rl.sampler.gen_length, spec.max_sequence_length)
 
     fingerprint = stage_fingerprint(cfg, "rl", {"data file": data_path, "start model": start_folder}, VALIDATION_KEYS)
-    ckpt_bytes = checkpoint_bytes(spec, resolve_dtype(cfg.model.dtype))
-    ckpt = CheckpointManager(out_dir / "checkpoints", rl.keep_last, fingerprint, "rl", cfg.restart, ckpt_bytes,
-                             mirror=artifact_root(cfg))
+    dtype = resolve_dtype(cfg.model.dtype)
+    # no export: `convert` reads the last checkpoint, of the weights only where no resume point is due
+    ckpt = CheckpointManager(out_dir / "checkpoints", rl.keep_last, fingerprint, "rl", cfg.restart, checkpoint_bytes(spec, dtype),
+                             mirror=artifact_root(cfg), policy=SavePolicy(rl.save_every, rl.num_steps, exports=False),
+                             weights_bytes=model_bytes(spec, dtype))
     ckpt.check()
+    saves, existing = ckpt.planned_writes() if save_checkpoints else ([], [])
     check_outputs(stage_writes(out_dir) + [Path(cfg.run.metrics_dir) / "rl.json"],
-                  [(out_dir / "checkpoints", ckpt_bytes)] if save_checkpoints else [], "an RL checkpoint")
+                  [(out_dir, training_need(saves, existing, rl.keep_last, 0))], "the RL checkpoints")
     return RLPlan(rows, validator, tokenizer, ckpt)
 
 
@@ -233,12 +236,13 @@ def _run_rl(cfg: DareConfig, progress: bool, save_checkpoints: bool, timer: Phas
     micro = min(rl.micro_batch_size, local_mini)
     updates = rl.num_steps * rl.num_iterations * rl.mini_batches
     with timer.phase("engine"):
-        engine = eng.build_engine(policy, rl.optim, updates, micro, -(-local_mini // micro), cfg.launch.zero_stage)
+        engine = eng.build_engine(policy, rl.optim, updates, micro, -(-local_mini // micro), cfg.launch.zero_stage,
+                                  cfg.launch.offload_optimizer, cfg.launch.offload_params)
     world, rank = eng.world_size(), eng.rank()
     sampler = build_engine(rl.sampler.engine, engine.module, **rl.sampler.engine_args)
     start = ckpt.begin(engine, "RL")
     zero3 = engine.zero_optimization_stage() >= 3
-    if ref is not None and rl.ref_sync_steps and start >= rl.ref_sync_steps:
+    if ref is not None and rl.ref_sync_steps and rl.ref_sync_steps <= start < rl.num_steps:
         # the reference of a resumed run is the policy of its last sync: exact when the checkpoint is
         # a sync step (the checkpoints do not keep the reference)
         sync_reference(ref, engine.module, zero3)
@@ -321,8 +325,8 @@ def _run_rl(cfg: DareConfig, progress: bool, save_checkpoints: bool, timer: Phas
             # phase times: the slowest rank's
             logger.log(step + 1, {**metrics, **reduce_step_metrics({"prompts": len(mine), "metrics": timer.step_metrics()})})
         bar.set_postfix(reward=f"{metrics['reward']:.3f}", acc=f"{metrics['accuracy']:.2f}", **val_postfix)
-        if save_checkpoints and ((step + 1) % rl.save_every == 0 or step + 1 == rl.num_steps):
-            ckpt.save(engine, step + 1, {"step": step + 1}, engine.module.hf_config)
+        if save_checkpoints:
+            ckpt.after_step(engine, step + 1, engine.module.hf_config)
     bar.close()
     logger.close()
     summary = {"steps": rl.num_steps, "algorithm": rl.algorithm, "wall_s": round(time.time() - t_start, 1)}

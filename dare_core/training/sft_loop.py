@@ -24,11 +24,11 @@ from dare_core.models.hf_folder import save_model
 from dare_core.storage import atomic_write_json
 from dare_core.timing import PhaseTimer, phase_times_requested
 from dare_core.training import engine as eng
-from dare_core.training.checkpoint import CheckpointManager, stage_fingerprint
+from dare_core.training.checkpoint import CheckpointManager, SavePolicy, stage_fingerprint
 from dare_core.training.engine import whole_weights
 from dare_core.training.metrics import MetricsLogger, last_logged
 from dare_core.training.plots import sft_plots
-from dare_core.training.preflight import check_outputs, checkpoint_bytes, model_bytes, stage_writes
+from dare_core.training.preflight import check_outputs, checkpoint_bytes, model_bytes, stage_writes, training_need
 from dare_core.training.setup import initial_model, initial_spec, sampler_dict, stage_tokenizer, tokenizer_folder
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ def check_sft(cfg: DareConfig, save_checkpoints: bool = True, export: bool = Tru
     """Every check of the SFT stage, before it writes anything or starts DeepSpeed: the data, the
     tokenizer, the model (its config only), prompt lengths, the loss options, the checkpoints
     (made with these settings, unless --restart), writable outputs and room on the disk (for the
-    checkpoints and the exported model only where they will be written)."""
+    checkpoints the save policy writes and the exported model, where they will be written)."""
     scfg = cfg.sft
     out_dir = cfg.stage_dir("sft")
     data_path = Path(cfg.data.prepared_dir) / "sft.parquet"
@@ -72,20 +72,20 @@ def check_sft(cfg: DareConfig, save_checkpoints: bool = True, export: bool = Tru
     algo = algo_cls(build_options(algo_cls, {"loss_norm": scfg.loss_norm, "mask_law": scfg.mask_law}, "sft"), spec.mask_token_id)
 
     dtype = resolve_dtype(cfg.model.dtype)
-    ckpt_bytes = checkpoint_bytes(spec, dtype)
+    weights = model_bytes(spec, dtype)
     ckpt = CheckpointManager(out_dir / "checkpoints", scfg.keep_last, stage_fingerprint(cfg, "sft", {"data file": data_path}),
-                             "sft", cfg.restart, ckpt_bytes,
-                             mirror=artifact_root(cfg))
+                             "sft", cfg.restart, checkpoint_bytes(spec, dtype), mirror=artifact_root(cfg),
+                             policy=SavePolicy(scfg.save_every, scfg.max_steps, exports=export), weights_bytes=weights)
     ckpt.check()
     writes = stage_writes(out_dir) + [Path(cfg.run.metrics_dir) / "sft.json"]
-    needs = [(out_dir / "checkpoints", ckpt_bytes)] if save_checkpoints else []
+    saves, existing = ckpt.planned_writes() if save_checkpoints else ([], [])
+    needs = [(out_dir, training_need(saves, existing, scfg.keep_last, weights if export else 0))]
     if export:
         writes.append(out_dir / "model")
-        needs.append((out_dir / "model", model_bytes(spec, dtype)))
     if not cfg.model.path:
         writes.append(cfg.base_model_dir)
-        needs.append((cfg.base_model_dir, model_bytes(spec, dtype)))
-    check_outputs(writes, needs, "an SFT checkpoint and the exported model")
+        needs.append((cfg.base_model_dir, weights))
+    check_outputs(writes, needs, "the SFT checkpoints and the exported model")
     return SFTPlan(rows, tokenizer, prompts, responses, algo, ckpt)
 
 
@@ -108,7 +108,8 @@ def run_sft(cfg: DareConfig, progress: bool = True, save_checkpoints: bool = Tru
     if eng.planned_rank() == 0 and not cfg.model.path:
         save_model(model, cfg.base_model_dir, extra_files={"tokenizer": tokenizer_folder(cfg)})
     with timer.phase("engine"):
-        engine = eng.build_engine(model, scfg.optim, scfg.max_steps, scfg.micro_batch_size, scfg.grad_accum, cfg.launch.zero_stage)
+        engine = eng.build_engine(model, scfg.optim, scfg.max_steps, scfg.micro_batch_size, scfg.grad_accum, cfg.launch.zero_stage,
+                                  cfg.launch.offload_optimizer, cfg.launch.offload_params)
     world, rank = eng.world_size(), eng.rank()
     global_batch = scfg.micro_batch_size * scfg.grad_accum * world
     start = ckpt.begin(engine, "SFT")
@@ -141,8 +142,8 @@ def run_sft(cfg: DareConfig, progress: bool = True, save_checkpoints: bool = Tru
             logger.log(step + 1, {"loss": loss, "lr": lr, "samples_per_s": (step + 1 - start) * global_batch / (time.time() - t0),
                                   **timer.step_metrics()})
             bar.set_postfix(loss=f"{loss:.3f}")
-        if save_checkpoints and ((step + 1) % scfg.save_every == 0 or step + 1 == scfg.max_steps):
-            ckpt.save(engine, step + 1, {"step": step + 1}, model.hf_config)
+        if save_checkpoints:
+            ckpt.after_step(engine, step + 1, model.hf_config)
     bar.close()
 
     if loss is None:  # resumed at the last step: nothing trained, the logged loss stands

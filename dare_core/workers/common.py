@@ -15,12 +15,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from typing import Callable, Optional
 
 from dare_core.config import ConfigError, DareConfig, load_config
 from dare_core.training.threads import configure_threads, log_threads
+from dare_core.workers.rank_output import NativeNoiseFilter, lost_contact, native_error_message, parse_collective
 
 # failures a user can act on from the message alone: ValueError covers ConfigError, UserError,
 # UnicodeDecodeError and JSONDecodeError (wrapped where the file is read, so the message names it);
@@ -91,14 +93,33 @@ PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Timed out
 
 
 def collective_failure(exc: BaseException) -> Optional[str]:
-    """The message of a rank whose wait on the others failed; None for other errors."""
-    dist = sys.modules.get("torch.distributed")
+    """The message of a rank whose wait on the others failed, naming the collective where the
+    error or its traceback does; None for other errors."""
     text = error_message(exc)
-    dist_error = dist is not None and isinstance(exc, getattr(dist, "DistError", ()))
-    if not (dist_error or any(m in text for m in PEER_LOST)):
+    peer_lost = any(m in text for m in PEER_LOST) or isinstance(exc, _dist_errors("DistNetworkError", "DistStoreError"))
+    if not (peer_lost or isinstance(exc, _dist_errors("DistError"))):
         return None
-    return (f"lost contact with the other ranks: another rank died (its own error line, or the launcher's report, names "
-            f"it) or hangs (waited launch.timeout_s); {type(exc).__name__}: {text}")
+    collective = parse_collective(text, _failed_collective(exc))
+    if peer_lost or collective.timeout_s is not None:
+        return f"{lost_contact(collective)}; {type(exc).__name__}: {text}"
+    # (NCCL refusing a setting, say two ranks on one GPU: not the others' doing)
+    where = f" in {collective.name}" if collective.name else ""
+    return f"the process group failed{where}: {type(exc).__name__}: {text}"
+
+
+def _dist_errors(*names: str) -> tuple:
+    """torch.distributed's exception classes `names` (none where it was not imported: no collective
+    can have failed)."""
+    dist = sys.modules.get("torch.distributed")
+    return tuple(getattr(dist, n) for n in names if hasattr(dist, n))
+
+
+def _failed_collective(exc: BaseException) -> Optional[str]:
+    """The torch.distributed function (all_reduce, barrier, ...) that raised `exc`: the innermost
+    frame of its traceback in torch's distributed_c10d.py (DeepSpeed's and our wrappers call it)."""
+    names = [f.name for f in traceback.extract_tb(exc.__traceback__)
+             if os.path.basename(f.filename) == "distributed_c10d.py" and not f.name.startswith("_")]
+    return names[-1] if names else None
 
 
 def debug_requested(argv: Optional[list[str]]) -> bool:
@@ -132,13 +153,21 @@ def run_worker(fn: Callable[[DareConfig], object], argv: Optional[list[str]], de
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
     def work() -> int:
+        # (here, not at the top: run_rank, every rank's supervisor, need not import torch)
+        from dare_core.training.engine import shutdown_distributed
+
         cfg = parse(argv, description)
         # before any tensor work: torch's default (a thread per logical CPU in every rank)
         # oversubscribes shared or multi-rank machines
         configure_threads(cfg.launch.threads)
         # waiting on the other ranks is bounded: read by training/engine.py's init_distributed
         os.environ["DARE_DIST_TIMEOUT_S"] = str(cfg.launch.timeout_s)
-        fn(cfg)
+        try:
+            fn(cfg)
+        except BaseException:
+            shutdown_distributed(clean=False)
+            raise
+        shutdown_distributed(clean=True)
         log_threads()  # stages that log it once their checks pass already did; others log it here
         return 0
 
@@ -170,13 +199,24 @@ def _worker_dies_with_guard() -> None:  # runs in the worker between fork and ex
     _on_parent_death(signal.SIGKILL)
 
 
+def _first_native_error(noise: Optional[NativeNoiseFilter]) -> str:
+    """`: <the first C++ error message held back>`, for the line of a worker that a signal killed."""
+    for line in noise.held if noise else []:
+        message = native_error_message(line)
+        if message:
+            return f": {message[:300]} (--debug shows all the native messages)"
+    return ""
+
+
 def run_rank(argv: list[str]) -> int:
     """`python -m dare_core.workers.common MODULE ARGS`: what `dare stage` has the launcher start on
     every rank. It runs the stage worker `python -m MODULE ARGS` as its child and exits as it did.
     A worker that ends with an error prints its own `error: rank N: ...` line; one killed by a
     signal (the out-of-memory killer, a crash) cannot, so this says which rank died and how, before
-    the launcher stops the other ranks. Signals sent to this process (the launcher stopping the
-    job) are passed on to the worker."""
+    the launcher stops the other ranks. NCCL's watchdog kills a worker whose collective timed out
+    (SIGABRT) after a page of C++ diagnostics: the worker's stderr passes through a filter that
+    holds those back (rank_output.py; all shown under --debug), and the line names the collective.
+    Signals sent to this process (the launcher stopping the job) are passed on to the worker."""
     local_rank_args = [a for a in argv if a.startswith("--local_rank")]  # the deepspeed launcher's, before MODULE
     rest = [a for a in argv if not a.startswith("--local_rank")]
     if not rest:
@@ -190,7 +230,13 @@ def run_rank(argv: list[str]) -> int:
     # the interpreter options this process was started with (the deepspeed launcher's -u)
     options = sys.orig_argv[1:sys.orig_argv.index("-m")] if "-m" in sys.orig_argv else []
     cmd = [sys.executable, *options, "-m", module, *local_rank_args, *args]
-    worker = subprocess.Popen(cmd, preexec_fn=_worker_dies_with_guard)
+    # the C++ runtime's diagnostics are held back (rank_output.py), unless --debug asks for them
+    noise = None if "--debug" in args else NativeNoiseFilter(sys.stderr)
+    worker = subprocess.Popen(cmd, preexec_fn=_worker_dies_with_guard, stderr=subprocess.PIPE if noise else None)
+    reader = None
+    if noise:
+        reader = threading.Thread(target=noise.pump, args=(worker.stderr.fileno(),), daemon=True)
+        reader.start()
     stopped: list[int] = []
 
     def forward(signum, _frame) -> None:
@@ -202,6 +248,9 @@ def run_rank(argv: list[str]) -> int:
     for signum in STOP_SIGNALS:
         signal.signal(signum, forward)
     code = worker.wait()
+    if reader:
+        # (a process the worker started may hold its stderr open: this rank need not wait for it)
+        reader.join(timeout=5)
     if code >= 0:
         return code
     died = signal.Signals(-code)
@@ -211,8 +260,14 @@ def run_rank(argv: list[str]) -> int:
         time.sleep(0.5)
     if not stopped:  # not the launcher's teardown, nor Ctrl-C: this rank is the one that failed
         who = rank_label() or f"rank {os.environ.get('RANK', '0')}: "
-        print(f"error: {who}the worker (pid {worker.pid}) was killed by {died.name}{DEATH_HINTS.get(died, '')}",
-              file=sys.stderr, flush=True)
+        if noise and noise.mid_line:  # (the line of a progress bar the worker left unfinished)
+            print(file=sys.stderr)
+        timed_out = noise.collective_timeout() if noise else None
+        if timed_out:  # NCCL's watchdog aborts the process (SIGABRT) when a collective times out
+            print(f"error: {who}{lost_contact(timed_out)}", file=sys.stderr, flush=True)
+        else:
+            print(f"error: {who}the worker (pid {worker.pid}) was killed by {died.name}{DEATH_HINTS.get(died, '')}"
+                  f"{_first_native_error(noise)}", file=sys.stderr, flush=True)
     # end the same way, so that the launcher reports this rank's signal
     if died not in (signal.SIGKILL, signal.SIGSTOP):  # (their handling cannot be changed)
         signal.signal(died, signal.SIG_DFL)

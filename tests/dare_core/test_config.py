@@ -35,6 +35,19 @@ def test_overrides_and_yaml_float_spelling(tmp_path):
         load_config(tmp_path / "nope.yaml")
 
 
+def test_zero_offload_needs_the_zero_stage_that_partitions_it(tmp_path):
+    p = _write(tmp_path, "{}\n")
+    cfg = load_config(p, ["launch.zero_stage=3", "launch.offload_optimizer=cpu", "launch.offload_params=cpu"])
+    assert (cfg.launch.offload_optimizer, cfg.launch.offload_params) == ("cpu", "cpu")
+    assert load_config(p, ["launch.zero_stage=1", "launch.offload_optimizer=cpu"]).launch.offload_params == "none"
+    with pytest.raises(ConfigError, match=r"key 'launch\.offload_optimizer' needs launch\.zero_stage 1, 2 or 3 .*got zero_stage 0"):
+        load_config(p, ["launch.offload_optimizer=cpu"])
+    with pytest.raises(ConfigError, match=r"key 'launch\.offload_params' needs launch\.zero_stage 3 .*got zero_stage 2"):
+        load_config(p, ["launch.zero_stage=2", "launch.offload_params=cpu"])
+    with pytest.raises(ConfigError, match=r"key 'launch\.offload_optimizer' must be one of \['none', 'cpu'\], got 'nvme'"):
+        load_config(p, ["launch.zero_stage=3", "launch.offload_optimizer=nvme"])
+
+
 def test_values_out_of_range_name_their_full_key(tmp_path):
     p = _write(tmp_path, "sft:\n  save_every: 0\n")
     with pytest.raises(ConfigError, match=r"key 'sft\.save_every' must be >= 1, got 0"):

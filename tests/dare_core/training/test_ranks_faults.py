@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -24,9 +25,11 @@ from safetensors.torch import load_file
 from dare_core.cli import launch_command
 from dare_core.config import ConfigError, LaunchConfig, load_config
 from dare_core.data.prepare import prepare
-from pipeline_helpers import dare, tiny_params, worker_env, write_params
+from pipeline_helpers import assert_no_native_noise, dare, tiny_params, worker_env, write_params
 
 RUN_S = 240  # any one stage run here takes seconds; past this it hangs
+# the runs here find the launchers without the venv on PATH (`.venv/bin/dare` not activated)
+ENV = worker_env(venv_on_path=False)
 
 
 def _free_port() -> int:
@@ -49,9 +52,10 @@ def _two_ranks(launcher: str, zero: int = 0) -> dict:
 
 
 def _stage(name: str, params: Path, *extra: str) -> subprocess.CompletedProcess:
-    r = subprocess.run(dare("stage", name, "--params", str(params), *extra), env=worker_env(), capture_output=True,
+    r = subprocess.run(dare("stage", name, "--params", str(params), *extra), env=ENV, capture_output=True,
                        text=True, timeout=RUN_S)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert_no_native_noise(r.stderr)
     return r
 
 
@@ -107,7 +111,7 @@ def _faulty_run(tmp_path: Path, launcher: str, fault: signal.Signals, **over):
     worker gets `fault`. Returns (exit code, stderr, seconds from the fault to the end, workers)."""
     params = _project(tmp_path, sft__max_steps=100_000, sft__save_every=100_000, sft__log_every=2, **_two_ranks(launcher), **over)
     metrics = tmp_path / "runs" / "t" / "sft" / "metrics.jsonl"
-    proc = subprocess.Popen(dare("stage", "sft", "--params", str(params)), env=worker_env(), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(dare("stage", "sft", "--params", str(params)), env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     seen: list[psutil.Process] = []
     try:
@@ -146,6 +150,8 @@ def test_a_hung_rank_ends_the_job_after_the_timeout(tmp_path):
     assert code != 0
     assert 10 <= elapsed < 60, elapsed
     assert "error: rank 0: lost contact with the other ranks" in err and "Timed out" in err, err[-3000:]
+    # the line names the collective that waited (the innermost torch.distributed call)
+    assert re.search(r"lost contact with the other ranks: \w+ timed out after 10 s \(launch.timeout_s\)", err), err[-3000:]
     assert not left, f"workers still running: {left}"
 
 
@@ -156,7 +162,7 @@ def test_killed_two_rank_sft_resumes_to_identical_weights(tmp_path):
     _stage("sft", pa)
 
     ckpts = b / "runs" / "t" / "sft" / "checkpoints"
-    proc = subprocess.Popen(dare("stage", "sft", "--params", str(pb)), env=worker_env(), stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(dare("stage", "sft", "--params", str(pb)), env=ENV, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     seen: list[psutil.Process] = []
     try:
@@ -257,22 +263,48 @@ def test_launch_commands_for_one_node():
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
         "-m", "dare_core.workers.common", "dare_core.workers.sft", "--params", "p.yaml"]
     ds = _cmd(launcher="deepspeed", nproc=2)
-    # no hostfile: this machine only, even where DeepSpeed's default /job/hostfile exists
-    assert ds[1:] == [f"--hostfile={os.devnull}", "--num_gpus=2", "--module", "dare_core.workers.common",
-                      "dare_core.workers.sft", "--params", "p.yaml"]
-    assert _cmd(launcher="deepspeed", nproc=2, master_port=29600)[2] == "--master_port=29600"
+    # DeepSpeed's runner run by this interpreter, not a `deepspeed` looked up on PATH; no hostfile:
+    # this machine only, even where DeepSpeed's default /job/hostfile exists
+    assert ds == [sys.executable, "-m", "deepspeed.launcher.runner", f"--hostfile={os.devnull}", "--num_gpus=2",
+                  "--module", "dare_core.workers.common", "dare_core.workers.sft", "--params", "p.yaml"]
+    assert _cmd(launcher="deepspeed", nproc=2, master_port=29600)[4] == "--master_port=29600"
     with pytest.raises(ConfigError, match="runs one process"):
         _cmd(nproc=2)
 
 
 def test_launch_commands_for_several_nodes():
     ds = _cmd(launcher="deepspeed", nproc=8, hostfile="/shared/hostfile", master_addr="10.0.0.1", master_port=29600)
-    assert ds[1:] == ["--hostfile=/shared/hostfile", "--master_addr=10.0.0.1", "--master_port=29600", "--num_gpus=8",
+    assert ds[3:] == ["--hostfile=/shared/hostfile", "--master_addr=10.0.0.1", "--master_port=29600", "--num_gpus=8",
                       "--module", "dare_core.workers.common", "dare_core.workers.sft", "--params", "p.yaml"]
     tr = _cmd(launcher="torchrun", nproc=8, nnodes=2, node_rank=1, master_addr="10.0.0.1")
     assert tr[3:] == ["--nnodes=2", "--node_rank=1", "--master_addr=10.0.0.1", "--master_port=29500",
                       "--nproc_per_node=8", "-m", "dare_core.workers.common", "dare_core.workers.sft", "--params", "p.yaml"]
     assert "--standalone" not in tr
+
+
+def test_the_ranks_environment():
+    from dare_core.cli import launch_env
+
+    env = launch_env(LaunchConfig(launcher="torchrun", nproc=2, threads=1), {"PATH": "/usr/bin"})
+    # this interpreter's tools (ninja) found as in an activated venv
+    assert env["PATH"] == f"{os.path.dirname(sys.executable)}{os.pathsep}/usr/bin"
+    # a hung rank ends the job soon after launch.timeout_s, not after NCCL's wait for its debug dump
+    assert env["TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"] == "2500"
+    mine = {"TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "60000"}
+    assert launch_env(LaunchConfig(), mine)["TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"] == "60000"
+
+
+def test_launch_commands_for_nodes_started_one_by_one(tmp_path):
+    """The deepspeed launcher without ssh: each node's `dare stage` starts its own ranks, its
+    node_rank checked against the hostfile's nodes."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("# the first node is the head\nnode-a slots=8\n\nnode-b slots=8\n")
+    ds = _cmd(launcher="deepspeed", nproc=8, hostfile=str(hostfile), master_addr="10.0.0.1", no_ssh=True, node_rank=1)
+    assert ds[3:7] == [f"--hostfile={hostfile}", "--no_ssh", "--node_rank=1", "--master_addr=10.0.0.1"]
+    with pytest.raises(ConfigError, match="one of the 2 nodes of launch.hostfile"):
+        _cmd(launcher="deepspeed", hostfile=str(hostfile), master_addr="10.0.0.1", no_ssh=True, node_rank=2)
+    with pytest.raises(ConfigError, match="No such file"):
+        _cmd(launcher="deepspeed", hostfile=str(tmp_path / "nope"), master_addr="10.0.0.1", no_ssh=True)
 
 
 @pytest.mark.parametrize("settings, key", [
@@ -281,6 +313,10 @@ def test_launch_commands_for_several_nodes():
     (["launch.launcher=torchrun", "launch.hostfile=h"], "launch.hostfile"),
     (["launch.launcher=torchrun", "launch.nnodes=2", "launch.node_rank=2", "launch.master_addr=h"], "launch.node_rank"),
     (["launch.master_port=29600"], "launch.master_port"),
+    (["launch.launcher=torchrun", "launch.no_ssh=true"], "launch.no_ssh"),
+    (["launch.launcher=deepspeed", "launch.no_ssh=true", "launch.master_addr=h"], "launch.hostfile"),
+    (["launch.launcher=deepspeed", "launch.no_ssh=true", "launch.hostfile=h"], "launch.master_addr"),
+    (["launch.launcher=deepspeed", "launch.node_rank=1"], "launch.node_rank"),
     (["launch.timeout_s=0"], "launch.timeout_s"),
 ])
 def test_bad_launch_settings_are_named(tmp_path, settings, key):
@@ -317,3 +353,25 @@ def test_error_lines_name_the_rank(monkeypatch, capsys):
     assert run_reporting_errors(bug) == 1  # a bug keeps its traceback, then the line naming the rank
     err = capsys.readouterr().err
     assert "Traceback" in err and err.splitlines()[-1] == "error: rank 1: KeyError: 'x'"
+
+    def refused():  # NCCL refusing a setting: one line, without blaming the other ranks
+        raise torch.distributed.DistBackendError("NCCL error: invalid usage. Last error: Duplicate GPU detected")
+
+    assert run_reporting_errors(refused) == 1
+    assert capsys.readouterr().err == ("error: rank 1: the process group failed: DistBackendError: NCCL error: invalid "
+                                       "usage. Last error: Duplicate GPU detected\n")
+
+
+def test_every_group_waits_launch_timeout_s(tmp_path):
+    """Groups made after the default one (DeepSpeed reduces gradients over its copy of the world
+    group) would wait torch's default (gloo 30 min, NCCL 10 min) for a hung rank."""
+    probe = ("import torch\n"
+             "from deepspeed.utils import groups\n"
+             "from dare_core.training.engine import init_distributed, shutdown_distributed\n"
+             "init_distributed()\n"
+             "print(groups._clone_world_group()._get_backend(torch.device('cpu')).options._timeout.total_seconds())\n"
+             "shutdown_distributed(clean=True)\n")
+    env = {**worker_env(), "DARE_DIST_TIMEOUT_S": "7", "MASTER_PORT": str(_free_port())}
+    r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=RUN_S)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.splitlines()[-1] == "7.0"

@@ -6,7 +6,8 @@ exported model of SFT and preference).
 
 Each (stage, ZeRO stage) pair runs once, its launcher alternating (`LAUNCHER`), so that every stage
 and every ZeRO stage runs under both launchers: 16 two-rank runs against 4 one-rank references,
-3 steps each (4 minutes on 2 cores, 7-8 when other work shares them). The 1-rank reference walks
+3 steps each (4 minutes on 2 cores, 7-8 when other work shares them). Two more SFT runs rehearse two
+nodes on this machine, a `dare stage` per node (10-15 s each). The 1-rank reference walks
 one after the other (grad_accum 2, or two RL micro-batches) the micro-batches that the 2 ranks walk
 side by side.
 
@@ -33,7 +34,7 @@ from dare_core.config import load_config
 from dare_core.data.prepare import prepare
 from dare_core.models.hf_folder import load_model
 from dare_core.training.checkpoint import checkpoint_state_dict
-from pipeline_helpers import dare, tiny_params, worker_env, write_params
+from pipeline_helpers import assert_no_native_noise, dare, tiny_params, worker_env, write_params
 
 STEPS = 3
 # one-digit sums: 90 of the 100 for SFT, the RL prompts among them
@@ -89,23 +90,38 @@ WEIGHT_ATOL = 1e-5
 TIMEOUT_S = 300  # a run that hangs (a rank waiting forever in a collective) fails the test
 
 
-def _run(params: Path, stage: str) -> None:
+def _run(params: Path, stage: str, nodes: int = 1) -> None:
+    """`dare stage` as a user starts it: once, or on each of `nodes` nodes (launch.nnodes, or the
+    hostfile's with launch.no_ssh), here all on this machine, each with its node_rank and, on a GPU
+    host, a GPU of its own."""
     name = "rl" if stage in ("d1", "bgpo") else stage
+    logs = [params.parent / f"{name}-node{n}.err" for n in range(nodes)]
     # a session of its own, so that a hung run can be ended: SIGTERM has the launcher (in the session;
     # torchrun starts each rank in a session of its own) stop its ranks, SIGKILL follows
-    proc = subprocess.Popen(dare("stage", name, "--params", str(params)), env=worker_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        _, err = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
+    procs = []
+    for n, log in enumerate(logs):
+        with open(log, "w") as err:
+            procs.append(subprocess.Popen(
+                dare("stage", name, "--params", str(params), *(["-S", f"launch.node_rank={n}"] if n else [])),
+                env={**worker_env(), **({"CUDA_VISIBLE_DEVICES": str(n)} if nodes > 1 else {})},
+                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True))
+    deadline = time.time() + TIMEOUT_S
+    # (a node that fails leaves the others waiting for it: they are ended with it)
+    while time.time() < deadline and any(p.poll() is None for p in procs) and not any(p.poll() for p in procs):
+        time.sleep(0.2)
+    running = [p for p in procs if p.poll() is None]
+    for proc in running:
         os.killpg(proc.pid, signal.SIGTERM)
+    for proc in running:
         try:
-            _, err = proc.communicate(timeout=30)
+            proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            _, err = proc.communicate()
-        pytest.fail(f"dare stage {name} ({params}) did not end within {TIMEOUT_S} s (a rank hung?):\n{err[-4000:]}")
-    assert proc.returncode == 0, err[-4000:]
+    codes, errs = [p.wait() for p in procs], [log.read_text() for log in logs]
+    assert codes == [0] * nodes, f"dare stage {name} failed or hung:\n" + "\n".join(
+        f"{log.stem}: exit {code}\n{err[-4000:]}" for log, code, err in zip(logs, codes, errs) if code)
+    for err in errs:
+        assert_no_native_noise(err)
 
 
 def _free_port() -> int:
@@ -124,17 +140,28 @@ def base(tmp_path_factory) -> Path:
     return root
 
 
-def _train(base: Path, dest: Path, stage: str, ranks: int, zero: int = 0, launcher: str = "local") -> Path:
-    """`stage` (sft, preference, d1, bgpo) from `base`'s data (and SFT model) in `dest`."""
+def _train(base: Path, dest: Path, stage: str, ranks: int, zero: int = 0, launcher: str = "local",
+           nodes: int = 1) -> Path:
+    """`stage` (sft, preference, d1, bgpo) from `base`'s data (and SFT model) in `dest`, its `ranks`
+    spread over `nodes` nodes (rehearsed on this machine)."""
     shutil.copytree(base / "data", dest / "data")
     if stage != "sft":
         shutil.copytree(base / "runs" / "t" / "sft" / "model", dest / "runs" / "t" / "sft" / "model")
     common, one_rank = STAGES[stage]
-    launch = {"launch__launcher": launcher, "launch__nproc": ranks, "launch__zero_stage": zero}
-    if launcher == "deepspeed":  # its default port, 29500, may be taken by another run on this machine
+    launch = {"launch__launcher": launcher, "launch__nproc": ranks // nodes, "launch__zero_stage": zero}
+    if launcher == "deepspeed" or nodes > 1:  # the default port, 29500, may be taken by another run on this machine
         launch["launch__master_port"] = _free_port()
+    if nodes > 1:  # as README "Several nodes" has it, with this machine as every node
+        # (each node's ranks would take all the cores of "their" machine: the same one here)
+        launch.update(launch__master_addr="127.0.0.1", launch__threads=1)
+        if launcher == "torchrun":
+            launch["launch__nnodes"] = nodes
+        else:
+            hostfile = dest / "hostfile"  # (no ssh: the names are never looked up)
+            hostfile.write_text("".join(f"node-{n} slots={ranks // nodes}\n" for n in range(nodes)))
+            launch.update(launch__hostfile=str(hostfile), launch__no_ssh=True)
     params = write_params(dest / "params.yaml", tiny_params(dest, **DATA, **MODEL, **common, **(one_rank if ranks == 1 else {}), **launch))
-    _run(params, stage)
+    _run(params, stage, nodes)
     return dest
 
 
@@ -200,6 +227,28 @@ def test_two_ranks_match_one(base, reference, tmp_path, stage, zero):
     else:
         assert ref["exported"]
     assert moved > 100 * WEIGHT_ATOL
+
+
+@pytest.mark.parametrize("launcher,zero", [
+    ("torchrun", 1),
+    # (on one GPU host its launcher would give both nodes GPU 0: README "Several nodes")
+    pytest.param("deepspeed", 3, marks=pytest.mark.skipif(torch.cuda.is_available(), reason="one GPU host")),
+])
+def test_two_nodes_match_one(base, reference, tmp_path, launcher, zero):
+    """Two nodes of one rank each, rehearsed on this machine: `dare stage sft` started once per
+    node as README "Several nodes" tells (torchrun: launch.nnodes 2; the deepspeed launcher: a
+    hostfile of two nodes and launch.no_ssh), each with its launch.node_rank, train as the ranks of
+    one node do (`test_two_ranks_match_one`: as one rank does). ZeRO-3 puts half the weights on
+    each node; its checkpoint shards meet in the shared runs/ folder."""
+    ref = reference("sft")
+    t0 = time.time()
+    got = _outcome(_train(base, tmp_path, "sft", 2, zero, launcher, nodes=2), "sft")
+    print(f"\nsft on two nodes, zero{zero} {launcher}: {time.time() - t0:.1f} s")
+    for k in ref["metrics"]:
+        assert got["metrics"][k] == pytest.approx(ref["metrics"][k], rel=0, abs=LOSS_ATOL), k
+    assert _max_diff(got["weights"], ref["weights"]) <= WEIGHT_ATOL
+    assert _max_diff(got["exported"], ref["exported"]) <= WEIGHT_ATOL
+    assert _max_diff(ref["weights"], ref["start"]) > 100 * WEIGHT_ATOL
 
 
 def test_zero3_partitions_the_mlp():

@@ -1,0 +1,106 @@
+"""Several nodes rehearsed on one host (bench/multi_gpu.py's `multinode` part): the embedded tiny
+model's SFT and RL stages as one node of N ranks, and as N "nodes" of one rank each, started the
+way the README tells a user to start them on a cluster: the same `dare stage` command on every node,
+each with its own `launch.node_rank`, `launch.nnodes: N` and the first node's address
+(127.0.0.1 here). On a GPU host each "node" sees one GPU of its own (CUDA_VISIBLE_DEVICES), as it
+would on its own machine; the ranks then talk through NCCL's network transport, not NVLink.
+Both layouts must log the same losses (SFT) and rewards (RL)."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+REPO = Path(__file__).resolve().parents[1]
+# short runs of the embedded model, logged at every step
+SETTINGS = {"sft.max_steps": 40, "sft.log_every": 5, "sft.save_every": 1000, "rl.num_steps": 3, "rl.log_every": 1,
+            "rl.save_every": 1000, "rl.validate_every": 0, "launch.timeout_s": 180, "launch.launcher": "torchrun",
+            "data.num_sft": 4000, "data.num_rl": 400, "data.num_eval": 40, "data.num_val": 16}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def dare_stage(stage: str, root: Path, name: str, **over) -> list[str]:
+    settings = {**SETTINGS, "run.name": name, "run.runs_dir": str(root / "runs"), "run.models_dir": str(root / "models"),
+                "run.metrics_dir": str(root / "runs" / name / "metrics"), "data.prepared_dir": str(root / "data" / "prepared"),
+                "data.tokenizer_dir": str(root / "data" / "tokenizer"), **over}
+    sets = [f"--set={k}={json.dumps(v)}" for k, v in settings.items()]
+    return [sys.executable, "-m", "dare_core.cli", "stage", stage, "--params", str(REPO / "params.yaml"), *sets]
+
+
+def env_for(gpu: Optional[int]) -> dict:
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "PYTHONUNBUFFERED": "1"}
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    return env
+
+
+def logged(root: Path, name: str, stage: str, key: str) -> list[float]:
+    path = root / "runs" / name / stage / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r[key] for r in rows if key in r]
+
+
+def one_node(stage: str, root: Path, n: int, timeout: Optional[float]) -> tuple[int, float, str]:
+    t0 = time.perf_counter()
+    r = subprocess.run(dare_stage(stage, root, "one-node", **{"launch.nproc": n}), env=env_for(None), cwd=REPO,
+                       capture_output=True, text=True, timeout=timeout)
+    return r.returncode, time.perf_counter() - t0, r.stderr[-3000:]
+
+
+def several_nodes(stage: str, root: Path, n: int, timeout: Optional[float]) -> tuple[int, float, str]:
+    """N `dare stage` processes, one a node, started together as on N machines."""
+    port = free_port()
+    gpus = n if _cuda() else 0
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen(dare_stage(stage, root, "nodes", **{"launch.nproc": 1, "launch.nnodes": n, "launch.node_rank": i,
+                                                                  "launch.master_addr": "127.0.0.1", "launch.master_port": port}),
+                              env=env_for(i if gpus else None), cwd=REPO, stderr=subprocess.PIPE, text=True) for i in range(n)]
+    errors = [p.communicate(timeout=timeout)[1] for p in procs]
+    code = max(abs(p.returncode) for p in procs)
+    return code, time.perf_counter() - t0, "\n".join(e[-1500:] for e in errors)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def rehearse(root: Path, n: int, timeout: Optional[float]) -> list[dict]:
+    """Rows for multi_gpu.py: per stage and layout, the wall time and the logged values, and whether
+    the N-node values equal the one-node ones."""
+    root.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(dare_stage("prepare", root, "one-node"), env=env_for(None), cwd=REPO, capture_output=True, text=True)
+    if r.returncode:
+        return [{"part": "multinode", "name": "multinode-prepare", "stage": "prepare", "layout": "-", "error": r.stderr[-300:]}]
+    rows = []
+    for stage, key in (("sft", "loss"), ("rl", "reward")):
+        ref = None
+        for layout, fn in ((f"1 node x {n} ranks", one_node), (f"{n} nodes x 1 rank", several_nodes)):
+            name = "one-node" if fn is one_node else "nodes"
+            row = {"part": "multinode", "name": f"multinode-{stage}-{name}", "stage": stage, "layout": layout}
+            print(f"[multinode] {stage}: {layout} ...", flush=True)
+            code, wall, err = fn(stage, root, n, timeout)
+            if code:
+                print(err, flush=True)
+                lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+                rows.append({**row, "error": f"exit code {code}: {(lines or ['see the output'])[-1][:300]}"})
+                continue
+            values = logged(root, name, stage, key)
+            row.update(wall_s=wall, values=values)
+            if ref is None:
+                ref = values
+            else:
+                row["equal"] = "yes, bit for bit" if values == ref else f"no: max |diff| {max(abs(a - b) for a, b in zip(values, ref)):.2e}"
+            rows.append(row)
+    return rows
