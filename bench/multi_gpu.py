@@ -84,7 +84,7 @@ def rank_main(spec_path: Path) -> int:
         if spec["kind"] == "sft":
             out["work"] = ts.sft_step_work(cfg)
     spec_path.with_suffix(f".rank{rank}.json").write_text(json.dumps(out))
-    from dare_core.training.engine import shutdown_distributed
+    from dare_core.training.process_group import shutdown_distributed
 
     shutdown_distributed(clean=True)  # as `dare stage` ends a rank (workers/common.py run_worker)
     return 0
@@ -237,6 +237,38 @@ def efficiency(one: Optional[float], many: Optional[float], gpus: int) -> Option
     return one / (gpus * many) if one and many else None
 
 
+def _values(key: str, spec: str = ".4f"):
+    return lambda r: ", ".join(fmt(x, spec) for x in r[key])
+
+
+# a column: its header, its cell; the first IDENT columns say what ran, also for a run that failed
+IDENT = 4
+SETUP = [("run", lambda r: r["name"]), ("GPUs", lambda r: str(r["gpus"])), ("ZeRO", lambda r: str(r["zero"])),
+         ("optimizer on", lambda r: r["offload"])]
+SFT_COLUMNS = SETUP + [
+    ("step (s)", lambda r: fmt(r["step_s"])), ("tokens/s", lambda r: fmt(r["tokens_per_s"], ".0f")),
+    ("tokens/s per GPU", lambda r: fmt(r["tokens_per_s_gpu"], ".0f")), ("MFU", lambda r: fmt(r["mfu"] and 100 * r["mfu"], ".1f") + "%"),
+    ("fwd+bwd (s)", lambda r: fmt(r["fwd_bwd_s"])), ("optimizer (s)", lambda r: fmt(r["optimizer_s"])),
+    ("peak GiB (max over ranks)", lambda r: fmt(r["peak_gib"], ".1f")), ("losses", _values("losses")),
+    ("C++ trace lines", lambda r: str(r["noise_lines"]))]
+RL_COLUMNS = SETUP + [("unmasking", lambda r: r["unmasking"]), ("step (s)", lambda r: fmt(r["step_s"]))] + [
+    (p.replace("forward_backward", "fwd+bwd"), (lambda p: lambda r: fmt(r[p]))(p)) for p in (*ts.RL_PHASES, "other")] + [
+    ("peak GiB", lambda r: fmt(r["peak_gib"], ".1f")), ("rewards per step", _values("rewards")),
+    ("C++ trace lines", lambda r: str(r["noise_lines"]))]
+
+
+def table(title: str, columns: list, rows: list[dict]) -> list[str]:
+    """A markdown table, a row per run; a run that failed shows what ran and its error."""
+    out = [title, "", "| " + " | ".join(h for h, _ in columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        if "error" in r:
+            cells = [cell(r) for _, cell in columns[:IDENT]] + [f"not run: {r['error']}"] + [""] * (len(columns) - IDENT - 1)
+        else:
+            cells = [cell(r) for _, cell in columns]
+        out.append("| " + " | ".join(cells) + " |")
+    return out + [""]
+
+
 def report(data: dict, s: ts.Settings) -> str:
     from stamp import header
 
@@ -249,31 +281,11 @@ def report(data: dict, s: ts.Settings) -> str:
         lines += ["Rows of earlier invocations at this commit are kept (--add): " + "; ".join(f"`{r['command']}` ({r['date']})" for r in earlier), ""]
     sft = [r for r in rows if r["part"].startswith("sft")]
     if sft:
-        lines += ["## SFT (packed; the same global batch on every GPU count)", "",
-                  "| run | GPUs | ZeRO | optimizer on | step (s) | tokens/s | tokens/s per GPU | MFU | fwd+bwd (s) | optimizer (s) | peak GiB (max over ranks) | losses | C++ trace lines |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in sft:
-            if "error" in r:
-                lines.append(f"| {r['name']} | {r['gpus']} | {r['zero']} | {r['offload']} | not run: {r['error']} |||||||||")
-                continue
-            lines.append(f"| {r['name']} | {r['gpus']} | {r['zero']} | {r['offload']} | {fmt(r['step_s'])} | {fmt(r['tokens_per_s'], '.0f')} | "
-                         f"{fmt(r['tokens_per_s_gpu'], '.0f')} | {fmt(r['mfu'] and 100 * r['mfu'], '.1f')}% | {fmt(r['fwd_bwd_s'])} | "
-                         f"{fmt(r['optimizer_s'])} | {fmt(r['peak_gib'], '.1f')} | {', '.join(fmt(x, '.4f') for x in r['losses'])} | "
-                         f"{r['noise_lines']} |")
-        lines.append("")
+        lines += table("## SFT (packed; the same global batch on every GPU count)", SFT_COLUMNS, sft)
     rl = [r for r in rows if r["part"].startswith("rl")]
     if rl:
-        lines += ["## One d1 RL step at LLaDA-8B (16 prompts x 8 rollouts, split by whole groups across the ranks)", "",
-                  "| run | GPUs | ZeRO | optimizer on | unmasking | step (s) | rollout | reward | scoring | fwd+bwd | optimizer | other | peak GiB | rewards per step | C++ trace lines |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in rl:
-            if "error" in r:
-                lines.append(f"| {r['name']} | {r['gpus']} | {r['zero']} | {r['offload']} | {r['unmasking']} | not run: {r['error']} ||||||||")
-                continue
-            phases = " | ".join(fmt(r[p]) for p in (*ts.RL_PHASES, "other"))
-            lines.append(f"| {r['name']} | {r['gpus']} | {r['zero']} | {r['offload']} | {r['unmasking']} | {fmt(r['step_s'])} | {phases} | "
-                         f"{fmt(r['peak_gib'], '.1f')} | {', '.join(fmt(x, '.4f') for x in r['rewards'])} | {r['noise_lines']} |")
-        lines.append("")
+        lines += table("## One d1 RL step at LLaDA-8B (16 prompts x 8 rollouts, split by whole groups across the ranks)",
+                       RL_COLUMNS, rl)
     lines += scaling_lines(rows)
     lines += multinode_lines(rows)
     return "\n".join(lines) + "\n"
@@ -305,11 +317,12 @@ def multinode_lines(rows: list[dict]) -> list[str]:
         return []
     out = ["## Several nodes, rehearsed on one host (the embedded tiny model)", "",
            "| stage | layout | wall (s) | logged values per step | equal to one node |", "|---|---|---|---|---|"]
+    # (RL logs reward, then loss, at each step)
     for r in mn:
         if "error" in r:
             out.append(f"| {r['stage']} | {r['layout']} | not run: {r['error']} |||")
             continue
-        out.append(f"| {r['stage']} | {r['layout']} | {fmt(r['wall_s'], '.1f')} | {', '.join(fmt(v, '.5f') for v in r['values'])} | "
+        out.append(f"| {r['stage']} | {r['layout']} | {fmt(r['wall_s'], '.1f')} | {r.get('logged', '')}: {', '.join(fmt(v, '.5f') for v in r['values'])} | "
                    f"{r.get('equal', '(reference)')} |")
     return out + [""]
 

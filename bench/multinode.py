@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
-# short runs of the embedded model, logged at every step
-SETTINGS = {"sft.max_steps": 40, "sft.log_every": 5, "sft.save_every": 1000, "rl.num_steps": 3, "rl.log_every": 1,
+# short runs of the embedded model: SFT long enough that some rollouts earn a reward, so that RL's
+# advantages and losses are not all 0
+SETTINGS = {"sft.max_steps": 400, "sft.log_every": 50, "sft.save_every": 1000, "rl.num_steps": 3, "rl.log_every": 1,
             "rl.save_every": 1000, "rl.validate_every": 0, "launch.timeout_s": 180, "launch.launcher": "torchrun",
             "data.num_sft": 4000, "data.num_rl": 400, "data.num_eval": 40, "data.num_val": 16}
 
@@ -44,10 +45,11 @@ def env_for(gpu: Optional[int]) -> dict:
     return env
 
 
-def logged(root: Path, name: str, stage: str, key: str) -> list[float]:
+def logged(root: Path, name: str, stage: str, keys: tuple[str, ...]) -> list[float]:
+    """`keys`' values at every logged step, in order."""
     path = root / "runs" / name / stage / "metrics.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r[key] for r in rows if key in r]
+    return [r[k] for r in rows for k in keys if k in r]
 
 
 def one_node(stage: str, root: Path, n: int, timeout: Optional[float]) -> tuple[int, float, str]:
@@ -84,11 +86,12 @@ def rehearse(root: Path, n: int, timeout: Optional[float]) -> list[dict]:
     if r.returncode:
         return [{"part": "multinode", "name": "multinode-prepare", "stage": "prepare", "layout": "-", "error": r.stderr[-300:]}]
     rows = []
-    for stage, key in (("sft", "loss"), ("rl", "reward")):
+    for stage, keys in (("sft", ("loss",)), ("rl", ("reward", "loss"))):
         ref = None
         for layout, fn in ((f"1 node x {n} ranks", one_node), (f"{n} nodes x 1 rank", several_nodes)):
             name = "one-node" if fn is one_node else "nodes"
-            row = {"part": "multinode", "name": f"multinode-{stage}-{name}", "stage": stage, "layout": layout}
+            row = {"part": "multinode", "name": f"multinode-{stage}-{name}", "stage": stage, "layout": layout,
+                   "logged": "/".join(keys)}
             print(f"[multinode] {stage}: {layout} ...", flush=True)
             code, wall, err = fn(stage, root, n, timeout)
             if code:
@@ -96,7 +99,7 @@ def rehearse(root: Path, n: int, timeout: Optional[float]) -> list[dict]:
                 lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
                 rows.append({**row, "error": f"exit code {code}: {(lines or ['see the output'])[-1][:300]}"})
                 continue
-            values = logged(root, name, stage, key)
+            values = logged(root, name, stage, keys)
             row.update(wall_s=wall, values=values)
             if ref is None:
                 ref = values

@@ -154,13 +154,13 @@ def run_worker(fn: Callable[[DareConfig], object], argv: Optional[list[str]], de
 
     def work() -> int:
         # (here, not at the top: run_rank, every rank's supervisor, need not import torch)
-        from dare_core.training.engine import shutdown_distributed
+        from dare_core.training.process_group import shutdown_distributed
 
         cfg = parse(argv, description)
         # before any tensor work: torch's default (a thread per logical CPU in every rank)
         # oversubscribes shared or multi-rank machines
         configure_threads(cfg.launch.threads)
-        # waiting on the other ranks is bounded: read by training/engine.py's init_distributed
+        # waiting on the other ranks is bounded: read by training/process_group.py's init_distributed
         os.environ["DARE_DIST_TIMEOUT_S"] = str(cfg.launch.timeout_s)
         try:
             fn(cfg)
