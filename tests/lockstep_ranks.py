@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from dare_core.config import OptimConfig
+from dare_core.config import LaunchConfig, OptimConfig
 from dare_core.diffusion.seeding import sample_generators
 from dare_core.models.family import get_family
 from dare_core.models.lm import build_model
@@ -58,7 +58,7 @@ def main(out_dir: Path) -> None:
         # points are as far apart as these prompts allow
         order = sorted(range(len(PROMPTS)), key=lambda i: alone[str(i)]["steps"])
         shares = (order[:len(order) // 2], order[len(order) // 2:])
-        engine = eng.build_engine(model, OptimConfig(), 1, 1, zero_stage=3)
+        engine = eng.build_engine(model, OptimConfig(), 1, 1, launch=LaunchConfig(zero_stage=3))
         wrapped = engine.module
         forwards = [0]
         wrapped.net.layers[0].register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Optional
 
 import torch
 
-from dare_core.config import OptimConfig
+from dare_core.config import LaunchConfig, OptimConfig
 from dare_core.training.process_group import ensure_dist_env, init_distributed
 from dare_core.training.threads import log_threads
 
@@ -27,10 +28,10 @@ def lr_lambda(cfg: OptimConfig, total_steps: int):
 
 
 def build_engine(model: torch.nn.Module, optim: OptimConfig, total_steps: int, micro_batch_size: int, grad_accum: int = 1,
-                 zero_stage: int = 0, offload_optimizer: str = "none", offload_params: str = "none"):
-    """Wrap `model` in a DeepSpeed engine: AdamW with the LR schedule of `optim`, ZeRO `zero_stage`,
-    and what ZeRO offloads to host memory (`launch.offload_optimizer` / `offload_params`, checked by
-    LaunchConfig). AdamW is a torch client optimizer (no fused-op JIT build), except with the
+                 launch: Optional[LaunchConfig] = None):
+    """Wrap `model` in a DeepSpeed engine: AdamW with the LR schedule of `optim`, and `launch`'s ZeRO
+    stage and what ZeRO offloads to host memory (`offload_optimizer` / `offload_params`; default:
+    ZeRO-0, nothing offloaded). AdamW is a torch client optimizer (no fused-op JIT build), except with the
     optimizer offloaded: DeepSpeed steps offloaded state only with its own DeepSpeedCPUAdam (a C++
     op built on first use), so the optimizer is then given in the DeepSpeed config, the same AdamW."""
     # every training stage gets here once its checks have passed: the thread count is worth a line now
@@ -41,12 +42,13 @@ def build_engine(model: torch.nn.Module, optim: OptimConfig, total_steps: int, m
     init_distributed()
     params = [p for p in model.parameters() if p.requires_grad]
     dtype = next(model.parameters()).dtype
-    zero: dict = {"stage": zero_stage}
+    launch = launch or LaunchConfig()
+    zero: dict = {"stage": launch.zero_stage}
     # pinned host memory: the copies to and from the GPU run asynchronously
-    if offload_optimizer != "none":
-        zero["offload_optimizer"] = {"device": offload_optimizer, "pin_memory": True}
-    if offload_params != "none":
-        zero["offload_param"] = {"device": offload_params, "pin_memory": True}
+    if launch.offload_optimizer != "none":
+        zero["offload_optimizer"] = {"device": launch.offload_optimizer, "pin_memory": True}
+    if launch.offload_params != "none":
+        zero["offload_param"] = {"device": launch.offload_params, "pin_memory": True}
     ds_config = {
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": grad_accum,
@@ -58,7 +60,7 @@ def build_engine(model: torch.nn.Module, optim: OptimConfig, total_steps: int, m
     }
     adamw = {"lr": optim.lr, "betas": tuple(optim.betas), "eps": optim.eps, "weight_decay": optim.weight_decay}
     schedule = lr_lambda(optim, total_steps)
-    if offload_optimizer == "none":
+    if launch.offload_optimizer == "none":
         optimizer = torch.optim.AdamW(params, **adamw)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
                                                lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, schedule))

@@ -147,8 +147,7 @@ def run_preference(cfg: DareConfig, progress: bool = True, save_checkpoints: boo
     objective = build_preference(pcfg, policy)
 
     with timer.phase("engine"):
-        engine = eng.build_engine(policy, pcfg.optim, pcfg.max_steps, pcfg.micro_batch_size, pcfg.grad_accum, cfg.launch.zero_stage,
-                                  cfg.launch.offload_optimizer, cfg.launch.offload_params)
+        engine = eng.build_engine(policy, pcfg.optim, pcfg.max_steps, pcfg.micro_batch_size, pcfg.grad_accum, cfg.launch)
     world, rank = eng.world_size(), eng.rank()
     global_pairs = pcfg.micro_batch_size * pcfg.grad_accum * world
     start = ckpt.begin(engine, "preference")

@@ -236,8 +236,7 @@ def _run_rl(cfg: DareConfig, progress: bool, save_checkpoints: bool, timer: Phas
     micro = min(rl.micro_batch_size, local_mini)
     updates = rl.num_steps * rl.num_iterations * rl.mini_batches
     with timer.phase("engine"):
-        engine = eng.build_engine(policy, rl.optim, updates, micro, -(-local_mini // micro), cfg.launch.zero_stage,
-                                  cfg.launch.offload_optimizer, cfg.launch.offload_params)
+        engine = eng.build_engine(policy, rl.optim, updates, micro, -(-local_mini // micro), cfg.launch)
     world, rank = eng.world_size(), eng.rank()
     sampler = build_engine(rl.sampler.engine, engine.module, **rl.sampler.engine_args)
     start = ckpt.begin(engine, "RL")

@@ -108,8 +108,7 @@ def run_sft(cfg: DareConfig, progress: bool = True, save_checkpoints: bool = Tru
     if eng.planned_rank() == 0 and not cfg.model.path:
         save_model(model, cfg.base_model_dir, extra_files={"tokenizer": tokenizer_folder(cfg)})
     with timer.phase("engine"):
-        engine = eng.build_engine(model, scfg.optim, scfg.max_steps, scfg.micro_batch_size, scfg.grad_accum, cfg.launch.zero_stage,
-                                  cfg.launch.offload_optimizer, cfg.launch.offload_params)
+        engine = eng.build_engine(model, scfg.optim, scfg.max_steps, scfg.micro_batch_size, scfg.grad_accum, cfg.launch)
     world, rank = eng.world_size(), eng.rank()
     global_batch = scfg.micro_batch_size * scfg.grad_accum * world
     start = ckpt.begin(engine, "SFT")

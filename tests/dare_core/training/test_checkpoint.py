@@ -140,13 +140,13 @@ import sys
 from pathlib import Path
 import torch
 from conftest import make_tiny_llada
-from dare_core.config import OptimConfig
+from dare_core.config import LaunchConfig, OptimConfig
 from dare_core.training import engine as eng
 from dare_core.training.checkpoint import CheckpointManager, Fingerprint, checkpoint_state_dict
 
 # a wide MLP: its weights are above ZeRO-3's persistence threshold, so they are partitioned
 model = make_tiny_llada(mlp_hidden_size=3200).train()
-engine = eng.build_engine(model, OptimConfig(lr=1e-2), 10, 1, 1, zero_stage=3, offload_optimizer="cpu")
+engine = eng.build_engine(model, OptimConfig(lr=1e-2), 10, 1, 1, LaunchConfig(zero_stage=3, offload_optimizer="cpu"))
 engine.backward(engine(torch.arange(16)[None] % 38).float().pow(2).mean())
 engine.step()
 assert any(p.numel() == 0 for p in engine.module.parameters()), "nothing partitioned"
