@@ -82,7 +82,7 @@ def rank_main(spec_path: Path) -> int:
     if rank == 0:
         out.update(metrics=ts.metrics_rows(cfg.stage_dir(spec["kind"])), hardware=ts.hardware(), peak_flops=ts.peak_bf16())
         if spec["kind"] == "sft":
-            out["work"] = ts.sft_step_work(cfg)
+            out["work"] = ts.sft_step_work(cfg, world=int(os.environ.get("WORLD_SIZE", "1")))
     spec_path.with_suffix(f".rank{rank}.json").write_text(json.dumps(out))
     from dare_core.training.process_group import shutdown_distributed
 

@@ -207,8 +207,14 @@ def write_model_folder(shape: str, folder: Path, tiny: bool) -> dict:
     bench_tokenizer(hf_config).save(tok_dir)
     t1 = time.perf_counter()
     save_model(model, folder, max_shard_bytes=largest_reference_shard(shape), extra_files={"tokenizer": tok_dir})
-    return {"params": sum(p.numel() for p in model.parameters()), "init_s": t1 - t0, "save_s": time.perf_counter() - t1,
-            "files": len(list(folder.glob("*.safetensors"))), "hardware": hardware()}
+    out = {"params": sum(p.numel() for p in model.parameters()), "init_s": t1 - t0, "save_s": time.perf_counter() - t1,
+           "files": len(list(folder.glob("*.safetensors"))), "hardware": hardware()}
+    # the caller goes on to start the runs' own processes on this GPU: the allocator's cache of these
+    # weights (16 GiB at 8B) would be held from them
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return out
 
 
 def evict_page_cache(folder: Path) -> None:
@@ -442,9 +448,9 @@ def metrics_rows(out_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def sft_step_work(cfg) -> list[dict]:
+def sft_step_work(cfg, world: int = 1) -> list[dict]:
     """Per step: real and padded tokens, and the model FLOPs of the useful work (bench/model_throughput.py's
-    model), rebuilt with the loop's own batching from the same data order."""
+    model) of all `world` ranks together, rebuilt with the loop's own batching from the same data order."""
     from model_throughput import model_flops
 
     from dare_core.data.batching import global_batch_indices, sft_batch
@@ -457,7 +463,7 @@ def sft_step_work(cfg) -> list[dict]:
     prompts, responses = encode_sft_rows(rows, stage_tokenizer(cfg))
     model = inspect_model(cfg.model.path)
     sc = cfg.sft
-    global_batch = sc.micro_batch_size * sc.grad_accum
+    global_batch = sc.micro_batch_size * sc.grad_accum * world
     work = []
     for step in range(sc.max_steps):
         idx = global_batch_indices(step, global_batch, len(rows), cfg.run.seed)
