@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import faulthandler
 import json
 import os
 import shlex
@@ -61,6 +62,8 @@ ZERO3_SAMPLER = {"cuda_graphs": None, "compile_forward": False}
 def rank_main(spec_path: Path) -> int:
     """A rank of one run (started by torchrun): the stage loop, then this rank's result file."""
     spec = json.loads(spec_path.read_text())
+    if spec.get("stacks_after"):  # a run about to hit its time limit leaves where its ranks were in the log
+        faulthandler.dump_traceback_later(spec["stacks_after"], file=sys.stderr)
     s = ts.Settings(**spec["settings"])
     rank = int(os.environ.get("RANK", "0"))
     if spec["kind"] == "sft":
@@ -100,19 +103,28 @@ def split_batch(s: ts.Settings, gpus: int) -> dict:
     return {"sft.micro_batch_size": micro, "sft.grad_accum": per_rank // micro}
 
 
+def rank_env(gpus: int) -> dict:
+    """The ranks' environment, with the CPU thread counts `dare stage` exports (torchrun alone would
+    give each rank OMP_NUM_THREADS=1, and the offloaded optimizer steps on the CPU)."""
+    from dare_core.config import LaunchConfig
+    from dare_core.training.threads import launcher_env
+
+    return launcher_env(LaunchConfig().threads, gpus, ts.child_env())
+
+
 def launch(runner_dir: Path, name: str, spec: dict, gpus: int, timeout: Optional[float], verbose: bool) -> dict:
     """Run one measurement on `gpus` ranks; its rank-0 result with the ranks' peak memory, or an error."""
     spec_path = runner_dir / f"{name}.json"
     for old in runner_dir.glob(f"{name}.rank*.json"):
         old.unlink()
-    spec_path.write_text(json.dumps(spec))
+    spec_path.write_text(json.dumps({**spec, "stacks_after": timeout - 20 if timeout and timeout > 60 else None}))
     log_path = spec_path.with_suffix(".log")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}", __file__, "--task", str(spec_path)]
     print(f"[multi_gpu] {name} on {gpus} GPU(s) ...", flush=True)
     t0 = time.perf_counter()
     with log_path.open("w") as log:
         try:
-            code = subprocess.run(cmd, env=ts.child_env(), cwd=REPO, stdout=None if verbose else log, stderr=subprocess.STDOUT,
+            code = subprocess.run(cmd, env=rank_env(gpus), cwd=REPO, stdout=None if verbose else log, stderr=subprocess.STDOUT,
                                   timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             code = None
@@ -145,6 +157,7 @@ def sft_row(name: str, shape: str, training: str, gpus: int, extra: dict, result
                mfu=sum(w["flops"] for w in work) / seconds / (peak * gpus) if peak else None,
                fwd_bwd_s=ts.mean([m.get("time/forward_backward_s") for m in timed]),
                optimizer_s=ts.mean([m.get("time/optimizer_s") for m in timed]),
+               rank_balance=ts.mean([max(w["rank_tokens"]) * gpus / sum(w["rank_tokens"]) for w in work]),
                peak_gib=result["peak_gib"], losses=[m.get("loss") for m in steps], wall_s=result["wall_s"],
                noise_lines=result["noise_lines"])
     return row
@@ -248,6 +261,7 @@ SETUP = [("run", lambda r: r["name"]), ("GPUs", lambda r: str(r["gpus"])), ("ZeR
 SFT_COLUMNS = SETUP + [
     ("step (s)", lambda r: fmt(r["step_s"])), ("tokens/s", lambda r: fmt(r["tokens_per_s"], ".0f")),
     ("tokens/s per GPU", lambda r: fmt(r["tokens_per_s_gpu"], ".0f")), ("MFU", lambda r: fmt(r["mfu"] and 100 * r["mfu"], ".1f") + "%"),
+    ("busiest rank's tokens / mean", lambda r: fmt(r.get("rank_balance"), ".3f")),
     ("fwd+bwd (s)", lambda r: fmt(r["fwd_bwd_s"])), ("optimizer (s)", lambda r: fmt(r["optimizer_s"])),
     ("peak GiB (max over ranks)", lambda r: fmt(r["peak_gib"], ".1f")), ("losses", _values("losses")),
     ("C++ trace lines", lambda r: str(r["noise_lines"]))]

@@ -453,31 +453,33 @@ def sft_step_work(cfg, world: int = 1) -> list[dict]:
     model) of all `world` ranks together, rebuilt with the loop's own batching from the same data order."""
     from model_throughput import model_flops
 
-    from dare_core.data.batching import global_batch_indices, sft_batch
+    from dare_core.data.batching import balanced_micro_batches, global_batch_indices, sft_batch
     from dare_core.data.schema import read_rows
     from dare_core.models.hf_folder import inspect_model
     from dare_core.training.setup import stage_tokenizer
-    from dare_core.training.sft_loop import encode_sft_rows
+    from dare_core.training.sft_loop import encode_sft_rows, sft_row_cost
 
     rows = read_rows(Path(cfg.data.prepared_dir) / "sft.parquet", "sft")
     prompts, responses = encode_sft_rows(rows, stage_tokenizer(cfg))
     model = inspect_model(cfg.model.path)
     sc = cfg.sft
     global_batch = sc.micro_batch_size * sc.grad_accum * world
+    cost = sft_row_cost(prompts, responses, sc.pad_to, model.block_size is None)
     work = []
     for step in range(sc.max_steps):
         idx = global_batch_indices(step, global_batch, len(rows), cfg.run.seed)
-        padded, lens = 0, []
-        for o in range(0, global_batch, sc.micro_batch_size):
-            m = idx[o:o + sc.micro_batch_size]
+        padded, lens, rank_tokens = 0, [], [0] * world
+        for k, m in enumerate(balanced_micro_batches(idx, cost, sc.micro_batch_size)):
             b = sft_batch([prompts[i] for i in m], [responses[i] for i in m], [rows[i]["uid"] for i in m], sc.pad_to,
                           model.eos_token_id, model.pad_token_id, eos_padding=model.block_size is None)
             lens += b.attention_mask.sum(-1).tolist()
             padded += b.attention_mask.numel()
+            rank_tokens[k % world] += int(b.attention_mask.sum())  # the loop's micro[rank::world]
         # block diffusion trains through the two-stream layout [x_t ; x_0]: its forward runs every
         # real token twice
         flops = model_flops(model, [2 * n for n in lens] if model.block_size else lens, backward=True)
-        work.append({"real_tokens": sum(lens), "padded_tokens": padded, "sequences": len(lens), "flops": flops})
+        work.append({"real_tokens": sum(lens), "padded_tokens": padded, "sequences": len(lens), "flops": flops,
+                     "rank_tokens": rank_tokens})
     return work
 
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -55,3 +55,30 @@ def global_batch_indices(step: int, batch_size: int, n: int, seed: int) -> list[
         epoch, offset = divmod(pos, n)
         out.append(int(epoch_permutation(n, seed, epoch)[offset]))
     return out
+
+
+def row_tokens(prompt_len: int, response_len: int, pad_to: int, eos_padding: bool = True) -> int:
+    """Positions a row of the SFT layout attends once packed (its forward/backward cost): the prompt
+    and, under EOS padding, the whole canvas; otherwise the response and its EOS."""
+    return prompt_len + (pad_to if eos_padding else min(response_len + 1, pad_to))
+
+
+def balanced_micro_batches(idx: Sequence[int], cost: Callable[[int], int], micro_size: int) -> list[list[int]]:
+    """The global batch `idx` cut into micro-batches of `micro_size` rows with near-equal total cost.
+
+    Ranks take every world-th micro-batch and wait for each other at the gradient all-reduce, so a
+    step lasts as long as its most expensive micro-batches: cut in data order, two micro-batches of
+    16 packed rows drawn from 72 to 1024 tokens differ by about 15 %. Longest-first greedy filling
+    (each row to the lightest micro-batch with room) leaves them within one row's cost of each
+    other. The cut depends on the rows and `micro_size` only, never on the number of ranks, so a run
+    on N GPUs trains on the micro-batches of the 1-GPU run; rows keep their order in `idx`."""
+    count = len(idx) // micro_size
+    if count <= 1:
+        return [list(idx[o:o + micro_size]) for o in range(0, len(idx), micro_size)]
+    costs = [cost(i) for i in idx]
+    load, members = [0] * count, [[] for _ in range(count)]
+    for k in sorted(range(len(idx)), key=lambda k: (-costs[k], k)):
+        j = min((j for j in range(count) if len(members[j]) < micro_size), key=lambda j: (load[j], j))
+        members[j].append(k)
+        load[j] += costs[k]
+    return [[idx[k] for k in sorted(m)] for m in members]

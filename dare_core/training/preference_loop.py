@@ -24,7 +24,7 @@ from dare_core import devices
 from dare_core.algorithms.preference import build_preference, get_preference, reference_model
 from dare_core.artifacts import artifact_root
 from dare_core.config import DareConfig
-from dare_core.data.batching import global_batch_indices, pair_batch
+from dare_core.data.batching import balanced_micro_batches, global_batch_indices, pair_batch, row_tokens
 from dare_core.data.lengths import resolve as resolve_lengths
 from dare_core.data.schema import DataError, read_rows
 from dare_core.devices import resolve_dtype
@@ -156,6 +156,8 @@ def run_preference(cfg: DareConfig, progress: bool = True, save_checkpoints: boo
     def backward(loss: torch.Tensor) -> None:  # a share of a sum over the global number of pairs
         eng.backward_global(engine, loss)
 
+    eos_padding = policy.block_size is None
+    pair_cost = lambda i: sum(row_tokens(len(prompts[i]), len(r[i]), pcfg.pad_to, eos_padding) for r in (chosen, rejected))  # noqa: E731
     engine.train()
     bar = tqdm(range(start, pcfg.max_steps), initial=start, total=pcfg.max_steps, desc=f"preference[{pcfg.algorithm}]",
                disable=not progress or rank != 0, dynamic_ncols=True)
@@ -164,9 +166,8 @@ def run_preference(cfg: DareConfig, progress: bool = True, save_checkpoints: boo
     for step in bar:
         timer.step_begin()
         idx = global_batch_indices(step, global_pairs, len(rows), cfg.run.seed)
-        micro = [idx[o:o + pcfg.micro_batch_size] for o in range(0, global_pairs, pcfg.micro_batch_size)]
         batches, corruptions = [], []
-        for m in micro[rank::world]:
+        for m in balanced_micro_batches(idx, pair_cost, pcfg.micro_batch_size)[rank::world]:
             b = _to(pair_batch([prompts[i] for i in m], [chosen[i] for i in m], [rejected[i] for i in m],
                                [rows[i]["uid"] for i in m], pcfg.pad_to, policy.eos_token_id, policy.pad_token_id,
                                eos_padding=policy.block_size is None), engine.device)

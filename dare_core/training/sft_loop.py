@@ -15,7 +15,7 @@ from dare_core import devices
 from dare_core.algorithms.registry import build_options, get_algorithm
 from dare_core.artifacts import artifact_root
 from dare_core.config import DareConfig
-from dare_core.data.batching import global_batch_indices, sft_batch
+from dare_core.data.batching import balanced_micro_batches, global_batch_indices, row_tokens, sft_batch
 from dare_core.data.lengths import resolve as resolve_lengths
 from dare_core.data.schema import DataError, read_rows
 from dare_core.devices import resolve_dtype
@@ -36,6 +36,11 @@ log = logging.getLogger(__name__)
 
 def encode_sft_rows(rows: list[dict], tokenizer) -> tuple[list[list[int]], list[list[int]]]:
     return [tokenizer.encode(r["prompt_text"]) for r in rows], [tokenizer.encode(r["response"]) for r in rows]
+
+
+def sft_row_cost(prompts: list, responses: list, pad_to: int, eos_padding: bool):
+    """Row index -> the positions it attends in training (what micro-batches are balanced on)."""
+    return lambda i: row_tokens(len(prompts[i]), len(responses[i]), pad_to, eos_padding)
 
 
 @dataclass
@@ -114,6 +119,7 @@ def run_sft(cfg: DareConfig, progress: bool = True, save_checkpoints: bool = Tru
     start = ckpt.begin(engine, "SFT")
     logger = MetricsLogger(out_dir, resume_step=start, plot_keys=("loss",), enabled=rank == 0, pngs=sft_plots(scfg.loss_norm))
 
+    row_cost = sft_row_cost(prompts, responses, scfg.pad_to, model.block_size is None)
     engine.train()
     bar = tqdm(range(start, scfg.max_steps), initial=start, total=scfg.max_steps, desc="sft", disable=not progress or rank != 0, dynamic_ncols=True)
     t0 = time.time()
@@ -121,8 +127,7 @@ def run_sft(cfg: DareConfig, progress: bool = True, save_checkpoints: bool = Tru
     for step in bar:
         timer.step_begin()
         idx = global_batch_indices(step, global_batch, len(rows), cfg.run.seed)
-        micro = [idx[o:o + scfg.micro_batch_size] for o in range(0, global_batch, scfg.micro_batch_size)]
-        mine = micro[rank::world]
+        mine = balanced_micro_batches(idx, row_cost, scfg.micro_batch_size)[rank::world]
         batches = [sft_batch([prompts[i] for i in m], [responses[i] for i in m], [rows[i]["uid"] for i in m], scfg.pad_to, model.eos_token_id, model.pad_token_id, eos_padding=model.block_size is None) for m in mine]
         denom = eng.all_reduce_sum(algo.global_denominator([b.response_mask for b in batches]))
         loss_sum = 0.0
