@@ -48,6 +48,7 @@ from dare_core.batch import Batch
 from dare_core.diffusion.likelihood import entropy_of_logprobs, token_logprobs
 from dare_core.diffusion.masking import Corruption, valid_region
 from dare_core.sampling.tree import TreeOutput, TreeShape, tree_rollout, tree_shape
+from dare_core.timing import phase
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +204,7 @@ class DTreeRPO(RLAlgorithm):
     # ------------------------------------------------------------------ rollout
 
     def rollout(self, sampler, model, tokenizer, rows: list, cfg, step: int) -> tuple[Batch, dict]:
-        from dare_core.rewards.scoring import score_texts
+        from dare_core.rewards.scoring import failure_metrics, score_texts
 
         rl = cfg.rl
         prompts = [tokenizer.encode(r["prompt_text"]) for r in rows]
@@ -220,7 +221,8 @@ class DTreeRPO(RLAlgorithm):
             if model.eos_token_id in row:
                 row = row[: row.index(model.eos_token_id)]
             texts.append(tokenizer.decode(row, skip_special_tokens=True))
-        results = score_texts([r for r in rows for _ in range(n_leaves)], texts, rl.reward, rl.reward_args)
+        with phase("reward"):  # time/reward_s, as for the default rollout (not charged to the rollout)
+            results = score_texts([r for r in rows for _ in range(n_leaves)], texts, rl.reward, rl.reward_args)
         rewards = torch.tensor([r.score for r in results], dtype=torch.float32).view(len(rows), n_leaves)
         batch, info = self.transition_batch(tree, prompts, uids, rewards, step / max(rl.num_steps, 1), model.pad_token_id,
                                             next(model.parameters()).device)
@@ -232,6 +234,7 @@ class DTreeRPO(RLAlgorithm):
             "accuracy": sum(r.acc for r in results) / len(results),
             "response_tokens": valid.sum(-1).float().mean().item(),
             "extraction_failed": sum(1 for r in results if r.extra.get("extraction_failed")) / len(results),
+            **failure_metrics(results),
             "rollout_nfe": tree.nfe,
             "zero_std_ratio": (rewards.std(-1) == 0).float().mean().item(),
             "reward_std": rewards.std(-1).mean().item(),

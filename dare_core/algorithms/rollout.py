@@ -12,7 +12,7 @@ from dare_core.algorithms.common import group_advantages
 from dare_core.batch import Batch
 from dare_core.config import DareConfig
 from dare_core.diffusion.seeding import sample_generators
-from dare_core.rewards.scoring import score_texts
+from dare_core.rewards.scoring import failure_metrics, score_texts
 from dare_core.sampling.decode import decode_responses
 from dare_core.sampling.engines import RolloutEngine
 from dare_core.sampling.trajectory import record_width
@@ -76,6 +76,7 @@ def _rewarded_batch(outs: list, expanded: list[dict], uids: list, tokenizer, mod
         "accuracy": sum(r.acc for r in results) / len(results),
         "response_tokens": valid.sum(-1).float().mean().item(),
         "extraction_failed": sum(1 for r in results if r.extra.get("extraction_failed")) / len(results),
+        **failure_metrics(results),  # responses whose grading failed (a reward's error, a sandbox timeout, ...)
         "rollout_nfe": nfe,
         **adv_metrics,
     }

@@ -8,13 +8,16 @@ jail holds only the standard library, no `dare_core`.
 - `stdio`: run the program once per input as `__main__`, with the input on stdin and fd 1 captured
   into a file of the private work dir; report each case's raw output. The parent compares outputs.
 - `serve`: the candidate's side of a test run. Execute the program as module `solution`, send the
-  names it defines, then answer requests (call this, get that attribute) with JSON-encoded values.
-  Everything here is under the candidate's control, so nothing it sends is trusted: it is data.
+  values of the names the job lists, then answer requests (call this, get that attribute) with
+  JSON-encoded values. Everything here is under the candidate's control, so nothing it sends is
+  trusted: it is data.
 - `tests`: the tests' side, in a jail of its own that never runs candidate code. The tests execute
-  here against proxies of the candidate's names; a call crosses to the `serve` process and comes
-  back as plain values (int, str, list, tuple, dict, ...), and objects that are not plain values
-  come back as opaque handles that compare equal only to themselves. The verdict is this
-  process's, so no object, frame or function of the candidate can decide it.
+  here against proxies of the candidate's names, only those its own job lists (the task's choice);
+  builtins and modules are its own. A call crosses to the `serve` process and comes back as plain
+  values (int, str, list, tuple, dict, ...), and objects that are not plain values come back as
+  opaque handles that compare equal only to themselves; the candidate's exceptions come back as
+  CandidateError. The first failure ends the run at once, so no later request tells the candidate
+  that an earlier answer passed. The verdict is this process's alone.
 
 Messages between `tests` and `serve`: a 4-byte big-endian length, then UTF-8 JSON.
 """
@@ -28,28 +31,58 @@ import types
 
 MAX_MESSAGE = 16 << 20
 MAX_DEPTH = 64
-# exceptions a candidate may raise in `tests` under their own class; the rest arrive as RemoteError
-_NOT_RELAYED = (SystemExit, KeyboardInterrupt, GeneratorExit)
+# builtin exceptions that steer control flow rather than report an error, never raised in `tests`
+# under their own class: a StopIteration ends the tests' map() or next(), an AssertionError passes
+# for the tests' own failure, ImportError picks import fallbacks, Warning feeds warning filters.
+# BaseExceptions that are not Exceptions (SystemExit, GeneratorExit, ...) are never relayed either.
+_NOT_RELAYED = (AssertionError, StopIteration, StopAsyncIteration, ImportError, Warning)
 
 
-class RemoteError(Exception):
-    """An exception of the candidate's process that has no builtin class of the same name here."""
+class CandidateError(Exception):
+    """An exception of the candidate's process. One of a builtin error class outside _NOT_RELAYED
+    arrives as a subclass of both, so that tests expecting it (`except ValueError`) still catch it;
+    any other arrives as CandidateError itself, which only `except Exception` catches."""
+
+
+_RELAYED_CLASSES = {}
 
 
 class ProtocolError(BaseException):
-    """The candidate's process sent something that is not a well-formed reply, or went away. Not an
-    Exception, so that tests written as `try: f(x) except Exception: pass` cannot swallow it."""
+    """The candidate's process sent something that is not a well-formed reply, or went away (the
+    tests' side then fails the run at once: `Link`)."""
 
 
-def leave_root(uid, gid):
+def leave_root(uid, gid, keyring):
     """Drop to the unprivileged uid/gid (only when the jail started us as root: bubblewrap run by root
-    without a user namespace); all capabilities go with uid 0."""
+    without a user namespace); all capabilities go with uid 0. Then leave the session keyring that
+    the jail inherited from the trainer for a new, empty one of our own, and close keyctl for good:
+    the seccomp filter left open only `keyctl(KEYCTL_JOIN_SESSION_KEYRING, NULL)`, for this."""
+    import ctypes
+
     if os.geteuid() == 0:
         os.setgroups([])
         os.setresgid(gid, gid, gid)
         os.setresuid(uid, uid, uid)
     if 0 in os.getresuid() or 0 in os.getresgid():
         raise SystemExit("sandbox: still root after dropping privileges")
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    # after the uid change, so that the new keyring belongs to the jail's uid, not to root. EPERM
+    # (an outer seccomp profile, e.g. Docker's default, denies keyctl to every process here) and
+    # ENOSYS (a kernel without keys) both mean no keyring is reachable at all: nothing to leave
+    if libc.syscall(ctypes.c_long(keyring["keyctl"]), ctypes.c_long(1), ctypes.c_void_p(None)) < 0:
+        if ctypes.get_errno() not in (1, 38):
+            raise SystemExit(f"sandbox: cannot join a new session keyring (errno {ctypes.get_errno()})")
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    code = bytes.fromhex(keyring["seal"])
+    buffer = ctypes.create_string_buffer(code, len(code))
+    program = SockFprog(len(code) // 8, ctypes.cast(buffer, ctypes.c_void_p))
+    # prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &program); bubblewrap already set no_new_privs
+    if libc.prctl(22, 2, ctypes.byref(program), 0, 0) != 0:
+        raise SystemExit(f"sandbox: cannot close keyctl (errno {ctypes.get_errno()})")
 
 
 def set_limits(limits):
@@ -258,10 +291,11 @@ def serve(job, program):
         channel.send({"error": describe(exc)})
         return
     names = {}
-    for name, value in list(module.__dict__.items()):
-        if type(name) is str and not name.startswith("__"):
+    for name in job["names"]:  # only those the tests may use (the tests' side picks them again)
+        if name in module.__dict__:
+            value = module.__dict__[name]
             try:
-                names[name] = {"$": "module", "name": value.__name__} if type(value) is types.ModuleType else encode(value, handle)
+                names[name] = encode(value, handle)
             except BaseException:  # noqa: BLE001  (too deep, or an int too long to print)
                 names[name] = handle(value)
     flush()
@@ -317,10 +351,12 @@ class Remote:
 
 
 class Link:
-    """The tests' end of the channel to the candidate's process."""
+    """The tests' end of the channel to the candidate's process. Anything but a well-formed reply
+    (the process went away, a malformed message, a value that cannot be rebuilt) fails the run at
+    once through `fail`, so that no test can catch it and go on."""
 
-    def __init__(self, channel):
-        self.channel = channel
+    def __init__(self, channel, fail):
+        self.channel, self.fail = channel, fail
 
     def reference(self, message):
         if type(message.get("id")) is not int:
@@ -335,103 +371,139 @@ class Link:
         return encode(value, handle)
 
     def receive(self):
-        message = self.channel.receive()
-        if message is None:
-            raise ProtocolError("the program under test exited")
+        try:
+            message = self.channel.receive()
+        except (ProtocolError, OSError) as exc:
+            self.fail(f"the program under test: {describe(exc)}")
         if type(message) is not dict:
-            raise ProtocolError("malformed reply")
+            self.fail("the program under test exited" if message is None else "malformed reply")
         return message
 
+    def value(self, data):
+        try:  # an unhashable key or bad hex would be a TypeError/ValueError of the candidate's making
+            return decode(data, self.reference)
+        except BaseException as exc:  # noqa: BLE001
+            self.fail(f"the program under test: {describe(exc)}")
+
     def request(self, message):
-        self.channel.send(message)
+        try:
+            self.channel.send(message)
+        except OSError as exc:
+            self.fail(f"the program under test: {describe(exc)}")
         reply = self.receive()
         if "raise" in reply:
             raise _relayed(reply["raise"])
-        if "value" not in reply:
-            raise ProtocolError("malformed reply")
-        return decode(reply["value"], self.reference)
+        return self.value(reply["value"]) if "value" in reply else self.fail("malformed reply")
 
 
 def _relayed(info):
     name = info.get("type") if type(info) is dict else None
     message = str(info.get("message", ""))[:500] if type(info) is dict else ""
-    cls = getattr(builtins, name, None) if type(name) is str else None
-    if isinstance(cls, type) and issubclass(cls, BaseException) and not issubclass(cls, _NOT_RELAYED):
+    base = vars(builtins).get(name) if type(name) is str else None
+    if isinstance(base, type) and issubclass(base, Exception) and not issubclass(base, _NOT_RELAYED):
         try:
-            return cls(message.split(": ", 1)[-1])
-        except BaseException:  # noqa: BLE001  (exceptions whose constructor needs other arguments)
+            if name not in _RELAYED_CLASSES:
+                _RELAYED_CLASSES[name] = type(name, (CandidateError, base), {})
+            return _RELAYED_CLASSES[name](message.split(": ", 1)[-1])
+        except Exception:  # noqa: BLE001  (classes that need other arguments, or cannot be combined)
             pass
-    return RemoteError(message)
+    return CandidateError(message)
 
 
-def _run_collected(namespace, names):
-    """Run what test code defines in pytest or unittest style: `test*` functions, `Test*` classes
-    (methods `test*`), and `unittest.TestCase` subclasses. Raises on the first failure."""
-    unittest = sys.modules.get("unittest")
+def _fail_fast_result(unittest, fail):
+    class FailFast(unittest.TestResult):
+        """Ends the run at the first failure, subtests included: no later request reaches the program."""
+
+        def addError(self, test, err):
+            fail(f"{test}: {describe(err[1])}")
+
+        addFailure = addError
+
+        def addSubTest(self, test, subtest, err):
+            if err is not None:
+                fail(f"{subtest}: {describe(err[1])}")
+
+        def addUnexpectedSuccess(self, test):
+            fail(f"{test}: unexpected success")
+
+    return FailFast()
+
+
+def _run_collected(namespace, names, fail):
+    """Run what the tests define in pytest or unittest style: `test*` functions, `Test*` classes
+    (methods `test*`), and `unittest.TestCase` subclasses (at least one test of theirs must run)."""
+    unittest, cases, ran = sys.modules.get("unittest"), False, 0
     for name in names:
         obj = namespace[name]
+        if getattr(obj, "__module__", None) != "__main__":  # imported (`from unittest import TestCase`)
+            continue
         if name.startswith("test") and type(obj) is types.FunctionType:
             obj()
         elif isinstance(obj, type) and unittest is not None and issubclass(obj, unittest.TestCase):
-            suite = unittest.defaultTestLoader.loadTestsFromTestCase(obj)
-            outcome = unittest.TextTestRunner(stream=io.StringIO(), verbosity=0).run(suite)
-            if not outcome.wasSuccessful() or outcome.testsRun == 0:
-                problems = outcome.failures + outcome.errors
-                detail = problems[0][1].strip().splitlines()[-1] if problems else "no tests ran"
-                raise AssertionError(f"{name}: {detail}")
+            result = _fail_fast_result(unittest, fail)
+            unittest.defaultTestLoader.loadTestsFromTestCase(obj).run(result)
+            cases, ran = True, ran + result.testsRun
         elif isinstance(obj, type) and name.startswith("Test"):
             instance = obj()
             for attribute in sorted(dir(obj)):
                 if attribute.startswith("test") and callable(getattr(instance, attribute)):
                     getattr(instance, attribute)()
+    if cases and not ran:
+        fail("no unittest test ran")
 
 
 def run_tests(job, tests):
     import importlib
 
-    link = Link(Channel(job["channel"][0], job["channel"][1]))
-    try:
-        manifest = link.receive()
-    except ProtocolError as exc:
-        return {"ok": False, "phase": "program", "error": describe(exc)}
+    def fail(error):  # at once: the candidate's process hears nothing more, and is killed
+        report(job["result_fd"], {"ok": False, "error": str(error)[:500]})
+
+    link = Link(Channel(job["channel"][0], job["channel"][1]), fail)
+    manifest = link.receive()
     if "error" in manifest:
-        return {"ok": False, "phase": "program", "error": str(manifest["error"])[:500]}
-    names = {}
-    entries = manifest.get("names")
-    for name, value in (entries.items() if type(entries) is dict else ()):
-        # builtins are never the candidate's: `abs` or `len` in a test means the real ones
-        if not name.isidentifier() or name in builtins.__dict__:
-            continue
-        if type(value) is dict and value.get("$") == "module":
-            try:  # our own copy of a module the program imported (tests may lean on its imports)
-                names[name] = importlib.import_module(str(value.get("name")))
-            except BaseException:  # noqa: BLE001
-                pass
-            continue
+        fail(str(manifest["error"]))
+    sent = manifest.get("names") if type(manifest.get("names")) is dict else {}
+    # the task's names only, whatever the manifest holds: builtins and modules stay the tests' own
+    namespace = {"__name__": "__main__", "__builtins__": builtins}
+    for name in job["modules"]:  # modules the tests use without importing them
         try:
-            names[name] = decode(value, link.reference)
-        except ProtocolError as exc:
-            return {"ok": False, "phase": "program", "error": describe(exc)}
+            namespace[name] = importlib.import_module(name)
+        except Exception:  # noqa: BLE001
+            pass
+    program = {}
+    for name in job["names"]:
+        if name in sent:
+            program[name] = link.value(sent[name])
+        elif name in job["required"]:  # else a builtin of that name would stand in for it
+            fail(f"the program does not define {name}")
+    namespace.update(program)
     module = types.ModuleType("solution")
-    module.__dict__.update(names)
+    module.__dict__.update(program)
     sys.modules["solution"] = module  # so tests may `from solution import f`
-    namespace = {"__name__": "__main__", "__builtins__": builtins, **names}
-    try:
-        exec(tests, namespace)
-        # what the tests defined (or redefined), not the candidate's names
-        defined = [n for n, v in list(namespace.items()) if not n.startswith("__") and (n not in names or v is not names[n])]
-        _run_collected(namespace, defined)
-    except SystemExit as exc:
-        if exc.code not in (None, 0):
-            return {"ok": False, "phase": "tests", "error": describe(exc)}
-    except BaseException as exc:  # noqa: BLE001
-        return {"ok": False, "phase": "tests", "error": describe(exc)}
-    return {"ok": True}
+    if "unittest" in job["tests"]:
+        # the real unittest.main() would look for test cases in this start-up code's `__main__`: the
+        # tests' script ends there as with its exit, and their test cases run next, collected
+        import unittest
+        unittest.main = lambda *args, **kwargs: sys.exit(0)
+
+    def collected():  # what the tests defined (or redefined), not the candidate's names
+        names = [n for n, v in list(namespace.items()) if not n.startswith("__") and v is not program.get(n)]
+        _run_collected(namespace, names, fail)
+
+    for step in (lambda: exec(tests, namespace), collected):
+        try:
+            step()
+        except SystemExit as exc:  # the tests' own exit (never the candidate's: it is not relayed)
+            if exc.code not in (None, 0):
+                fail(describe(exc))
+        except BaseException as exc:  # noqa: BLE001
+            fail(describe(exc))
+    return {"ok": True, "error": None}
 
 
 def main():
-    leave_root(int(sys.argv[1]), int(sys.argv[2]))
-    job = json.loads(sys.stdin.buffer.read().decode("utf-8"))
+    job = json.loads(sys.stdin.buffer.read().decode("utf-8"))  # trusted: the parent's
+    leave_root(int(sys.argv[1]), int(sys.argv[2]), job["keyring"])
     os.write(job["result_fd"], b"R")  # started: from here on, a missing verdict is the run's failure
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)

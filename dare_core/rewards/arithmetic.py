@@ -24,5 +24,13 @@ def arithmetic_reward(response_text: str, ground_truth: str, extra: Optional[dic
     pred = response_text.strip()
     if not _INTEGER.fullmatch(pred):
         return RewardResult(0.0, 0.0, None, {"extraction_failed": True})
-    correct = float(int(pred) == target)
+    correct = float(canonical(pred) == str(target))
     return RewardResult(correct, correct, pred, {})
+
+
+def canonical(integer: str) -> str:
+    """`str(int(integer))` for a matched integer, without int(): Python refuses to convert more than
+    4,300 digits, and a response may hold any number of them (it then simply does not match)."""
+    sign, digits = ("-", integer[1:]) if integer[0] == "-" else ("", integer.lstrip("+"))
+    digits = digits.lstrip("0")
+    return sign + digits if digits else "0"

@@ -20,13 +20,24 @@ class RewardResult:
     score: float
     acc: float
     pred: Optional[str]
+    # details of the grading; `failure` (one of FAILURE_REASONS) when it could not complete (the
+    # program under test timed out or crashed, the reward raised, ...): the response then scores 0
     extra: dict = field(default_factory=dict)
+
+
+# why grading a response could not complete (RewardResult.extra["failure"]), counted in the RL metrics
+FAILURE_REASONS = ("exception", "timeout", "output_limit", "crashed", "malformed")
 
 
 class RewardError(UserError):
     """A reward that cannot be used as configured: an unknown option or a bad option value, or a
     user's `module:function` that cannot be imported, is not callable, raised while scoring or
     returned something unusable. The message names the reward."""
+
+
+class RewardSampleError(RewardError):
+    """A reward that failed on one response only (a user's function raised on it, or returned
+    something unusable for it): scoring a batch gives that response 0 with the reason and goes on."""
 
 
 def _signature_keywords(fn: Callable) -> tuple[Optional[frozenset], frozenset]:

@@ -18,7 +18,8 @@ from dare_core.rewards.registry import ground_truth_check, register_reward
 
 ALL_LETTERS = string.ascii_uppercase
 _WRAPPED = re.compile(r"[\s*_(\[]*([A-Za-z])[\s*_)\].:]*")
-_STATEMENT = re.compile(r"(?i:answer)(?:\s+(?i:is))?\s*:?\s*(?:(?i:option)\s+)?[*_(\[]*([A-Z])(?![A-Za-z0-9])")
+# possessive (`*+`, `++`): "answer" followed by 50 K spaces must not be retried split by split
+_STATEMENT = re.compile(r"(?i:answer)(?:\s++(?i:is))?\s*+(?::\s*+)?(?:(?i:option)\s++)?[*_(\[]*+([A-Z])(?![A-Za-z0-9])")
 _LEADING = re.compile(r"\s*[*_]*[(\[]?([A-Z])(?:[)\].:][*_]*)(?:\s|$)")
 
 

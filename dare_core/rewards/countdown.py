@@ -7,10 +7,11 @@ Ground truth format (stable): `"<target>|<n1>,<n2>,...[|<format>]"`, e.g. `"9|1,
 The reward parses exactly the format the prompt requested; the synthetic `countdown` task writes the
 format into the ground truth, so the choice travels with every row.
 
-The answer must match `^[\\d+\\-*/().\\s]+$` and its integers must be the given numbers as a multiset.
-It is evaluated by walking its syntax tree (integer literals, `+ - * /`, unary signs, parentheses),
-in exact fractions; nothing is ever `eval`-ed. Scores: 1.0 if `|value - target| < 1e-5`, 0.1 (format
-score) if an answer is present but invalid or wrong, 0 if there is no answer.
+The answer must be at most MAX_ANSWER_CHARS long, match `^[\\d+\\-*/().\\s]+$`, and its integers
+must be the given numbers as a multiset. It is evaluated by walking its syntax tree (integer
+literals, `+ - * /`, unary signs, parentheses), in exact fractions; nothing is ever `eval`-ed.
+Scores: 1.0 if `|value - target| < 1e-5`, 0.1 (format score) if an answer is present but invalid or
+wrong, 0 if there is no answer.
 """
 from __future__ import annotations
 
@@ -86,7 +87,9 @@ def evaluate(expression: str) -> Optional[Fraction]:
 
 
 def uses_numbers(expression: str, numbers: list[int]) -> bool:
-    return sorted(int(n) for n in _INTEGER.findall(expression)) == sorted(numbers)
+    # compared as canonical digit strings: int() refuses numbers of more than 4,300 digits
+    found = sorted(n.lstrip("0") or "0" for n in _INTEGER.findall(expression))
+    return found == sorted(str(n) for n in numbers)
 
 
 @register_reward("countdown")
@@ -96,6 +99,8 @@ def countdown_reward(response_text: str, ground_truth: str, extra: Optional[dict
     if answer is None or not answer.strip():
         return RewardResult(0.0, 0.0, None, {"extraction_failed": True})
     answer = answer.strip()
+    if len(answer) > MAX_ANSWER_CHARS:  # before any int(): a 5,000-digit number is no answer either
+        return RewardResult(FORMAT_SCORE, 0.0, answer[:MAX_ANSWER_CHARS], {"invalid": "length"})
     if not _ALLOWED.fullmatch(answer):
         return RewardResult(FORMAT_SCORE, 0.0, answer, {"invalid": "characters"})
     if not uses_numbers(answer, numbers):

@@ -1,18 +1,31 @@
 """Answer extraction shared by the rewards: boxed expressions, `<answer>` tags, fenced code blocks.
 
-All functions are pure string scans (no regex backtracking on nested structures), so they stay fast
-on long or adversarial responses.
+Responses are untrusted text of any length, so every scan here is linear in its input (brace
+matching from one table, fences line by line, tags with `str.find`), and a response is read from its
+last SCAN_CHARS characters only: answers come at the end, and the cut bounds the work per response.
+A box, tag or fence that opens before the cut is not seen.
 """
 from __future__ import annotations
 
+import bisect
 import re
 from typing import Optional
 
+# 64 K characters: far beyond a generated response's answer tail (16 K tokens of text and more)
+SCAN_CHARS = 1 << 16
+
 _BOX_COMMAND = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-# ``` or ~~~ fences; the info string (language) is captured, the body is everything up to the closing fence.
-_FENCE = re.compile(r"^[ \t]*(```|~~~)[ \t]*([^\n`]*)\n(.*?)^[ \t]*\1[ \t]*$", re.DOTALL | re.MULTILINE)
+_BARE_TOKEN = re.compile(r"[^\s$]+")
+_BRACE = re.compile(r"[{}]")
+# fence lines: ``` or ~~~ with an optional info string (the language), and a bare closing fence
+_FENCE_OPEN = re.compile(r"[ \t]*(```|~~~)[ \t]*([^\n`]*)")
+_FENCE_CLOSE = re.compile(r"[ \t]*(```|~~~)[ \t]*")
 _PYTHON_LANGS = {"", "python", "py", "python3", "py3"}
+
+
+def tail(text: str) -> str:
+    """The part of a response that the extractors read: its last SCAN_CHARS characters."""
+    return text if len(text) <= SCAN_CHARS else text[-SCAN_CHARS:]
 
 
 def braced(text: str, start: int) -> Optional[tuple[str, int]]:
@@ -28,24 +41,38 @@ def braced(text: str, start: int) -> Optional[tuple[str, int]]:
     return None
 
 
+def _closing_braces(text: str) -> dict[int, int]:
+    """{index of "{": index of its matching "}"} for every balanced group, in one pass."""
+    pairs, stack = {}, []
+    for match in _BRACE.finditer(text):
+        if match.group() == "{":
+            stack.append(match.start())
+        elif stack:
+            pairs[stack.pop()] = match.start()
+    return pairs
+
+
 def last_boxed(text: str) -> Optional[str]:
     """Content of the last top-level `\\boxed{...}` or `\\fbox{...}`, nested braces kept; None if none.
 
     Also accepts the brace-less `\\boxed 5` form. An unbalanced box is skipped.
     """
-    found, pos = None, 0
+    text = tail(text)
+    found, pos, pairs = None, 0, None
     while (match := _BOX_COMMAND.search(text, pos)) is not None:
         rest = match.end()
         while rest < len(text) and text[rest] == " ":
             rest += 1
         if rest < len(text) and text[rest] == "{":
-            group = braced(text, rest)
-            if group is None:
+            if pairs is None:
+                pairs = _closing_braces(text)
+            close = pairs.get(rest)
+            if close is None:
                 pos = match.end()
                 continue
-            found, pos = group
+            found, pos = text[rest + 1:close], close + 1
             continue
-        token = re.match(r"[^\s$]+", text[rest:])
+        token = _BARE_TOKEN.match(text, rest)
         if rest > match.end() and token:
             found = token.group(0)
         pos = match.end()
@@ -62,19 +89,50 @@ def unwrap_boxed(text: str) -> str:
 
 
 def last_answer_tag(text: str) -> Optional[str]:
-    """Content of the last complete `<answer>...</answer>` (not stripped); None if there is none."""
-    tags = _ANSWER_TAG.findall(text)
-    return tags[-1] if tags else None
+    """Content of the last complete `<answer>...</answer>` (not stripped); None if there is none.
+    Tags pair up left to right, each `<answer>` with the first `</answer>` after it."""
+    text, found, pos = tail(text), None, 0
+    while (start := text.find("<answer>", pos)) >= 0:
+        end = text.find("</answer>", start + 8)
+        if end < 0:  # no later tag can close either
+            break
+        found, pos = text[start + 8:end], end + 9
+    return found
+
+
+def python_blocks(text: str) -> list[str]:
+    """Bodies of the fenced blocks tagged as Python (or untagged), in order, in linear time.
+
+    A fence line (``` or ~~~, optionally indented, with an info string) opens a block that the next
+    bare fence line of the same kind closes; an opening fence that is never closed is not a block."""
+    lines = text.split("\n")
+    closers: dict[str, list[int]] = {"```": [], "~~~": []}
+    for i, line in enumerate(lines):
+        if (close := _FENCE_CLOSE.fullmatch(line)) is not None:
+            closers[close.group(1)].append(i)
+    blocks, i = [], 0
+    while i < len(lines) - 1:  # an opening fence needs a line after it
+        opening = _FENCE_OPEN.fullmatch(lines[i])
+        if opening is None:
+            i += 1
+            continue
+        after = closers[opening.group(1)]
+        k = bisect.bisect_right(after, i)
+        if k == len(after):
+            i += 1
+            continue
+        end = after[k]
+        info = opening.group(2).strip()
+        if (info.lower().split(" ")[0] if info else "") in _PYTHON_LANGS:
+            blocks.append("".join(line + "\n" for line in lines[i + 1:end]))
+        i = end + 1
+    return blocks
 
 
 def last_code_block(text: str) -> Optional[str]:
     """Body of the last fenced block tagged as Python (or untagged); None if there is none."""
-    found = None
-    for match in _FENCE.finditer(text):
-        lang = match.group(2).strip().lower().split(" ")[0] if match.group(2).strip() else ""
-        if lang in _PYTHON_LANGS:
-            found = match.group(3)
-    return found
+    blocks = python_blocks(tail(text))
+    return blocks[-1] if blocks else None
 
 
 def extract_code(text: str) -> str:

@@ -71,21 +71,48 @@ def gsm8k_reward(response_text: str, ground_truth: str, extra: Optional[dict] = 
         return RewardResult(0.0, 0.0, None, {"extraction_failed": True})
     value = _to_number(pred)
     if value is None and method == "boxed":
-        from dare_core.rewards.math import math_equal
+        from dare_core.rewards.math import FAILED_METHODS, math_equal
 
         timeout = (extra or {}).get("timeout")
         equal, how = math_equal(pred, _ground_truth_answer(ground_truth), timeout=timeout)
         correct = float(equal)
-        return RewardResult(correct, correct, pred, {"method": method, "equivalence": how})
+        info = {"method": method, "equivalence": how}
+        if how in FAILED_METHODS:
+            info["failure"] = FAILED_METHODS[how]
+        return RewardResult(correct, correct, pred, info)
     correct = float(value is not None and abs(value - target) <= TOLERANCE)
     return RewardResult(correct, correct, pred, {"method": method})
 
 
 # ---- d1 reward set ---------------------------------------------------------------------------------
 
-_D1_STRICT = re.compile(r"<reasoning>\n.*?\n</reasoning>\n<answer>\n.*?\n</answer>\n?", re.DOTALL)
-_D1_SOFT = re.compile(r"<reasoning>.*?</reasoning>\s*<answer>.*?</answer>", re.DOTALL)
 _D1_TAGS = ("<reasoning>\n", "\n</reasoning>\n", "\n<answer>\n", "\n</answer>")
+_D1_SEPARATOR = "\n</reasoning>\n<answer>\n"
+_SPACE_THEN_ANSWER = re.compile(r"\s*+<answer>")
+
+
+# The two format checks are the regular expressions `<reasoning>\n.*?\n</reasoning>\n<answer>\n.*?\n</answer>\n?`
+# (whole text) and `<reasoning>.*?</reasoning>\s*<answer>.*?</answer>` (at the start), DOTALL. As
+# expressions they retry every `</reasoning>` against the rest of the text (quadratic on a response
+# repeating it); these scans decide the same in linear time.
+def _d1_strict(text: str) -> bool:
+    head = "<reasoning>\n"
+    end = "\n</answer>\n" if text.endswith("\n</answer>\n") else "\n</answer>"
+    if not text.startswith(head) or not text.endswith(end) or len(text) < len(head) + len(end):
+        return False
+    return _D1_SEPARATOR in text[len(head):len(text) - len(end)]
+
+
+def _d1_soft(text: str) -> bool:
+    if not text.startswith("<reasoning>"):
+        return False
+    pos = len("<reasoning>")
+    while (close := text.find("</reasoning>", pos)) >= 0:
+        answer = _SPACE_THEN_ANSWER.match(text, close + len("</reasoning>"))
+        if answer is not None:  # the earliest <answer> leaves the most room for a </answer>
+            return text.find("</answer>", answer.end()) >= 0
+        pos = close + 1
+    return False
 
 
 def _ground_truth_answer(ground_truth: str) -> str:
@@ -113,8 +140,8 @@ def d1_components(text: str, ground_truth: str) -> dict[str, float]:
     return {
         "correctness": 2.0 if answer is not None and answer == _ground_truth_answer(ground_truth) else 0.0,
         "integer": 0.5 if answer is not None and re.fullmatch(r"[0-9]+", answer) else 0.0,
-        "strict_format": 0.5 if _D1_STRICT.fullmatch(text) else 0.0,
-        "soft_format": 0.5 if _D1_SOFT.match(text) else 0.0,
+        "strict_format": 0.5 if _d1_strict(text) else 0.0,
+        "soft_format": 0.5 if _d1_soft(text) else 0.0,
         "xml_count": _d1_xml_count(text),
     }
 

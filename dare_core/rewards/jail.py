@@ -4,7 +4,9 @@ A jail holds the interpreter (at /py/bin/python3), its standard library (site-pa
 shared libraries they load (found once with `ldd`) and a private tmpfs at /sandbox; the root is
 read-only. Run by root, bubblewrap builds it without a user namespace and the start-up code
 (`_sandbox_child.py`) drops to a random uid of the host with no capabilities; run by another user,
-it is a user namespace mapping uid 65534 to that user. `dare_core.rewards.sandbox` runs jails.
+it is a user namespace mapping uid 65534 to that user. Either way a seccomp filter
+(`dare_core.rewards.seccomp`) closes keyrings, namespaces, mounts and tracing, and a cgroup per jail
+(`dare_core.rewards.cgroup`) bounds it as a whole. `dare_core.rewards.sandbox` runs jails.
 """
 from __future__ import annotations
 
@@ -35,11 +37,11 @@ class SandboxUnavailable(UserError):
 class SandboxLimits:
     wall_s: float = 10.0  # wall clock for the whole run (both jails, every stdin/stdout case)
     cpu_s: int = 10  # per process
-    memory_mb: int = 1024  # address space per process
+    memory_mb: int = 1024  # address space per process; with a cgroup, also the jail's memory (+ work_mb)
     file_mb: int = 16  # largest file a process may write
     work_mb: int = 64  # size of the private tmpfs working directory
     open_files: int = 64
-    processes: int = 16  # processes and threads of one jail's uid
+    processes: int = 16  # processes and threads of one jail's uid (and of the whole jail, with a cgroup)
     output_bytes: int = 64 * 1024  # kept per stream (and per stdin/stdout case)
     flood_bytes: int = 8 * 1024 * 1024  # more than this on stdout+stderr kills the jails
 
@@ -105,44 +107,51 @@ def bwrap_path() -> str:
     return path
 
 
-def jail_command(rt: Runtime, limits: SandboxLimits, info_fd: int) -> list[str]:
-    """bubblewrap's command line for one jailed `_sandbox_child.py`."""
+def jail_command(rt: Runtime, limits: SandboxLimits, info_fd: int, seccomp_fd: int) -> tuple[list[str], list[str]]:
+    """bubblewrap's options and the jailed command for one `_sandbox_child.py`: the options hold host
+    paths, so the caller passes them through `--args FD` and they never appear on a command line
+    the jail can read (`/proc/1/cmdline` is bubblewrap's)."""
     version = os.path.basename(rt.stdlib)  # python3.X
     stdlib = f"/py/lib/{version}"
-    cmd = [bwrap_path(), "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-           "--die-with-parent", "--new-session", "--clearenv"]
+    options = ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+               "--die-with-parent", "--new-session", "--clearenv", "--seccomp", str(seccomp_fd)]
     if os.geteuid() == 0:
-        # no user namespace: the start-up code itself drops to an unprivileged uid of the host
+        # no user namespace: the start-up code itself drops to an unprivileged uid of the host. A user
+        # namespace here would map the jail to the host's root; the seccomp filter is what stops the
+        # jail from creating namespaces of its own
         uid = gid = 1_000_000_000 + secrets.randbelow(1_000_000_000)
-        cmd += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+        options += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
         uid = gid = 65534
-        cmd += ["--unshare-user", "--uid", str(uid), "--gid", str(gid), "--disable-userns"]
-    cmd += ["--ro-bind", rt.loader, rt.loader, "--ro-bind", rt.executable, "/py/bin/python3",
-            "--ro-bind", rt.stdlib, stdlib]
+        options += ["--unshare-user", "--uid", str(uid), "--gid", str(gid), "--disable-userns"]
+    options += ["--ro-bind", rt.loader, rt.loader, "--ro-bind", rt.executable, "/py/bin/python3",
+                "--ro-bind", rt.stdlib, stdlib]
     for library in rt.libraries:
-        cmd += ["--ro-bind", library, f"/py/lib/{os.path.basename(library)}"]
+        options += ["--ro-bind", library, f"/py/lib/{os.path.basename(library)}"]
     if os.path.isdir(os.path.join(rt.stdlib, "site-packages")):
-        cmd += ["--tmpfs", f"{stdlib}/site-packages", "--remount-ro", f"{stdlib}/site-packages"]
+        options += ["--tmpfs", f"{stdlib}/site-packages", "--remount-ro", f"{stdlib}/site-packages"]
     # bubblewrap makes the folders above the bound files 0700: open them to the unprivileged uid
     for folder in sorted({"/py", "/py/bin", "/py/lib", os.path.dirname(rt.loader)}):
-        cmd += ["--chmod", "0755", folder]
-    cmd += ["--dev", "/dev", "--proc", "/proc", "--size", str(limits.work_mb << 20), "--tmpfs", "/sandbox",
-            "--chmod", "0777", "/sandbox", "--remount-ro", "/", "--chdir", "/sandbox", "--info-fd", str(info_fd)]
+        options += ["--chmod", "0755", folder]
+    options += ["--dev", "/dev", "--proc", "/proc", "--size", str(limits.work_mb << 20), "--tmpfs", "/sandbox",
+                "--chmod", "0777", "/sandbox", "--remount-ro", "/", "--chdir", "/sandbox", "--info-fd", str(info_fd)]
     env = {"PATH": "/py/bin", "HOME": "/sandbox", "TMPDIR": "/sandbox", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
            "LD_LIBRARY_PATH": "/py/lib", "PYTHONHASHSEED": "0", "PYTHONIOENCODING": "utf-8",
            "PYTHONDONTWRITEBYTECODE": "1", "MALLOC_ARENA_MAX": "2", "OMP_NUM_THREADS": "1",
            "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     for key, value in env.items():
-        cmd += ["--setenv", key, value]
-    return cmd + ["/py/bin/python3", "-I", "-S", "-B", "-c", CHILD_SOURCE, str(uid), str(gid)]
+        options += ["--setenv", key, value]
+    return options, ["/py/bin/python3", "-I", "-S", "-B", "-c", CHILD_SOURCE, str(uid), str(gid)]
 
 
-def _rlimits(limits: SandboxLimits) -> dict:
-    cpu = int(math.ceil(limits.cpu_s))
-    return {"RLIMIT_CORE": (0, 0), "RLIMIT_CPU": (cpu, cpu + 1), "RLIMIT_AS": (limits.memory_mb << 20,) * 2,
-            "RLIMIT_FSIZE": (limits.file_mb << 20,) * 2, "RLIMIT_NOFILE": (limits.open_files,) * 2,
-            "RLIMIT_NPROC": (limits.processes,) * 2, "RLIMIT_MEMLOCK": (0, 0), "RLIMIT_MSGQUEUE": (0, 0)}
+def jail_memory_bytes(limits: SandboxLimits) -> int:
+    """The whole jail's memory (every process and its tmpfs) where a cgroup holds it."""
+    return (limits.memory_mb + limits.work_mb) << 20
+
+
+def jail_tasks(limits: SandboxLimits) -> int:
+    # the candidate's processes and threads, plus bubblewrap's own (outer process, PID-namespace init)
+    return limits.processes + 4
 
 
 def rlimits(limits: SandboxLimits) -> dict:
@@ -150,3 +159,18 @@ def rlimits(limits: SandboxLimits) -> dict:
     return {"RLIMIT_CORE": (0, 0), "RLIMIT_CPU": (cpu, cpu + 1), "RLIMIT_AS": (limits.memory_mb << 20,) * 2,
             "RLIMIT_FSIZE": (limits.file_mb << 20,) * 2, "RLIMIT_NOFILE": (limits.open_files,) * 2,
             "RLIMIT_NPROC": (limits.processes,) * 2, "RLIMIT_MEMLOCK": (0, 0), "RLIMIT_MSGQUEUE": (0, 0)}
+
+
+def memfd(name: str, data: bytes) -> int:
+    """An anonymous in-memory file holding `data`, for bubblewrap to read from its start (no pipe
+    buffer to overflow, nothing on disk)."""
+    fd = os.memfd_create(name)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

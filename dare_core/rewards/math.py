@@ -13,7 +13,9 @@ Equivalence, cheapest first:
    at most two unknown letters. A reply that misses the limit kills the worker (restarted on the
    next call) and scores 0 with `extra["timeout"] = True`.
 
-Score and acc are 1 or 0. `extra["timeout"]` (seconds) overrides the per-call limit.
+Score and acc are 1 or 0. `extra["timeout"]` (seconds) overrides the per-call limit. A box longer than
+MAX_ANSWER_CHARS scores 0 ("too_long"); the box is searched in the response's last
+`extract.SCAN_CHARS` characters.
 """
 from __future__ import annotations
 
@@ -39,6 +41,11 @@ DEFAULT_TIMEOUT = 5.0
 # Importing SymPy and math_verify in a fresh worker; not counted against the per-call limit.
 STARTUP_TIMEOUT = 120.0
 _MAX_NUMBER_CHARS = 40
+# A longer boxed answer scores 0 unread ("too_long"): MATH-style answers are far shorter, and some
+# normalisation steps are quadratic in the answer's length.
+MAX_ANSWER_CHARS = 1000
+# how math_equal says it could not decide, as a failure reason (RewardResult.extra["failure"])
+FAILED_METHODS = {"timeout": "timeout", "error": "crashed", "unavailable": "crashed"}
 
 
 # ---- normalisation -------------------------------------------------------------------------------
@@ -200,7 +207,9 @@ atexit.register(_WORKER.stop)
 
 def math_equal(pred: str, gold: str, timeout: Optional[float] = None) -> tuple[bool, str]:
     """Whether two answers are equivalent, and how it was decided: "string", "number", "math_verify",
-    "sympy", or, scoring False, "unparsed", "timeout", "unavailable", "error"."""
+    "sympy", or, scoring False, "too_long", "unparsed", "timeout", "unavailable", "error"."""
+    if len(pred) > MAX_ANSWER_CHARS:  # normalisation and the worker are for answers, not essays
+        return False, "too_long"
     pred_norm, gold_norm = normalize_answer(pred), normalize_answer(gold)
     if pred_norm == gold_norm:
         return bool(pred_norm), "string"
@@ -225,5 +234,7 @@ def math_reward(response_text: str, ground_truth: str, extra: Optional[dict] = N
     info: dict = {"method": method}
     if method == "timeout":
         info["timeout"] = True
+    if method in FAILED_METHODS:
+        info["failure"] = FAILED_METHODS[method]
     score = float(equal)
     return RewardResult(score, score, pred, info)

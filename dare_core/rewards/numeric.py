@@ -60,5 +60,9 @@ def numeric_reward(response_text: str, ground_truth: str, extra: Optional[dict] 
     pred = last_number(response_text)
     if pred is None:
         return RewardResult(0.0, 0.0, None, {"extraction_failed": True})
-    correct = float(close(_value(pred), target, float(rel_tol), float(abs_tol)))
+    try:
+        value = _value(pred)
+    except ArithmeticError:  # an exponent past Decimal's range ("1e" + 4,000 digits): no number it can be
+        return RewardResult(0.0, 0.0, pred[:100], {"invalid": "number"})
+    correct = float(close(value, target, float(rel_tol), float(abs_tol)))
     return RewardResult(correct, correct, pred, {})

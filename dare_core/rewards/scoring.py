@@ -7,14 +7,30 @@ Which reward grades a row, first match wins:
 3. a reward named like the row's task (with the row's `reward_args`, if it has them).
 Data preparation fills the `reward` column of every row it writes (a synthetic task's from its
 registration, `dare_core.data.sources`), so prepared rows always match at 1 or 2.
+
+`score_texts` never stops on one response: a reward that raises on it (or a run of the code sandbox
+that times out, crashes, floods or sends an unusable result) gives that response 0 with
+`extra["failure"]` (and `extra["error"]`), counted by `failure_metrics` in the RL step metrics. What
+is not a response's fault still raises: no sandbox (`SandboxUnavailable`), an unknown reward, bad
+reward options (`RewardError`), a row without a reward. Code rewards of a batch run concurrently,
+`workers` at a time (default: $DARE_REWARD_WORKERS, else the usable CPU cores shared among the
+host's ranks); each program runs in its own jailed process, so the threads only wait on pipes.
 """
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping, Optional, Sequence
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Mapping, Optional, Sequence
 
-from dare_core.rewards.base import RewardResult
-from dare_core.rewards.registry import REWARDS, compute_reward
+from dare_core.errors import UserError
+from dare_core.rewards.base import FAILURE_REASONS, RewardResult, RewardSampleError
+from dare_core.rewards.registry import REWARDS, compute_reward, get_reward
+from dare_core.rewards.sandbox import SandboxUnavailable, check_available
+
+WORKERS_ENV = "DARE_REWARD_WORKERS"
+# rewards that run the candidate's program in the sandbox: seconds per response, scored concurrently
+SANDBOXED_REWARDS = frozenset({"code"})
 
 
 def parse_reward_args(text: Optional[str]) -> dict:
@@ -61,6 +77,76 @@ def score_row(row: dict, text: str, reward: str = "auto", reward_args: Optional[
     return compute_reward(name, text, row["ground_truth"], {"task": row.get("task"), "row": row}, args)
 
 
+def default_workers() -> int:
+    """Concurrent sandboxed rewards: $DARE_REWARD_WORKERS, else the CPU cores this process may use
+    divided among the host's ranks (LOCAL_WORLD_SIZE), so that jails never queue for a core (their
+    wall-clock limit would then fail programs that are merely waiting)."""
+    value = os.environ.get(WORKERS_ENV, "").strip()
+    if value:
+        if not value.isdigit() or int(value) < 1:
+            raise UserError(f"${WORKERS_ENV} must be a whole number >= 1, got {value!r}")
+        return int(value)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    ranks = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    return max(1, cores // max(1, int(ranks) if ranks.isdigit() else 1))
+
+
+def _failed(exc: BaseException) -> RewardResult:
+    return RewardResult(0.0, 0.0, None, {"failure": "exception", "error": f"{type(exc).__name__}: {exc}"[:300]})
+
+
+def _graded(fn: Callable, row: dict, text: str) -> RewardResult:
+    """One response's result; an exception of its own scoring is a 0 with the reason."""
+    try:
+        return fn(text, row["ground_truth"], {"task": row.get("task"), "row": row})
+    except SandboxUnavailable:
+        raise
+    except RewardSampleError as exc:
+        return _failed(exc)
+    except UserError:  # a reward option or the reward itself is wrong: every response would fail
+        raise
+    except Exception as exc:  # noqa: BLE001  (a parser's bug on odd text, a bad ground truth, ...)
+        return _failed(exc)
+
+
 def score_texts(rows: Sequence[dict], texts: Sequence[str], reward: str = "auto",
-                reward_args: Optional[Mapping[str, Any]] = None) -> list[RewardResult]:
-    return [score_row(r, t, reward, reward_args) for r, t in zip(rows, texts)]
+                reward_args: Optional[Mapping[str, Any]] = None, *, workers: Optional[int] = None) -> list[RewardResult]:
+    """Grade `texts[i]` against `rows[i]`, results in input order (see the module docstring)."""
+    if len(rows) != len(texts):
+        raise ValueError(f"score_texts: {len(rows)} rows but {len(texts)} texts")
+    rewards: dict[tuple, Callable] = {}
+    graders, sandboxed = [], []
+    for i, row in enumerate(rows):  # every reward resolved first: a configuration error raises at once
+        name, args = reward_for(row, reward, reward_args)
+        key = (name, json.dumps(args, sort_keys=True, default=repr))
+        if key not in rewards:
+            rewards[key] = get_reward(name, args)
+        graders.append(rewards[key])
+        if name in SANDBOXED_REWARDS:
+            sandboxed.append(i)
+    if sandboxed:
+        check_available()  # once per process: without a sandbox no response is graded at all
+    workers = default_workers() if workers is None else workers
+    results: list[Optional[RewardResult]] = [None] * len(rows)
+    pool = ThreadPoolExecutor(min(workers, len(sandboxed)), "reward") if workers > 1 and len(sandboxed) > 1 else None
+    try:
+        futures = {i: pool.submit(_graded, graders[i], rows[i], texts[i]) for i in sandboxed} if pool else {}
+        for i in range(len(rows)):  # the rest (and every response without a pool) on this thread, meanwhile
+            if i not in futures:
+                results[i] = _graded(graders[i], rows[i], texts[i])
+        for i, future in futures.items():
+            results[i] = future.result()
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+    return results
+
+
+def failure_metrics(results: Sequence[RewardResult]) -> dict[str, float]:
+    """Step metrics: `reward_failed`, the fraction of responses whose grading could not complete, and
+    `reward_failed/<reason>` per reason of FAILURE_REASONS (all of them, so every rank logs the same keys)."""
+    n = max(len(results), 1)
+    reasons = [r.extra.get("failure") for r in results]
+    out = {"reward_failed": sum(1 for x in reasons if x) / n}
+    out.update({f"reward_failed/{reason}": reasons.count(reason) / n for reason in FAILURE_REASONS})
+    return out

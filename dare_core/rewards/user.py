@@ -9,7 +9,9 @@ An optional attribute `score.validate = fn` is its ground-truth check: `fn(groun
 ValueError (or returns False) for a ground truth the reward cannot grade.
 
 The module is imported once per process, from the installed packages or the current directory
-(stages run from the repository root). Every problem is a RewardError naming `module:function`.
+(stages run from the repository root). Every problem is a RewardError naming `module:function`;
+one of scoring a single response (the function raised on it, or returned something unusable) is a
+RewardSampleError, which `score_texts` turns into a score of 0 for that response.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import sys
 from typing import Any, Callable, Optional
 
 from dare_core.errors import clip
-from dare_core.rewards.base import RewardError, RewardFn, RewardResult, accepted_args, check_options
+from dare_core.rewards.base import RewardError, RewardFn, RewardResult, RewardSampleError, accepted_args, check_options
 
 # reference -> the loaded function: the import and its checks run once per process
 _LOADED: dict[str, Callable] = {}
@@ -101,11 +103,11 @@ def _on_row(row: dict) -> str:
 
 def _finite(reference: str, key: str, value: Any, row: dict) -> float:
     if not isinstance(value, numbers.Real):
-        raise RewardError(f"reward {reference!r} returned {key} {_clip(value)} ({type(value).__name__}){_on_row(row)}; "
+        raise RewardSampleError(f"reward {reference!r} returned {key} {_clip(value)} ({type(value).__name__}){_on_row(row)}; "
                           f"expected a number")
     value = float(value)
     if not math.isfinite(value):
-        raise RewardError(f"reward {reference!r} returned a non-finite {key} {value}{_on_row(row)}")
+        raise RewardSampleError(f"reward {reference!r} returned a non-finite {key} {value}{_on_row(row)}")
     return value
 
 
@@ -113,7 +115,7 @@ def to_result(reference: str, value: Any, row: dict) -> RewardResult:
     """The RewardResult of what the user's function returned: a number, or a dict with `score`."""
     if isinstance(value, dict):
         if "score" not in value:
-            raise RewardError(f"reward {reference!r} returned a dict without 'score' (keys: {sorted(map(str, value))})"
+            raise RewardSampleError(f"reward {reference!r} returned a dict without 'score' (keys: {sorted(map(str, value))})"
                               f"{_on_row(row)}")
         score = _finite(reference, "score", value["score"], row)
         acc = _finite(reference, "acc", value["acc"], row) if "acc" in value else score
@@ -123,7 +125,7 @@ def to_result(reference: str, value: Any, row: dict) -> RewardResult:
     if isinstance(value, numbers.Real):
         score = _finite(reference, "score", value, row)
         return RewardResult(score, score, None, {})
-    raise RewardError(f"reward {reference!r} returned {_clip(value)} ({type(value).__name__}){_on_row(row)}; "
+    raise RewardSampleError(f"reward {reference!r} returned {_clip(value)} ({type(value).__name__}){_on_row(row)}; "
                       f"expected a number or a dict with 'score'")
 
 
@@ -145,7 +147,7 @@ def user_reward(reference: str, args: dict) -> RewardFn:
         try:
             value = fn(response_text, ground_truth, row, **args)
         except Exception as exc:
-            raise RewardError(f"reward {reference!r} raised {type(exc).__name__}{_on_row(row)}: {exc}") from exc
+            raise RewardSampleError(f"reward {reference!r} raised {type(exc).__name__}{_on_row(row)}: {exc}") from exc
         return to_result(reference, value, row)
 
     return reward

@@ -62,5 +62,7 @@ class HumanEval(Benchmark):
             program = f"{prompt}\n\n{program}"
         else:
             program = prompt + program
-        # `program` holds no fence (it is a fence's body or fence-free text), so the reward runs it whole
-        return float(compute_reward("code", program, row["answer"]).acc)
+        # `program` holds no fence (it is a fence's body or fence-free text), so the reward runs it whole;
+        # the tests' jail takes the helpers its tests call (HumanEval/38's encode_cyclic) from the
+        # prompt, never from the answer
+        return float(compute_reward("code", program, row["answer"], {"prompt": row["prompt"]}).acc)

@@ -247,6 +247,27 @@ def test_humaneval_completion_only_and_gzip(data, tmp_path):
     assert bench.grade(first, f"Here it is:\n```python\n{whole}```") == 1.0
 
 
+
+def test_humaneval_tests_call_the_prompts_helper(tmp_path):
+    """HumanEval/38's layout: the tests call the prompt's encode_cyclic, which the answer may redefine."""
+    prompt = ('\n\ndef encode_cyclic(s: str):\n    """Rotate each group of three."""\n'
+              '    groups = [s[3 * i:min(3 * i + 3, len(s))] for i in range((len(s) + 2) // 3)]\n'
+              '    return "".join(g[1:] + g[0] if len(g) == 3 else g for g in groups)\n\n\n'
+              'def decode_cyclic(s: str):\n    """Undo encode_cyclic."""\n')
+    test = ("\n\ndef check(candidate):\n    for text in ['abcdef', 'hello world', 'xy']:\n"
+            "        assert candidate(encode_cyclic(text)) == text\n")
+    (tmp_path / "humaneval").mkdir()
+    (tmp_path / "humaneval" / "HumanEval.jsonl").write_text(json.dumps(
+        {"task_id": "HumanEval/38", "prompt": prompt, "canonical_solution": "", "test": test, "entry_point": "decode_cyclic"}) + "\n")
+    bench = get_benchmark("humaneval")
+    row = bench.load(tmp_path)[0]
+    right = "    return encode_cyclic(encode_cyclic(s))\n"
+    assert bench.grade(row, f"```python\n{right}```") == 1.0
+    # an answer that redefines the helper as the identity and decodes as the identity: the tests
+    # still encode with the prompt's helper
+    forged = "def encode_cyclic(s):\n    return s\n\n\ndef decode_cyclic(s):\n    return s\n"
+    assert bench.grade(row, f"```python\n{forged}```") == 0.0
+
 def test_olympiadbench_multiple_answers_in_order(data):
     bench = get_benchmark("olympiadbench")
     row = next(r for r in bench.load(data[0]) if len(r["parts"]) == 2)

@@ -1,0 +1,253 @@
+"""A control group per jail: the jail's memory (its tmpfs included: tmpfs pages are charged to the
+writer's group) and its number of tasks are limited as a whole, and every process of the jail is
+killed when its run ends, whatever it did to detach itself (fork, setsid, double fork).
+
+cgroup v2 where this process may make child groups with the memory and pids controllers, else
+cgroup v1 (one group under this process's own group in the memory and in the pids hierarchy).
+Where neither is possible (no root, nothing delegated), `JailGroup.create` returns None and the
+jail keeps the per-process rlimits only, which one log line says.
+
+bubblewrap starts inside the group: a shell writes itself into the group's `cgroup.procs` and then
+executes bubblewrap, so no jailed process ever exists outside it (no race with a pid written later).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import shlex
+import shutil
+import signal
+import threading
+import time
+from typing import Optional
+
+log = logging.getLogger(__name__)
+_PREFIX = "dare-jail-"
+_COUNTER = itertools.count()
+_LOCK = threading.Lock()
+_LAYOUT: Optional[dict] = None  # {"v2": path} | {"memory": path, "pids": path} | {} (none usable)
+
+
+def _own_groups() -> dict:
+    """This process's group per hierarchy: {"": v2 path, "memory": ..., "pids": ...}."""
+    groups = {}
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            for name in controllers.split(",") if controllers else [""]:
+                groups[name] = path
+    return groups
+
+
+def _mounts() -> dict:
+    """Mount point (and the mount's root) of each cgroup hierarchy: {"": ..., "memory": ..., ...}."""
+    found = {}
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            sep = fields.index("-")
+            fstype, options = fields[sep + 1], fields[sep + 3].split(",")
+            root, point = fields[3], fields[4].replace("\\040", " ")
+            if fstype == "cgroup2":
+                found.setdefault("", (point, root))
+            elif fstype == "cgroup":
+                for name in ("memory", "pids"):
+                    if name in options:
+                        found.setdefault(name, (point, root))
+    return found
+
+
+def _directory(mounts: dict, groups: dict, name: str) -> Optional[str]:
+    if name not in mounts or name not in groups:
+        return None
+    point, root = mounts[name]
+    path = groups[name]
+    if root != "/" and (path + "/").startswith(root + "/"):
+        path = path[len(root):]
+    return os.path.join(point, path.lstrip("/"))
+
+
+def _writable(path: Optional[str]) -> bool:
+    return bool(path) and os.path.isdir(path) and os.access(path, os.W_OK)
+
+
+def _detect() -> dict:
+    try:
+        mounts, groups = _mounts(), _own_groups()
+    except (OSError, ValueError, IndexError):
+        return {}
+    v2 = _directory(mounts, groups, "")
+    if _writable(v2):
+        try:
+            with open(os.path.join(v2, "cgroup.controllers")) as f:
+                available = set(f.read().split())
+            if {"memory", "pids"} <= available:
+                # fails (EBUSY) where this group itself holds processes and is not the root: then v2
+                # cannot give children these controllers and v1 (if mounted) is tried instead
+                with open(os.path.join(v2, "cgroup.subtree_control"), "w") as f:
+                    f.write("+memory +pids")
+                return {"v2": v2}
+        except OSError:
+            pass
+    memory, pids = _directory(mounts, groups, "memory"), _directory(mounts, groups, "pids")
+    if _writable(memory) and _writable(pids):
+        return {"memory": memory, "pids": pids}
+    return {}
+
+
+def _remove_stale(layout: dict) -> None:
+    """Groups of trainers that died without cleaning up (SIGKILL). `--die-with-parent` kills their
+    jails, except a bubblewrap child still in its set-up when its parent died, which then waits
+    forever for a signal from it: killed here, with anything else left in those groups."""
+    for parent in layout.values():
+        try:
+            names = os.listdir(parent)
+        except OSError:
+            continue
+        for name in names:
+            owner = name[len(_PREFIX):].split("-", 1)[0]
+            # a live owner pid (even a recycled one) leaves the group alone
+            if name.startswith(_PREFIX) and owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
+                JailGroup([os.path.join(parent, name)], "v2" in layout).remove(timeout=1.0)
+
+
+def _layout() -> dict:
+    global _LAYOUT
+    with _LOCK:
+        if _LAYOUT is None:
+            _LAYOUT = _detect()
+            _remove_stale(_LAYOUT)
+            if not _LAYOUT:
+                log.warning("code sandbox: no cgroup can be made here (not root, nothing delegated); jails "
+                            "keep per-process rlimits only: no memory/process limit for a jail as a whole")
+        return _LAYOUT
+
+
+def _write(path: str, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+class JailGroup:
+    """One jail's group(s): limits set, bubblewrap started inside, everything killed and removed after."""
+
+    def __init__(self, directories: list[str], v2: bool):
+        self.directories, self.v2 = directories, v2
+
+    @classmethod
+    def create(cls, memory_bytes: int, tasks: int) -> Optional["JailGroup"]:
+        layout = _layout()
+        if not layout:
+            return None
+        name = f"{_PREFIX}{os.getpid()}-{next(_COUNTER)}"
+        made: list[str] = []
+        try:
+            if "v2" in layout:
+                made.append(os.path.join(layout["v2"], name))
+                os.mkdir(made[0])
+                _write(os.path.join(made[0], "memory.max"), str(memory_bytes))
+                for optional, value in (("memory.swap.max", "0"), ("memory.oom.group", "1")):
+                    if os.path.exists(os.path.join(made[0], optional)):
+                        _write(os.path.join(made[0], optional), value)
+                _write(os.path.join(made[0], "pids.max"), str(tasks))
+            else:
+                made.append(os.path.join(layout["memory"], name))
+                os.mkdir(made[-1])
+                _write(os.path.join(made[-1], "memory.limit_in_bytes"), str(memory_bytes))
+                try:  # with swap accounting: no swapping past the limit either
+                    _write(os.path.join(made[-1], "memory.memsw.limit_in_bytes"), str(memory_bytes))
+                except OSError:
+                    pass
+                made.append(os.path.join(layout["pids"], name))
+                os.mkdir(made[-1])
+                _write(os.path.join(made[-1], "pids.max"), str(tasks))
+        except OSError as exc:
+            log.warning("code sandbox: cannot make the jail's cgroup (%s); per-process rlimits only", exc)
+            for path in made:
+                try:
+                    os.rmdir(path)
+                except OSError:
+                    pass
+            return None
+        return cls(made, "v2" in layout)
+
+    def wrap(self, argv: list[str]) -> list[str]:
+        """`argv`, started inside the group: the shell moves itself there, then executes argv."""
+        sh = shutil.which("sh", path="/bin:/usr/bin") or "/bin/sh"
+        moves = " && ".join(f"echo 0 > {shlex.quote(os.path.join(d, 'cgroup.procs'))}" for d in self.directories)
+        return [sh, "-c", f'{moves} && exec "$@"', "sh", *argv]
+
+    def pids(self) -> list[int]:
+        found = set()
+        for directory in self.directories:
+            try:
+                with open(os.path.join(directory, "cgroup.procs")) as f:
+                    found.update(int(p) for p in f.read().split())
+            except (OSError, ValueError):
+                pass
+        return sorted(found)
+
+    def populated(self) -> bool:
+        """Whether a task of the group has not finished exiting. `cgroup.procs` already hides a
+        process once it starts to exit, while it may still be tearing down its memory."""
+        for directory in self.directories:
+            try:
+                if self.v2:
+                    with open(os.path.join(directory, "cgroup.events")) as f:
+                        if "populated 1" in f.read():
+                            return True
+                else:
+                    with open(os.path.join(directory, "tasks")) as f:
+                        if f.read().strip():
+                            return True
+            except OSError:
+                pass
+        return False
+
+    def kill_all(self, timeout: float = 5.0, spare: Optional[int] = None) -> bool:
+        """SIGKILL every process of the group (but `spare`) until none is left; True when it is empty.
+        Sparing bubblewrap lets it reap its PID namespace's init, which the kernel lets exit only once
+        every process of the namespace is gone: bubblewrap's exit then means the jail is gone."""
+        if spare is None and self.v2 and os.path.exists(os.path.join(self.directories[0], "cgroup.kill")):
+            try:
+                _write(os.path.join(self.directories[0], "cgroup.kill"), "1")
+            except OSError:
+                pass
+        deadline = time.monotonic() + timeout
+        while True:
+            pids = [pid for pid in self.pids() if pid != spare]
+            if not pids and (spare is not None or not self.populated()):
+                return True
+            if time.monotonic() > deadline:
+                return False
+            for pid in pids:
+                try:
+                    handle = os.pidfd_open(pid)  # pins the process: no pid reuse between check and kill
+                except OSError:
+                    continue
+                try:
+                    # still a member: a recycled pid cannot have joined the group (only jail forks do)
+                    if pid in self.pids():
+                        signal.pidfd_send_signal(handle, signal.SIGKILL)
+                except OSError:
+                    pass
+                finally:
+                    os.close(handle)
+            time.sleep(0.005)
+
+    def remove(self, timeout: float = 2.0) -> None:
+        self.kill_all(timeout)
+        for directory in self.directories:
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    os.rmdir(directory)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError as exc:  # EBUSY while the last processes are still being torn down
+                    if time.monotonic() > deadline:
+                        log.warning("code sandbox: cannot remove cgroup %s: %s", directory, exc)
+                        break
+                    time.sleep(0.01)
