@@ -16,6 +16,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from dare_core.models.compiled import outside_graphs
+
 BACKENDS = ("sdpa", "flex", "varlen")
 
 
@@ -71,7 +73,7 @@ _compiled_flex = None
 # Under `model.compile` a training layer is traced by torch.compile; the attention kernels stay out of
 # that graph (a graph break) and run as they do eagerly: opaque kernels with their own autograd,
 # nothing around them to fuse.
-@torch.compiler.disable
+@outside_graphs
 def _flex(q, k, v, block_mask):
     global _compiled_flex
     from torch.nn.attention.flex_attention import flex_attention
@@ -88,7 +90,7 @@ def _flex(q, k, v, block_mask):
     return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
-@torch.compiler.disable
+@outside_graphs
 def _varlen(q, k, v, ctx: AttentionContext):
     """q/k/v [1, H, T, D] of packed sequences."""
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))  # [T, H, D]
