@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from dare_core.errors import UserError
 from dare_core.rewards.base import FAILURE_REASONS, RewardResult, RewardSampleError
-from dare_core.rewards.registry import REWARDS, compute_reward, get_reward
+from dare_core.rewards.registry import REWARDS, get_reward
 from dare_core.rewards.sandbox import SandboxUnavailable, check_available
 
 WORKERS_ENV = "DARE_REWARD_WORKERS"
@@ -72,9 +72,10 @@ def reward_name_for(row: dict, configured: str = "auto") -> str:
 
 
 def score_row(row: dict, text: str, reward: str = "auto", reward_args: Optional[Mapping[str, Any]] = None) -> RewardResult:
-    """Grade one response against `row["ground_truth"]` with the row's reward."""
+    """Grade one response against `row["ground_truth"]` with the row's reward (a failure of this
+    response's grading scores 0 with its reason, as in `score_texts`)."""
     name, args = reward_for(row, reward, reward_args)
-    return compute_reward(name, text, row["ground_truth"], {"task": row.get("task"), "row": row}, args)
+    return _graded(get_reward(name, args), row, text)
 
 
 def default_workers() -> int:
