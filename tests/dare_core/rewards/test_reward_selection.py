@@ -1,15 +1,12 @@
 """Which reward grades a row (configured > the row's `reward` column > its task's), through
 score_texts, the `task` benchmark and the ground-truth checks of prepared rows."""
 import json
-import sys
-import uuid
 
 import pytest
 
 from dare_core.config import ConfigError
 from dare_core.data.schema import DataError, check_ground_truths, read_rows, write_rows
 from dare_core.eval.configs.task import PreparedTask
-from dare_core.rewards import user
 from dare_core.rewards.scoring import reward_for, reward_name_for, score_texts
 
 ROW = {"prompt": "p", "ground_truth": "42", "task": "arithmetic", "uid": "u0", "prompt_text": "p"}
@@ -40,18 +37,13 @@ def test_reward_for_and_name():
 
 
 @pytest.fixture
-def mod(tmp_path, monkeypatch):
-    name = f"sel_rewards_{uuid.uuid4().hex[:10]}"
-    (tmp_path / f"{name}.py").write_text(
+def mod(user_module):
+    return user_module(
         "def length(completion, ground_truth, row, scale=1.0):\n"
         "    return {'score': scale * len(completion), 'acc': float(completion == ground_truth), 'uid': row['uid']}\n"
         "def only_a(completion, ground_truth, row):\n"
         "    return 1.0\n"
         "only_a.validate = lambda ground_truth: ground_truth.startswith('a')\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(user, "_LOADED", {})
-    yield name
-    sys.modules.pop(name, None)
 
 
 def test_user_reward_gets_the_row_through_score_texts(mod):

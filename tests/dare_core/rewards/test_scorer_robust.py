@@ -7,12 +7,11 @@ import random
 import re
 import sys
 import time
-import uuid
 
 import pytest
 
 from dare_core.errors import UserError
-from dare_core.rewards import RewardError, sandbox, user
+from dare_core.rewards import RewardError, sandbox
 from dare_core.rewards.base import FAILURE_REASONS
 from dare_core.rewards.extract import _PYTHON_LANGS, python_blocks
 from dare_core.rewards.gsm8k import _d1_soft, _d1_strict
@@ -151,16 +150,11 @@ def test_linear_scans_decide_like_the_regular_expressions():
 # ---- rewards that raise, and configuration errors ---------------------------------------------------
 
 @pytest.fixture
-def mod(tmp_path, monkeypatch):
-    name = f"robust_rewards_{uuid.uuid4().hex[:10]}"
-    (tmp_path / f"{name}.py").write_text(
+def mod(user_module):
+    return user_module(
         "def picky(completion, ground_truth, row):\n"
         "    if completion == 'boom':\n        raise RuntimeError('kaput')\n"
         "    return float('nan') if completion == 'nan' else float(completion == ground_truth)\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(user, "_LOADED", {})
-    yield name
-    sys.modules.pop(name, None)
 
 
 def test_a_reward_that_raises_scores_zero_with_the_reason(mod):

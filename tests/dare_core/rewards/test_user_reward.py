@@ -3,7 +3,6 @@ name the function."""
 import math
 import sys
 import textwrap
-import uuid
 
 import pytest
 
@@ -75,15 +74,9 @@ def needs_threshold(completion, ground_truth, row, *, threshold):
 
 
 @pytest.fixture
-def mod(tmp_path, monkeypatch):
-    """A fresh user module on sys.path; yields its name. Its imports are counted in imports.log."""
-    name = f"user_rewards_{uuid.uuid4().hex[:10]}"
-    log = tmp_path / "imports.log"
-    (tmp_path / f"{name}.py").write_text(MODULE.format(log=str(log)))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(user, "_LOADED", {})
-    yield name
-    sys.modules.pop(name, None)
+def mod(tmp_path, user_module):
+    """A fresh user module on sys.path; its name. Its imports are counted in imports.log."""
+    return user_module(MODULE.format(log=str(tmp_path / "imports.log")))
 
 
 def imports(tmp_path):
