@@ -51,3 +51,27 @@ def project(built_project, tmp_path):
     from bad_input import copy_project
 
     return copy_project(built_project, tmp_path / "project")
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    """write(source) -> the name of a fresh module holding `source`, importable for this test, unknown to
+    the reward loader's cache and gone from sys.modules afterwards (a user reward module)."""
+    import sys
+    import uuid
+
+    from dare_core.rewards import user
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(user, "_LOADED", {})
+    made = []
+
+    def write(source: str) -> str:
+        name = f"user_rewards_{uuid.uuid4().hex[:10]}"
+        (tmp_path / f"{name}.py").write_text(source)
+        made.append(name)
+        return name
+
+    yield write
+    for name in made:
+        sys.modules.pop(name, None)
