@@ -15,6 +15,7 @@ from typing import Any, Optional, Union
 
 import yaml
 
+from dare_core.output_paths import output_conflict
 from dare_core.recipes import apply_recipe
 from dare_core.remote import cache_path, local_copy, redact
 from dare_core.sampling.params import SamplingParams
@@ -138,7 +139,8 @@ class ModelConfig:
     # training forwards over the real tokens only, sequences packed back to back (no padding):
     # auto = where a packed kernel runs (GPU: varlen, FlexAttention for block diffusion), padded
     # SDPA otherwise; on = always (CPU: SDPA with a block-diagonal mask); off = padded batches
-    packing: str = "auto"
+    # YAML reads a bare on / off as true / false: those mean on / off here (`on_off`)
+    packing: str = field(default="auto", metadata={"on_off": True})
     # training forwards run each decoder layer through torch.compile (fused norms, RoPE, SwiGLU and
     # LoRA adds); rollouts stay eager. Costs a compile (about a minute on a GPU) at the first step
     compile: bool = False
@@ -546,6 +548,8 @@ def from_dict(cls: type, data: Any, where: str = "", source: str = "params.yaml"
             default = fields[key].default_factory() if fields[key].default_factory is not dataclasses.MISSING else tp()
             kwargs[key] = merge_into(default, value, path, source)
         else:
+            if isinstance(value, bool) and fields[key].metadata.get("on_off"):
+                value = "on" if value else "off"
             if isinstance(value, str) and _accepts_float(tp):
                 # YAML 1.1 reads "2e-3" (no dot) as a string; accept it as the number it means
                 try:
@@ -591,8 +595,11 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def load_config(path: Union[str, Path] = "params.yaml", overrides: Optional[list[str]] = None) -> DareConfig:
-    """Read params.yaml (plus `key.sub=value` overrides) into a validated DareConfig."""
+def load_config(path: Union[str, Path] = "params.yaml", overrides: Optional[list[str]] = None,
+                root: Union[str, Path, None] = None) -> DareConfig:
+    """Read params.yaml (plus `key.sub=value` overrides) into a validated DareConfig, its output
+    locations checked as a set (output_paths.py) against the project folder `root` (where the
+    stages run, which relative paths start from; default: the current directory)."""
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"config file not found: {path}")
@@ -606,9 +613,27 @@ def load_config(path: Union[str, Path] = "params.yaml", overrides: Optional[list
     # params.yaml < the recipe < overrides: the recipe is read before the overrides are applied
     recipe = next((value for key, value in reversed(parsed) if key == "recipe"), raw.get("recipe"))
     raw = apply_recipe(raw, recipe, path)
+    _check_has_sections(raw, path)
     for key, value in parsed:
         _set_dotted(raw, key, value)
-    return from_dict(DareConfig, raw, "", str(path))
+    cfg = from_dict(DareConfig, raw, "", str(path))
+    conflict = output_conflict(cfg, root, path)
+    if conflict:
+        raise ConfigError(f"{path}: {conflict}")
+    return cfg
+
+
+SECTIONS = ("run", "data", "model", "launch", "sft", "rl", "preference", "eval")
+
+
+def _check_has_sections(raw: dict, path: Path) -> None:
+    """An empty or commented-out params file would run a stage on the code's defaults (20000 SFT
+    rows of arithmetic, a from-scratch model) and replace outputs made with the user's settings."""
+    # (a key that is no section is from_dict's to name)
+    if all(value is None or value == {} for value in raw.values()):
+        raise ConfigError(f"{path}: no settings: the sections {', '.join(SECTIONS)} are all missing or empty (and no "
+                          f"recipe is set); an empty or commented-out params file would run on built-in defaults. "
+                          f"Restore it (from git) or give the sections your run needs")
 
 
 def to_dict(cfg: Any) -> dict:

@@ -297,7 +297,7 @@ def download_to(url: str, dest: Path, remote: dict[str, dict], keep: frozenset |
     if dest.exists() and not dest.is_dir():
         dest.unlink()
     fetch = sorted(rel for rel in remote if rel not in keep)
-    with atomic_dir(dest) as tmp:
+    with atomic_dir(dest, claim=False) as tmp:  # the download cache: DARE's own, never a user's folder
         for rel in remote:
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             if rel in keep:

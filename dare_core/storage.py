@@ -7,15 +7,17 @@ Remote paths (s3://...) go through fsspec, where an object PUT is already all-or
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import shutil
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Any, Iterator, Union
+from typing import Any, Iterable, Iterator, Union
 
 from dare_core.errors import UserError
+from dare_core.ownership import check_replaceable, files_under, mark
 
 PathLike = Union[str, Path]
 
@@ -60,22 +62,32 @@ def atomic_write_json(path: PathLike, obj: Any, sort_keys: bool = True) -> None:
 
 
 @contextlib.contextmanager
-def atomic_dir(path: PathLike) -> Iterator[Path]:
+def atomic_dir(path: PathLike, writes: Iterable[str] = (), claim: bool = True) -> Iterator[Path]:
     """Yield a temporary sibling directory; on success it replaces `path` in one rename.
 
-    On an exception the temporary directory is removed and `path` is left as it was.
+    On an exception the temporary directory is removed and `path` is left as it was. `writes` and
+    `claim`: as for `atomic_dirs`.
     """
-    with atomic_dirs(path) as (tmp,):
+    with atomic_dirs(path, writes=writes, claim=claim) as (tmp,):
         yield tmp
 
 
 @contextlib.contextmanager
-def atomic_dirs(*paths: PathLike) -> Iterator[list[Path]]:
+def atomic_dirs(*paths: PathLike, writes: Iterable[str] = (), claim: bool = True) -> Iterator[list[Path]]:
     """`atomic_dir` for outputs that belong together (prepared data and its tokenizer): one temporary
     sibling per path, swapped in one after the other only once all are written; a failed swap puts
     back the ones already done, so the outputs are all new or all old. An OSError (disk full,
-    read-only) becomes a UserError naming the output."""
+    read-only) becomes a UserError naming the output.
+
+    Only folders DARE wrote are replaced (ownership.py): each new folder gets the marker, and an
+    existing one without it must be empty or hold only files matching `writes` (patterns of what
+    the caller writes there; checked before the caller writes anything) or, at the swap, files the
+    new folder holds too. `claim=False`: a folder of DARE's own cache, neither marked nor checked."""
     targets = [_local(p) for p in paths]
+    writes = tuple(writes)
+    if claim and writes:
+        for path in targets:
+            check_replaceable(path, writes)
     tmps: list[Path] = []
     try:
         for path in targets:
@@ -83,6 +95,11 @@ def atomic_dirs(*paths: PathLike) -> Iterator[list[Path]]:
             tmps.append(path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
             tmps[-1].mkdir()
         yield list(tmps)
+        if claim:
+            for path, tmp in zip(targets, tmps):
+                # what the old folder holds beyond the new one's files would be lost with it
+                check_replaceable(path, writes + tuple(glob.escape(f) for f in files_under(tmp)))
+                mark(tmp)
         _swap_in(targets, tmps)
     except OSError as exc:
         raise UserError(f"writing {', '.join(map(str, targets))} failed, nothing was changed: {exc}") from exc

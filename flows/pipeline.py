@@ -146,6 +146,20 @@ def _check_stages(stages: list[str], repo: Path) -> None:
         raise ValueError(f"stages not in {dvc_yaml}: {unknown} (defined: {sorted(defined)})")
 
 
+def _check_config(root: Path) -> None:
+    """Load params.yaml as every stage will, before the first `dvc repro`: DVC removes a stage's
+    outputs before the stage's own checks run, so an output folder set over the user's data or
+    another output (dare_core/output_paths.py) must fail the flow here, with nothing deleted. A
+    pipeline whose stages are not `dare stage` commands has no DARE config to check."""
+    import yaml
+
+    from dare_core.config import load_config
+
+    stages = (yaml.safe_load((root / "dvc.yaml").read_text()) or {}).get("stages") or {}
+    if any(str((stage or {}).get("cmd", "")).startswith("dare ") for stage in stages.values() if isinstance(stage, dict)):
+        load_config(root / "params.yaml", root=root)
+
+
 @flow(name="dare-pipeline")
 def dare_pipeline(
     stages: list[str] | None = None,
@@ -189,6 +203,7 @@ def dare_pipeline(
                               stages=stages, isolated=isolated, dirty=dirty),
         description="where this run worked, its commit and params.yaml overrides",
     )
+    _check_config(root)
     run = dvc_stage.with_options(retries=retries, retry_delay_seconds=retry_delay_seconds)
     result = PipelineResult(repo=str(root))
 

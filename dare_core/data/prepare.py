@@ -23,11 +23,14 @@ from dare_core.data import lengths as derived
 from dare_core.data.schema import DataError, check_ground_truths, read_rows, validate_rows, write_rows
 from dare_core.data.sources import attach_reward, check_size, dedupe, side_rows, source_pool, task_label
 from dare_core.data.synthetic import get_task
-from dare_core.models.tokenizer import Tokenizer, char_tokenizer, load_tokenizer
+from dare_core.models.tokenizer import TOKENIZER_FILES, Tokenizer, char_tokenizer, load_tokenizer
+from dare_core.ownership import check_replaceable
 from dare_core.rewards.instructions import add_instruction, check_rows
 from dare_core.storage import atomic_dirs, atomic_write_json, check_writable, read_json
 
 SPLITS = ("sft", "rl", "eval", "val", "preference")
+# what prepare writes into its folders (an unmarked folder holding only these is an earlier one's: ownership.py)
+WRITES = (*(f"{split}.parquet" for split in SPLITS), "summary.json", *TOKENIZER_FILES)
 # Sequence length of a from-scratch model whose init config does not say.
 DEFAULT_MAX_LENGTH = 128
 # Synthetic pools are drawn with doubling sizes until enough distinct problems appear; this bounds it.
@@ -46,6 +49,7 @@ def _max_length(cfg: DareConfig) -> int:
         family = get_family(cfg.model.family)
         if family.tiny_config is None:
             return DEFAULT_MAX_LENGTH
+        family.check_init(cfg.model.init)  # a typo is named, not one more key nothing reads
         return family.config_from_hf(family.tiny_config(8, 7, 6, **cfg.model.init)).max_sequence_length
     path = cfg.model_folder() / "config.json"
     if not path.is_file():
@@ -260,6 +264,7 @@ def prepare(cfg: DareConfig) -> dict[str, Any]:
     outputs = [cfg.data.prepared_dir] + ([cfg.data.tokenizer_dir] if from_scratch else [])
     for output in outputs:
         check_writable(output)
+        check_replaceable(output, WRITES)  # a folder of the user's is never replaced
     tokenizer = char_tokenizer() if from_scratch else load_tokenizer(cfg.model_folder())
     length_key = derived.model_length_key(cfg)  # a from-scratch model sized by the data
     limit = _UNSIZED_LIMIT if length_key else _max_length(cfg)
@@ -317,7 +322,7 @@ def prepare(cfg: DareConfig) -> dict[str, Any]:
         "vocab_size": tokenizer.vocab_size,
     }
     # Everything is valid: only now touch the disk, all outputs at once
-    with atomic_dirs(*outputs) as tmps:
+    with atomic_dirs(*outputs, writes=WRITES) as tmps:
         for split in SPLITS:
             write_rows(tmps[0] / f"{split}.parquet", prepared[split], split)
         atomic_write_json(tmps[0] / "summary.json", summary)

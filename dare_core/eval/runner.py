@@ -22,7 +22,7 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 from dare_core.errors import UserError
 from dare_core.eval.configs import get_benchmark, parse_benchmarks
@@ -140,13 +140,13 @@ def write_config(config: dict, path: Path) -> Path:
 
 
 @contextlib.contextmanager
-def complete_or_absent(path: Path) -> Iterator[Path]:
-    """`storage.atomic_dir(path)`: a temporary sibling renamed to `path` on success; on failure it is
-    removed, and so are the parent folders it had to create (a failed run leaves nothing)."""
+def complete_or_absent(path: Path, writes: Iterable[str] = ()) -> Iterator[Path]:
+    """`storage.atomic_dir(path, writes)`: a temporary sibling renamed to `path` on success; on failure
+    it is removed, and so are the parent folders it had to create (a failed run leaves nothing)."""
     path = Path(path)
     created = [p for p in (path.parent, *path.parent.parents) if not p.exists()]
     try:
-        with atomic_dir(path) as tmp:
+        with atomic_dir(path, writes=writes) as tmp:
             yield tmp
     except BaseException:
         for folder in created:  # innermost first; a folder someone else filled meanwhile stays

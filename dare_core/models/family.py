@@ -3,6 +3,7 @@ mapping, parameter names, attention pattern, logit alignment); everything else i
 transformer. Each family file registers itself; importing `dare_core.models` imports them all."""
 from __future__ import annotations
 
+import difflib
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -45,6 +46,21 @@ class Family:
             if out.get(self.token_id_keys[role]) is None:
                 out[self.token_id_keys[role]] = token_id
         return out
+
+    def check_init(self, init: dict) -> None:
+        """ConfigError unless every key of `model.init` is a setting of this family's from-scratch
+        config.json: the mapping is free-form, and a typo (n_layer) would otherwise be one more key
+        that nothing reads, the model silently built with the default."""
+        from dare_core.config import ConfigError
+
+        if self.tiny_config is None:
+            return
+        known = self.tiny_config(8, 7, 6)
+        for key in init:
+            if key not in known:
+                close = difflib.get_close_matches(str(key), list(known), n=1)
+                hint = f"; did you mean model.init.{close[0]}?" if close else f" (family {self.model_type})"
+                raise ConfigError(f"unknown setting model.init.{key}{hint}")
 
     def to_hf_name(self, name: str) -> str:
         return _translate(name, self.name_map, 0, 1, self.model_type)

@@ -21,6 +21,8 @@ from dare_core.storage import atomic_dir, read_json
 
 
 INDEX = "model.safetensors.index.json"
+# what `save_model` writes into a folder (an unmarked folder holding only these is an earlier export: ownership.py)
+EXPORT_FILES = ("config.json", "generation_config.json", INDEX, "model-*-of-*.safetensors", *TOKENIZER_FILES)
 
 
 def _read_json_object(path: Path) -> dict:
@@ -275,7 +277,7 @@ def save_model(
     shards = plan_shards(layout, max_shard_bytes)
     config = dict(model.hf_config)
     config["torch_dtype"] = str(next(model.parameters()).dtype).replace("torch.", "")
-    with atomic_dir(folder) as tmp:
+    with atomic_dir(folder, writes=EXPORT_FILES) as tmp:
         weight_map, times = {}, {}
         tensors = model.hf_tensors()
         for i, names in enumerate(shards):

@@ -156,7 +156,7 @@ class Tokenizer:
     # ---- disk
     def save(self, folder: PathLike) -> None:
         """Write the HF layout into `folder`, replacing it in one rename."""
-        with atomic_dir(folder) as tmp:
+        with atomic_dir(folder, writes=TOKENIZER_FILES) as tmp:
             (tmp / "tokenizer.json").write_text(self.backend.to_str(pretty=True))
             (tmp / "tokenizer_config.json").write_text(json.dumps(self.config, indent=2) + "\n")
             special_map = _special_tokens_map(self.config)

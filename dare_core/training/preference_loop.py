@@ -119,7 +119,7 @@ def check_preference(cfg: DareConfig, save_checkpoints: bool = True, export: boo
     if export:
         writes.append(out_dir / "model")
     check_outputs(writes, [(out_dir, training_need(saves, existing, pcfg.keep_last, weights if export else 0))],
-                  "the preference checkpoints and the exported model")
+                  "the preference checkpoints and the exported model", [out_dir / "model"] if export else [])
     return PreferencePlan(rows, prompts, chosen, rejected, ckpt)
 
 

@@ -10,6 +10,8 @@ from typing import Iterable
 
 import torch
 
+from dare_core.models.hf_folder import EXPORT_FILES
+from dare_core.ownership import check_replaceable
 from dare_core.storage import check_free_space, check_writable
 
 # Adam's two moments per trainable parameter, in fp32
@@ -66,9 +68,13 @@ def stage_writes(out_dir: Path) -> list[Path]:
     return paths
 
 
-def check_outputs(writes: Iterable[Path], needs: list[tuple[Path, int]], what: str) -> None:
-    """Raise UserError, naming the folder, unless every path in `writes` can be written and the
-    disk holds `needs` ((where, bytes); `what` says what they are)."""
+def check_outputs(writes: Iterable[Path], needs: list[tuple[Path, int]], what: str,
+                  exports: Iterable[Path] = ()) -> None:
+    """Raise UserError, naming the folder, unless every path in `writes` can be written, each
+    model folder in `exports` is DARE's to replace (ownership.py) and the disk holds `needs`
+    ((where, bytes); `what` says what they are)."""
     for path in writes:
         check_writable(path)
+    for folder in exports:
+        check_replaceable(folder, EXPORT_FILES)
     check_free_space(needs, what)

@@ -38,6 +38,7 @@ def _scratch_config(cfg: DareConfig, tokenizer: Tokenizer) -> dict:
         raise ConfigError(f"model.family: {exc}") from None
     if family.tiny_config is None:
         raise ConfigError(f"model.family: '{cfg.model.family}' cannot be initialised from scratch (set model.path)")
+    family.check_init(cfg.model.init)
     try:
         return family.tiny_config(tokenizer.vocab_size, tokenizer.mask_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id,
                                   **cfg.model.init)

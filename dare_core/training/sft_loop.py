@@ -90,7 +90,8 @@ def check_sft(cfg: DareConfig, save_checkpoints: bool = True, export: bool = Tru
     if not cfg.model.path:
         writes.append(cfg.base_model_dir)
         needs.append((cfg.base_model_dir, weights))
-    check_outputs(writes, needs, "the SFT checkpoints and the exported model")
+    exports = [p for p in (out_dir / "model", cfg.base_model_dir) if p in writes]
+    check_outputs(writes, needs, "the SFT checkpoints and the exported model", exports)
     return SFTPlan(rows, tokenizer, prompts, responses, algo, ckpt)
 
 

@@ -5,7 +5,9 @@ import torch
 
 from dare_core.config import DareConfig
 from dare_core.data.lengths import resolve as resolve_lengths
+from dare_core.models.hf_folder import EXPORT_FILES
 from dare_core.models.lm import build_model
+from dare_core.ownership import check_replaceable
 from dare_core.storage import check_free_space, check_writable
 from dare_core.training.checkpoint import convert_checkpoint, latest_checkpoint
 from dare_core.training.preflight import model_bytes
@@ -22,6 +24,7 @@ def check_convert(cfg: DareConfig) -> None:
     if not (tokenizer / "tokenizer_config.json").is_file():
         raise FileNotFoundError(f"{tokenizer / 'tokenizer_config.json'}: missing (run the prepare stage first)")
     check_writable(cfg.final_model_dir)
+    check_replaceable(cfg.final_model_dir, EXPORT_FILES)  # never a folder of the user's
     spec = build_model(meta["hf_config"], device="meta")
     # the checkpoint holds fp32 or bf16 weights; fp32 is the larger, so the estimate is safe
     check_free_space([(cfg.final_model_dir, model_bytes(spec, torch.float32))], "the exported model")

@@ -20,6 +20,10 @@ from dare_core.training.setup import sampler_dict
 from dare_core.training.threads import log_threads
 from dare_core.workers.common import run_worker
 
+# what this stage writes into runs/<name>/eval (an unmarked folder holding only these is an earlier
+# version's: ownership.py)
+EVAL_WRITES = ("opencompass/*", "summary.md", "opencompass_summary.md", "manifest.json", "accuracy.png")
+
 
 def model_options(cfg: DareConfig) -> dict:
     return {"sampler": sampler_dict(cfg), "seed": cfg.run.seed, "dtype": cfg.model.dtype, "chat": cfg.eval.chat,
@@ -43,7 +47,7 @@ def run_eval(cfg: DareConfig) -> dict:
                             cfg.eval.benchmark_args, cfg.eval.max_samples or 0, data_dirs={"task": prepared})
     check_models(folders, specs, model_options(cfg))  # before the old results are touched
     log_threads()
-    with complete_or_absent(cfg.stage_dir("eval")) as out_dir:
+    with complete_or_absent(cfg.stage_dir("eval"), EVAL_WRITES) as out_dir:
         results = evaluate_folders(folders, specs, out_dir / "opencompass", model_options(cfg), cfg.eval.sampler.batch_size,
                                    run_name="run", check=False)
         run_dir = out_dir / "opencompass" / "run"

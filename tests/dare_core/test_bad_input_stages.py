@@ -418,12 +418,14 @@ def test_outputs_written_together_are_all_new_or_all_old(tmp_path: Path) -> None
     """`atomic_dirs`: when the second swap fails (an immutable old folder cannot be moved aside),
     the first is put back; both hold their old files and no temporary folder is left."""
     from dare_core.errors import UserError
+    from dare_core.ownership import OUTPUT_MARKER
     from dare_core.storage import atomic_dirs
 
     first, second = tmp_path / "prepared", tmp_path / "tokenizer"
     for folder in (first, second):
         folder.mkdir()
         (folder / "old.txt").write_text("old")
+        (folder / OUTPUT_MARKER).write_text("")  # outputs of an earlier run (a folder of the user's is never replaced)
     locked = subprocess.run(["chattr", "+i", str(second)], capture_output=True)
     if locked.returncode:
         pytest.skip(f"chattr +i is not available here: {locked.stderr.decode()[-200:]}")
@@ -435,4 +437,4 @@ def test_outputs_written_together_are_all_new_or_all_old(tmp_path: Path) -> None
     finally:
         subprocess.run(["chattr", "-i", str(second)], capture_output=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["prepared", "tokenizer"]
-    assert [p.name for p in first.iterdir()] == ["old.txt"] and [p.name for p in second.iterdir()] == ["old.txt"]
+    assert sorted(p.name for p in first.iterdir()) == sorted(p.name for p in second.iterdir()) == [OUTPUT_MARKER, "old.txt"]

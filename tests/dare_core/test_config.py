@@ -36,7 +36,7 @@ def test_overrides_and_yaml_float_spelling(tmp_path):
 
 
 def test_zero_offload_needs_the_zero_stage_that_partitions_it(tmp_path):
-    p = _write(tmp_path, "{}\n")
+    p = _write(tmp_path, "run: {seed: 0}\n")
     cfg = load_config(p, ["launch.zero_stage=3", "launch.offload_optimizer=cpu", "launch.offload_params=cpu"])
     assert (cfg.launch.offload_optimizer, cfg.launch.offload_params) == ("cpu", "cpu")
     assert load_config(p, ["launch.zero_stage=1", "launch.offload_optimizer=cpu"]).launch.offload_params == "none"
@@ -56,6 +56,6 @@ def test_values_out_of_range_name_their_full_key(tmp_path):
                           ("rl.sampler.batch_size=0", "rl.sampler.batch_size"), ("sft.optim.schedule=cos", "sft.optim.schedule"),
                           ("rl.dual_clip=0.5", "rl.dual_clip"), ("launch.nproc=0", "launch.nproc")):
         with pytest.raises(ConfigError, match=rf"key '{key}'"):
-            load_config(_write(tmp_path, "{}\n"), [override])
+            load_config(_write(tmp_path, "run: {seed: 0}\n"), [override])
     # 0 where it means "off" stays allowed
-    assert load_config(_write(tmp_path, "{}\n"), ["rl.validate_every=0", "rl.dual_clip=0"]).rl.validate_every == 0
+    assert load_config(_write(tmp_path, "run: {seed: 0}\n"), ["rl.validate_every=0", "rl.dual_clip=0"]).rl.validate_every == 0

@@ -360,7 +360,8 @@ def test_export_from_a_model_folder_copies_its_tokenizer_not_its_weights(tmp_pat
     merged.net.load_state_dict(merged_state_dict(model), strict=True)
     out = save_model(model, tmp_path / "out", max_shard_bytes=30_000, extra_files={"tokenizer": base})
     assert sorted(p.name for p in out.iterdir() if not p.name.endswith(".safetensors")) == [
-        "config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json"]
+        ".dare-output", "config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
+        "tokenizer_config.json"]
     assert (out / "tokenizer.json").read_text() == '{"stand-in": true}'
     _assert_same_tensors(merged, load_model(out))
     verify_saved(model, out)

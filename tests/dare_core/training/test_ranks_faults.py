@@ -321,7 +321,7 @@ def test_launch_commands_for_nodes_started_one_by_one(tmp_path):
 ])
 def test_bad_launch_settings_are_named(tmp_path, settings, key):
     params = tmp_path / "params.yaml"
-    params.write_text("{}\n")
+    params.write_text("run: {seed: 0}\n")  # (an empty file is refused)
     with pytest.raises(ConfigError, match=f"'{key}'"):
         load_config(params, settings)
 

@@ -93,7 +93,7 @@ def test_dare_stage_passes_the_counts_to_the_launcher(tmp_path, monkeypatch):
     params = tmp_path / "params.yaml"
     params.write_text("launch: {launcher: torchrun, nproc: 2, threads: 5}\n")
     seen = {}
-    monkeypatch.setattr(cli.subprocess, "call", lambda cmd, env: seen.update(cmd=cmd, env=env) or 0)
+    monkeypatch.setattr(cli, "_launch", lambda cmd, env: seen.update(cmd=cmd, env=env) or 0)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert cli.main(["stage", "sft", "--params", str(params)]) == 0
     assert "--nproc_per_node=2" in seen["cmd"] and seen["env"]["OMP_NUM_THREADS"] == "5"
@@ -101,7 +101,7 @@ def test_dare_stage_passes_the_counts_to_the_launcher(tmp_path, monkeypatch):
 
 def test_config_key(tmp_path):
     params = tmp_path / "params.yaml"
-    params.write_text("{}\n")
+    params.write_text("run: {seed: 0}\n")  # (an empty file is refused)
     assert load_config(params).launch.threads == "auto"
     assert load_config(params, ["launch.threads=4"]).launch.threads == 4
     for bad in ("launch.threads=0", "launch.threads=many"):
@@ -122,7 +122,7 @@ WORKER = textwrap.dedent("""
 ])
 def test_a_worker_sets_torchs_thread_count(tmp_path, extra_env, args, expected, reason):
     params = tmp_path / "params.yaml"
-    params.write_text("{}\n")
+    params.write_text("run: {seed: 0}\n")  # (an empty file is refused)
     env = {k: v for k, v in worker_env().items() if k not in ("OMP_NUM_THREADS", REASON_VAR)}
     r = subprocess.run([sys.executable, "-c", WORKER, "--params", str(params), *args], env={**env, **extra_env},
                        capture_output=True, text=True, timeout=300)
