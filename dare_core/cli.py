@@ -96,11 +96,30 @@ def cmd_stage(args: argparse.Namespace) -> int:
     if not distributed:
         import importlib
 
+        from dare_core.workers.lifeline import watch_parent
+
+        watch_parent()  # killing dvc (or whatever started this) ends the stage
         code = importlib.import_module(module).main(worker_args)
         return code or _publish(args.name, load_config(args.params, args.set))
     cfg = load_config(args.params, args.set)
     cmd = launch_command(module, cfg.launch, worker_args)
-    return subprocess.call(cmd, env=launch_env(cfg.launch, os.environ)) or _publish(args.name, cfg)
+    return _launch(cmd, launch_env(cfg.launch, os.environ)) or _publish(args.name, cfg)
+
+
+def _launch(cmd: list[str], env: dict) -> int:
+    """Run the launcher (or the one worker) to its end; its exit code. It ends with this process,
+    and this process with its parent (workers/lifeline.py); the watch starts after the fork (a
+    preexec_fn is only safe while no other thread runs)."""
+    from dare_core.workers.lifeline import dies_with_parent, watch_parent
+
+    launcher = subprocess.Popen(cmd, env=env, preexec_fn=dies_with_parent())
+    watch_parent()
+    try:
+        return launcher.wait()
+    except BaseException:  # as subprocess.call does (Ctrl-C): the launcher goes too
+        launcher.kill()
+        launcher.wait()
+        raise
 
 
 def launch_env(launch: LaunchConfig, environ: Mapping[str, str]) -> dict:
@@ -219,8 +238,17 @@ SAMPLER_FLAGS = (("--gen-length", int), ("--steps", int), ("--block-length", int
 
 
 def _sampler_overrides(args: argparse.Namespace) -> dict:
-    return {f[2:].replace("-", "_"): getattr(args, f[2:].replace("-", "_")) for f, _ in SAMPLER_FLAGS
-            if getattr(args, f[2:].replace("-", "_")) is not None}
+    import math
+
+    from dare_core.errors import UserError
+
+    out = {f[2:].replace("-", "_"): getattr(args, f[2:].replace("-", "_")) for f, _ in SAMPLER_FLAGS
+           if getattr(args, f[2:].replace("-", "_")) is not None}
+    for flag, kind in SAMPLER_FLAGS:
+        value = out.get(flag[2:].replace("-", "_"))
+        if kind is float and value is not None and not math.isfinite(value):  # argparse's float() takes "nan"
+            raise UserError(f"{flag} must be a finite number, got {value}")
+    return out
 
 
 def _sampler_args(p: argparse.ArgumentParser, many: bool = False) -> argparse.ArgumentParser:

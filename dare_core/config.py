@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -609,7 +610,7 @@ def load_config(path: Union[str, Path] = "params.yaml", overrides: Optional[list
         if "=" not in item:
             raise ConfigError(f"override '{item}' must look like key.sub=value")
         key, value = item.split("=", 1)
-        parsed.append((key, yaml.safe_load(value)))
+        parsed.append((key, _override_value(key, value)))
     # params.yaml < the recipe < overrides: the recipe is read before the overrides are applied
     recipe = next((value for key, value in reversed(parsed) if key == "recipe"), raw.get("recipe"))
     raw = apply_recipe(raw, recipe, path)
@@ -617,6 +618,7 @@ def load_config(path: Union[str, Path] = "params.yaml", overrides: Optional[list
     for key, value in parsed:
         _set_dotted(raw, key, value)
     cfg = from_dict(DareConfig, raw, "", str(path))
+    check_finite(cfg, str(path))
     conflict = output_conflict(cfg, root, path)
     if conflict:
         raise ConfigError(f"{path}: {conflict}")
@@ -634,6 +636,36 @@ def _check_has_sections(raw: dict, path: Path) -> None:
         raise ConfigError(f"{path}: no settings: the sections {', '.join(SECTIONS)} are all missing or empty (and no "
                           f"recipe is set); an empty or commented-out params file would run on built-in defaults. "
                           f"Restore it (from git) or give the sections your run needs")
+
+
+def _override_value(key: str, text: str) -> Any:
+    """The value of `-S key=text`, read as YAML (as params.yaml is): a malformed one is a ConfigError
+    naming the key, not a YAML parser's traceback."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        problem = " ".join(str(getattr(exc, "problem", None) or exc).split())
+        raise ConfigError(f"override '{key}={text}': the value is not valid YAML ({problem}); quote it "
+                          f"(-S '{key}=\"...\"') if it is meant as text") from None
+
+
+def check_finite(node: Any, source: str = "params.yaml", where: str = "") -> None:
+    """ConfigError naming the first NaN or infinite number anywhere in the config (every section's
+    float fields, and the free-form mappings: task_args, algorithm_args, reward_args, model.init):
+    such a value passes every range check (NaN compares false) and would surface only as a NaN loss
+    or a crash after the stage had written its outputs."""
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        items: Any = ((f.name, getattr(node, f.name)) for f in dataclasses.fields(node))
+    elif isinstance(node, dict):
+        items = node.items()
+    elif isinstance(node, (list, tuple)):
+        items = ((f"[{i}]", v) for i, v in enumerate(node))
+    else:
+        if isinstance(node, float) and not math.isfinite(node):
+            raise ConfigError(f"{source}: key '{where}' must be a finite number, got {node}")
+        return
+    for key, value in items:
+        check_finite(value, source, f"{where}{key}" if str(key).startswith("[") or not where else f"{where}.{key}")
 
 
 def to_dict(cfg: Any) -> dict:

@@ -31,6 +31,25 @@ def _local(path: PathLike) -> Path:
     return Path(s[len("file://"):] if s.startswith("file://") else s)
 
 
+def current_umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (/proc/self/status), else
+    by setting and restoring it (a moment in which another thread would create files with 0o022)."""
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(fd: int) -> None:
+    """Give a file made by tempfile.mkstemp (always 0600) the mode an ordinary open() would have:
+    the outputs of a stage must be readable by whoever may read the user's other files."""
+    os.fchmod(fd, 0o666 & ~current_umask())
+
+
 def atomic_write_bytes(path: PathLike, data: bytes) -> None:
     if is_remote(path):
         import fsspec
@@ -43,6 +62,7 @@ def atomic_write_bytes(path: PathLike, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
+            follow_umask(f.fileno())
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

@@ -18,11 +18,12 @@ import random
 import re
 from typing import Any
 
-from dare_core.config import DareConfig
+from dare_core.config import ConfigError, DareConfig
 from dare_core.data import lengths as derived
 from dare_core.data.schema import DataError, check_ground_truths, read_rows, validate_rows, write_rows
 from dare_core.data.sources import attach_reward, check_size, dedupe, side_rows, source_pool, task_label
 from dare_core.data.synthetic import get_task
+from dare_core.data.synthetic.registry import check_task_args
 from dare_core.models.tokenizer import TOKENIZER_FILES, Tokenizer, char_tokenizer, load_tokenizer
 from dare_core.ownership import check_replaceable
 from dare_core.rewards.instructions import add_instruction, check_rows
@@ -50,7 +51,10 @@ def _max_length(cfg: DareConfig) -> int:
         if family.tiny_config is None:
             return DEFAULT_MAX_LENGTH
         family.check_init(cfg.model.init)  # a typo is named, not one more key nothing reads
-        return family.config_from_hf(family.tiny_config(8, 7, 6, **cfg.model.init)).max_sequence_length
+        try:
+            return family.config_from_hf(family.tiny_config(8, 7, 6, **cfg.model.init)).max_sequence_length
+        except (KeyError, TypeError, ValueError, ArithmeticError) as exc:  # checked here too: prepare writes first
+            raise ConfigError(f"model.init: {exc}") from None
     path = cfg.model_folder() / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"model config not found: {path}")
@@ -79,7 +83,11 @@ _NEED_MIN = "num_eval + num_val + max(num_sft, num_rl)"
 def _synthetic_pool(cfg: DareConfig, need: int, need_min: int) -> list[dict]:
     data = cfg.data
     task = get_task(data.task)
-    possible = task.num_distinct(**data.task_args) if hasattr(task, "num_distinct") else None
+    check_task_args(task, data.task_args)
+    try:
+        possible = task.num_distinct(**data.task_args) if hasattr(task, "num_distinct") else None
+    except (TypeError, ArithmeticError) as exc:  # values each of the right type that do not go together
+        raise DataError(f"data.task_args {data.task_args}: task {data.task} cannot use them ({exc})") from None
     if possible is not None and possible < need_min:
         raise DataError(f"task {data.task} with task_args {data.task_args} can produce only {possible} "
                         f"distinct problems; eval and val must be disjoint from sft, rl and each "

@@ -143,6 +143,10 @@ def _meta_model(config_path: Path, hf_config: dict) -> DiffusionLM:
         raise ModelLoadError(f"{config_path}: lacks {exc}, which a '{hf_config.get('model_type')}' config needs") from exc
     except ValueError as exc:
         raise ModelLoadError(f"{config_path}: {exc}") from exc
+    except (TypeError, ArithmeticError) as exc:
+        # a family's own arithmetic on a field of the wrong type or a zero (hidden_size // heads)
+        raise ModelLoadError(f"{config_path}: a field has a value of the wrong type or size "
+                             f"({type(exc).__name__}: {exc})") from exc
 
 
 def _by_shard(weight_map: dict[str, str]) -> dict[str, list[str]]:

@@ -20,7 +20,6 @@ class DiffusionLM(nn.Module):
         self.family = family
         self.hf_config = family.with_default_token_ids(hf_config)
         self.config = family.config_from_hf(hf_config)
-        self.net = Transformer(self.config)
         # training forwards over real tokens only: auto | on | off (dare_core/models/packing.py)
         self.packing = "off"
         ids = {k: self.hf_config.get(v) for k, v in family.token_id_keys.items()}
@@ -32,6 +31,15 @@ class DiffusionLM(nn.Module):
                                  "the tokenizer files or the family's defaults")
         if self.pad_token_id == self.mask_token_id:
             raise ModelLoadError("pad token id equals the mask token id; padding would be read as noise")
+        for role, value in (("mask", self.mask_token_id), ("eos", self.eos_token_id), ("pad", self.pad_token_id)):
+            # an id past the embedding table fails as an index error in the first forward, after
+            # the stage has written its outputs
+            ids_given = value if isinstance(value, (list, tuple)) else [value]  # (some configs list several EOS)
+            if value is not None and any(isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < self.config.vocab_size
+                                         for v in ids_given):
+                raise ModelLoadError(f"{family.token_id_keys.get(role, role + '_token_id')} {value!r} is not a token id "
+                                     f"of the vocabulary (0 to {self.config.vocab_size - 1})")
+        self.net = Transformer(self.config)
 
     @property
     def max_sequence_length(self) -> int:

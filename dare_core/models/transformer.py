@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dare_core.models.attention import attend, key_padding_mask
 from dare_core.models.compiled import LazyCompiled
+from dare_core.models.shapes import check_shapes
 
 
 @dataclass
@@ -54,6 +55,9 @@ class TransformerConfig:
     rope_fp32: bool = True
     moe: Optional[MoEConfig] = None
     moe_layers: tuple = field(default_factory=tuple)  # indices of the layers whose MLP is the MoE
+
+    def __post_init__(self) -> None:
+        check_shapes(self)
 
     @property
     def head_dim(self) -> int:

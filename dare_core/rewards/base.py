@@ -39,6 +39,8 @@ class RewardSampleError(RewardError):
     """A reward that failed on one response only (a user's function raised on it, or returned
     something unusable for it): scoring a batch gives that response 0 with the reason and goes on."""
 
+    failure = "exception"  # the reason recorded for the response (FAILURE_REASONS)
+
 
 def _signature_keywords(fn: Callable) -> tuple[Optional[frozenset], frozenset]:
     try:

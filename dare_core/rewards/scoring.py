@@ -93,7 +93,8 @@ def default_workers() -> int:
 
 
 def _failed(exc: BaseException) -> RewardResult:
-    return RewardResult(0.0, 0.0, None, {"failure": "exception", "error": f"{type(exc).__name__}: {exc}"[:300]})
+    reason = getattr(exc, "failure", "exception")  # a user's reward that timed out: "timeout"
+    return RewardResult(0.0, 0.0, None, {"failure": reason, "error": f"{type(exc).__name__}: {exc}"[:300]})
 
 
 def _graded(fn: Callable, row: dict, text: str) -> RewardResult:

@@ -9,7 +9,10 @@ An optional attribute `score.validate = fn` is its ground-truth check: `fn(groun
 ValueError (or returns False) for a ground truth the reward cannot grade.
 
 The module is imported once per process, from the installed packages or the current directory
-(stages run from the repository root). Every problem is a RewardError naming `module:function`;
+(stages run from the repository root), where its signature and options are checked; the function and
+its `validate` run in a host process of their own under a time limit (user_host.py,
+$DARE_USER_CODE_TIMEOUT_S, default 60 s): a response whose grading outlives it scores 0 (reason
+`timeout`), a `validate` that does (during prepare) stops the stage with one line naming the function. Every problem is a RewardError naming `module:function`;
 one of scoring a single response (the function raised on it, or returned something unusable) is a
 RewardSampleError, which `score_texts` turns into a score of 0 for that response.
 """
@@ -25,6 +28,7 @@ from typing import Any, Callable, Optional
 
 from dare_core.errors import clip
 from dare_core.rewards.base import RewardError, RewardFn, RewardResult, RewardSampleError, accepted_args, check_options
+from dare_core.rewards.user_host import TIMEOUT_ENV, UserCodeFailed, UserCodeTimeout, run_user_code
 
 # reference -> the loaded function: the import and its checks run once per process
 _LOADED: dict[str, Callable] = {}
@@ -96,6 +100,12 @@ def load_user_function(reference: str) -> Callable:
     return obj
 
 
+class RewardTimeout(RewardSampleError):
+    """The user's reward did not return within the time limit on one response: it scores 0."""
+
+    failure = "timeout"
+
+
 def _on_row(row: dict) -> str:
     uid = row.get("uid") if isinstance(row, dict) else None
     return f" on row {uid}" if uid is not None else ""
@@ -145,9 +155,11 @@ def user_reward(reference: str, args: dict) -> RewardFn:
     def reward(response_text: str, ground_truth: str, extra: Optional[dict] = None) -> RewardResult:
         row = _row_of(extra)
         try:
-            value = fn(response_text, ground_truth, row, **args)
-        except Exception as exc:
-            raise RewardSampleError(f"reward {reference!r} raised {type(exc).__name__}{_on_row(row)}: {exc}") from exc
+            value = run_user_code(reference, "call", (response_text, ground_truth, row), args, _on_row(row).strip())
+        except UserCodeTimeout as exc:
+            raise RewardTimeout(str(exc)) from None
+        except UserCodeFailed as exc:
+            raise RewardSampleError(f"reward {reference!r} raised {exc.type_name}{_on_row(row)}: {exc.message}") from None
         return to_result(reference, value, row)
 
     return reward
@@ -159,12 +171,14 @@ def check_user_ground_truth(reference: str, ground_truth: str, args: dict) -> No
     if validate is None:
         return
     try:
-        verdict = validate(ground_truth, **accepted_args(validate, args))
-    except RewardError:
-        raise
-    except ValueError as exc:
-        raise ValueError(f"reward {reference!r}: {exc}") from exc
-    except Exception as exc:
-        raise RewardError(f"reward {reference!r}: its validate raised {type(exc).__name__}: {exc}") from exc
+        verdict = run_user_code(reference, "validate", (ground_truth,), accepted_args(validate, args),
+                                f"on ground truth {_clip(ground_truth)}")
+    except UserCodeTimeout as exc:  # the function, not the ground truth, is at fault
+        raise RewardError(f"reward {reference!r}: its validate did not return within {exc.limit:g} s on ground truth "
+                          f"{_clip(ground_truth)} (the limit: ${TIMEOUT_ENV}); it was stopped") from None
+    except UserCodeFailed as exc:
+        if exc.value_error:
+            raise ValueError(f"reward {reference!r}: {exc.message}") from None
+        raise RewardError(f"reward {reference!r}: its validate raised {exc.type_name}: {exc.message}") from None
     if verdict is False:
         raise ValueError(f"reward {reference!r}: validate rejected ground truth {_clip(ground_truth)}")

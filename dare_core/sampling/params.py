@@ -1,7 +1,8 @@
 """Sampler settings (no torch import: the config schema builds on them). ALGORITHMS.md 6."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 # how a position's confidence is measured (6.1, 6.2)
@@ -48,6 +49,11 @@ class SamplingParams:
     compile_forward: bool = False
 
     def __post_init__(self) -> None:
+        for f in fields(self):
+            # NaN passes every range check below (it compares false) and reaches the sampler
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{f.name} must be a finite number, got {value}")
         for name in ("gen_length", "block_length", "steps"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -1,7 +1,7 @@
 """Training checkpoints: atomic DeepSpeed saves (write under a temporary tag, rename, then move the
 `latest` pointer), keep the last K, written where `SavePolicy` says (optimizer state only at resume
-points), refuse (never silently discard) checkpoints made with other settings or inputs, and
-conversion of a checkpoint into a Hugging Face folder."""
+points), refuse (never silently discard) checkpoints made with other settings or inputs, and keep
+every set a fresh start displaces (superseded.py). Reading a finished one: checkpoint_io.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,18 +16,19 @@ from typing import Any, Optional
 
 import torch
 
-from dare_core.artifacts import CHECKPOINT_MARKER, ArtifactRoot
+from dare_core.artifacts import ArtifactRoot
 from dare_core.config import DareConfig, to_dict
 from dare_core.errors import UserError
 from dare_core.remote import RemoteError, file_lock
 from dare_core.storage import atomic_write_json, atomic_write_text, read_json
+from dare_core.training import superseded as sets_aside
+# reading a finished checkpoint (convert, eval) lives in checkpoint_io.py; importable from here too
+from dare_core.training.checkpoint_io import (META, WEIGHTS_FILE, checkpoint_state_dict,  # noqa: F401
+                                              convert_checkpoint, latest_checkpoint, weight_files)
 from dare_core.training.engine import planned_world_size, whole_weights
 
 log = logging.getLogger(__name__)
 
-META = CHECKPOINT_MARKER  # a checkpoint is complete once this file is in it (locally and remotely)
-# a weights-only checkpoint's one file: the module's state dict, as DeepSpeed's ZeRO-0 model file holds it
-WEIGHTS_FILE = "weights.pt"
 FULL, WEIGHTS = "full", "weights"
 
 
@@ -155,8 +156,9 @@ class CheckpointManager:
     were made with other settings or inputs, naming what changed. Only `begin()`, right before
     training, acts: it loads the checked checkpoint, or, when the run starts fresh over existing
     checkpoints (restart "always", or "if_changed" and they do not match), moves them to
-    `<stage>/superseded/` (which holds the last set aside) so that no checkpoint is ever deleted
-    because settings changed.
+    `<stage>/superseded/NNNN/` (every set kept, newest last: training/superseded.py) so that no
+    checkpoint is ever deleted because settings changed. Unless restart is "always", a run whose
+    settings match a set kept there (a change reverted) resumes from that set, moved back.
 
     With `mirror` (run.artifact_root), rank 0 uploads each checkpoint once it is complete, and a
     run without local checkpoints resumes from the artifact root's latest one (a run continued
@@ -183,6 +185,7 @@ class CheckpointManager:
         self._tag: Optional[str] = None
         self._meta: dict = {}  # the DARE metadata of the checkpoint to resume
         self._set_aside: Optional[str] = None  # why the existing checkpoints are set aside in begin()
+        self._source: Optional[Path] = None  # a superseded set that begin() moves back to resume it
 
     @property
     def superseded(self) -> Path:
@@ -214,6 +217,20 @@ class CheckpointManager:
         self._tag, self._meta = tag, meta
         return None
 
+    def _resumable(self, meta: dict) -> bool:
+        """Whether a checkpoint with DARE metadata `meta` is one this run resumes."""
+        return meta.get("fingerprint") == self.fingerprint.digest and (
+            not meta.get("weights_only") or self._ends_here(meta["step"]))
+
+    def _from_superseded(self) -> bool:
+        """Find the newest set in superseded/ made with this run's settings and inputs; with one,
+        note it (begin() moves it back) and its last checkpoint as the one to resume. Reads only."""
+        found = sets_aside.find_matching(self.superseded, self._resumable)
+        if found is None:
+            return False
+        self._source, self._tag, self._meta = found
+        return True
+
     def _ends_here(self, step: int) -> bool:
         """Whether a weights-only checkpoint of `step` ends this run: nothing left to train, and no
         export after training that would read the engine's (then untrained) weights."""
@@ -223,7 +240,7 @@ class CheckpointManager:
         """The tag of the last checkpoint, made under this fingerprint; None when the run starts
         fresh. Reads only; but with an artifact root and no local checkpoint, it first fetches the
         artifact root's latest one, if made with these settings (`_restore`)."""
-        self._tag, self._set_aside = None, None
+        self._tag, self._set_aside, self._source = None, None, None
         if self.mirror is not None and self.restart != "always":
             # every rank of the job checks; the first fetches, the others wait and find it here
             with file_lock(str(self.dir.absolute())):
@@ -232,6 +249,10 @@ class CheckpointManager:
         if not (self.dir / "latest").exists():
             if self.restart == "always" and self.dir.is_dir() and any(self.dir.iterdir()):
                 self._set_aside = "--restart"
+            if self.restart != "always" and self._from_superseded():
+                if self.dir.is_dir() and any(self.dir.iterdir()):
+                    self._set_aside = "the checkpoints of these settings were found in " + str(self._source)
+                return self._tag
             return None
         if self.restart == "always":
             self._set_aside = "--restart"
@@ -240,6 +261,11 @@ class CheckpointManager:
         if mismatch is None:
             return self._tag
         why, revertible = mismatch
+        if revertible and self._from_superseded():
+            # a change reverted: these settings' own checkpoints were kept in superseded/; the
+            # current ones take their place there
+            self._set_aside = why
+            return self._tag
         if self.restart == "if_changed":
             self._set_aside = why
             return None
@@ -266,12 +292,19 @@ class CheckpointManager:
     def begin(self, engine, what: str) -> int:
         """Right before the first step, after every check: the step to continue from (0: fresh).
         Checkpoints that are not resumed are set aside now, and only now."""
-        if self._set_aside is not None:
+        if self._set_aside is not None or self._source is not None:
             if engine.global_rank == 0:
-                self.set_aside(self._set_aside)
+                source = self._source
+                if source is not None and source == self.superseded:  # an older DARE's set: numbered first
+                    source = sets_aside.migrate_legacy(self.superseded)
+                if self._set_aside is not None:
+                    self.set_aside(self._set_aside)
+                if source is not None:
+                    sets_aside.restore(source, self.dir)
+                    log.warning("%s: the checkpoints made with these settings were kept in %s: moved back to resume "
+                                "them", self.dir, source)
             if torch.distributed.is_initialized():
                 torch.distributed.barrier()
-            return 0
         if self._tag is None:
             return 0
         if self._meta.get("weights_only"):
@@ -284,13 +317,10 @@ class CheckpointManager:
         return step
 
     def set_aside(self, why: str) -> None:
-        """Move the checkpoints to `superseded/` (replacing the set aside before them): a rename on
-        the same disk, so it costs no space and no time."""
-        if self.superseded.exists():
-            shutil.rmtree(self.superseded)
-        os.replace(self.dir, self.superseded)
-        self.dir.mkdir(parents=True)
-        log.warning("%s: starting fresh; the previous checkpoints are kept in %s (%s)", self.dir, self.superseded, why)
+        """Move the checkpoints into `superseded/` as its newest set (every earlier set stays): a
+        rename on the same disk, so it costs no space and no time."""
+        kept = sets_aside.keep(self.dir, self.superseded, why)
+        log.warning("%s: the previous checkpoints are kept in %s (%s)", self.dir, kept, why)
 
     def planned_writes(self) -> tuple[list[int], list[int]]:
         """After `check()`: the size of each checkpoint this run will write, in order (`policy`, from
@@ -299,7 +329,7 @@ class CheckpointManager:
         if self.policy is None:
             return [], []
         sizes = {FULL: self.checkpoint_bytes, WEIGHTS: self.weights_bytes}
-        existing = [self.checkpoint_bytes] * len(self._tags()) if self._tag else []
+        existing = [self.checkpoint_bytes] * len(self._tags(self._source)) if self._tag else []
         return [sizes[kind] for kind in self.policy.kinds(self._meta.get("step", 0))], existing
 
     def after_step(self, engine, step: int, hf_config: dict) -> None:
@@ -361,8 +391,8 @@ class CheckpointManager:
             torch.distributed.barrier()
         return tag
 
-    def _tags(self) -> list[str]:
-        return sorted(p.name for p in self.dir.glob("step*") if p.is_dir())
+    def _tags(self, folder: Optional[Path] = None) -> list[str]:
+        return sorted(p.name for p in (folder or self.dir).glob("step*") if p.is_dir())
 
     def _prune(self, keep: str) -> list[str]:
         tags = self._tags()
@@ -385,69 +415,6 @@ class CheckpointManager:
             log.warning("%s (the checkpoint is safe locally; the next save or the end of the stage uploads it)", exc)
 
 
-def latest_checkpoint(ckpt_dir: Path) -> tuple[str, dict]:
-    """The tag `latest` names in `ckpt_dir` and its DARE metadata; an error naming the missing or
-    broken file otherwise (reads only: a stage checks this before it writes anything)."""
-    ckpt_dir = Path(ckpt_dir)
-    pointer = ckpt_dir / "latest"
-    if not pointer.is_file():
-        raise FileNotFoundError(f"{pointer}: no checkpoint (did the training stage finish?)")
-    tag = pointer.read_text().strip()
-    meta_path = ckpt_dir / tag / META
-    if not meta_path.is_file():
-        raise FileNotFoundError(f"{meta_path}: missing ('latest' names checkpoint {tag})")
-    meta = read_json(meta_path)
-    if not isinstance(meta, dict) or not isinstance(meta.get("hf_config"), dict):
-        raise UserError(f"{meta_path}: no 'hf_config' (not a DARE checkpoint?)")
-    for alternatives in weight_files(meta):
-        if not any((ckpt_dir / tag / name).is_file() for name in alternatives):
-            raise FileNotFoundError(f"{ckpt_dir / tag / alternatives[0]}: missing")
-    return tag, meta
-
-
-def weight_files(meta: dict) -> list[tuple[str, ...]]:
-    """The DeepSpeed files that hold a checkpoint's weights (each as its possible names): the whole
-    module (ZeRO 0-2), or under ZeRO-3 rank 0's module layout and every rank's shard of the fp32
-    weights (`bf16_`-prefixed in a bf16 run; the number of ranks is in the fingerprint's settings);
-    or a weights-only checkpoint's one file."""
-    if meta.get("weights_only"):
-        return [(WEIGHTS_FILE,)]
-    if meta.get("zero_stage", 0) < 3:
-        return [("mp_rank_00_model_states.pt",)]
-    ranks = int(meta.get("settings", {}).get("world_size", 1))
-    shards = [(f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt", f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
-              for r in range(ranks)]
-    return [("zero_pp_rank_0_mp_rank_00_model_states.pt",), *shards]
-
-
-def checkpoint_state_dict(ckpt_dir: Path, tag: Optional[str] = None) -> tuple[dict[str, torch.Tensor], dict]:
-    """Module weights (our generic names, without the `net.` prefix) and the DARE metadata of a
-    DeepSpeed checkpoint (ZeRO-3 shards are gathered with DeepSpeed's own consolidation) or of a
-    weights-only one."""
-    ckpt_dir = Path(ckpt_dir)
-    if tag is None:
-        tag, meta = latest_checkpoint(ckpt_dir)
-    else:
-        meta = read_json(ckpt_dir / tag / META)
-    if meta.get("weights_only"):
-        state = torch.load(ckpt_dir / tag / WEIGHTS_FILE, map_location="cpu", weights_only=True)["module"]
-    elif meta.get("zero_stage", 0) >= 3:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        # the ranks' shards of the fp32 master weights, joined; then each in the dtype the module
-        # trained in (rank 0's module layout keeps an empty tensor of it per parameter): a bf16 run
-        # converts to the bf16 weights it trained with (the master weights rounded, as DeepSpeed
-        # rounds them after every step), as a ZeRO 0-2 checkpoint does, not to float32
-        layout = torch.load(ckpt_dir / tag / "zero_pp_rank_0_mp_rank_00_model_states.pt", map_location="cpu",
-                            weights_only=False)["module"]
-        state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
-        state = {k: v.to(layout[k].dtype) if k in layout else v for k, v in state.items()}
-    else:
-        state = torch.load(ckpt_dir / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
-    prefix = "net."
-    return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state.items()}, meta
-
-
 def input_fingerprint(path: Path) -> str:
     """Content hash of a data file; for a folder (a model), names, sizes and mtimes of its files
     (hashing an 8B checkpoint's bytes would take minutes)."""
@@ -463,30 +430,3 @@ def input_fingerprint(path: Path) -> str:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
                 h.update(chunk)
     return h.hexdigest()[:16]
-
-
-def convert_checkpoint(ckpt_dir: Path, out_dir: Path, tokenizer_dir: Optional[Path] = None, tag: Optional[str] = None,
-                       sampler: Optional[dict] = None) -> Path:
-    """Training checkpoint -> Hugging Face folder (a LoRA adapter merged into the weights), verified:
-    the written config and every written tensor must reproduce the checkpoint's model bit for bit.
-
-    The checkpoint's tensors become the model's (built on the meta device, assigned, no random init
-    and no copy), and the export streams them, so the host holds the weights once."""
-    from dare_core.models.lm import build_model
-    from dare_core.models.hf_folder import save_model, verify_saved
-
-    state, meta = checkpoint_state_dict(ckpt_dir, tag)
-    model = build_model(meta["hf_config"], device="meta")
-    if meta.get("lora"):
-        from dare_core.models.lora import LoraSettings, apply_lora
-
-        apply_lora(model, LoraSettings(**meta["lora"]))  # adapter modules on meta too: the state fills them
-    model.net.load_state_dict(state, strict=True, assign=True)
-    if model.config.tie_embeddings:
-        model.net.lm_head.weight = model.net.embed.weight
-    model.eval()
-    save_model(model, out_dir, extra_files={"tokenizer": tokenizer_dir} if tokenizer_dir else None, sampler=sampler)
-    # tensor by tensor rather than a reload and two forwards: same guarantee, no second copy of the
-    # model in memory and no 8B forward on the CPU
-    verify_saved(model, out_dir)
-    return Path(out_dir)

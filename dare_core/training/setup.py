@@ -56,7 +56,7 @@ def initial_spec(cfg: DareConfig, tokenizer: Tokenizer) -> DiffusionLM:
         hf_config = _scratch_config(cfg, tokenizer)
         try:
             model = build_model(hf_config, device="meta")
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, ArithmeticError) as exc:
             raise ConfigError(f"model.init: {exc}") from None
     return prepare_for_training(model, cfg)
 

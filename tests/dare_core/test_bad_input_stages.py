@@ -293,13 +293,21 @@ def _tree(folder: Path) -> dict:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+def _kept_set(folder: Path) -> dict:
+    """A set in superseded/ without its note (set_aside.json: when, why, its settings)."""
+    files = _tree(folder)
+    note = json.loads(files.pop("set_aside.json"))
+    assert note["settings"] and note["why"], note
+    return files
+
+
 def test_restart_sets_old_checkpoints_aside_and_trains(project: Path) -> None:
     old = _weights(project / "runs/t/sft/model")
     old_checkpoints = _tree(project / "runs/t/sft/checkpoints")
     r = run(project, "stage", "sft", "--restart", *_set("sft.optim.lr=0.01", "sft.max_steps=6", "sft.save_every=3"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resuming" not in r.stderr
-    assert _tree(project / "runs/t/sft/superseded") == old_checkpoints  # set aside byte for byte, not deleted
+    assert _kept_set(project / "runs/t/sft/superseded/0001") == old_checkpoints  # set aside byte for byte, not deleted
     assert _checkpoints(project, "sft") == ["step00000003", "step00000006"]
     meta = json.loads((project / "runs/t/sft/checkpoints/step00000006/dare_checkpoint.json").read_text())
     assert meta["settings"]["sft.optim.lr"] == 0.01 and meta["settings"]["sft.max_steps"] == 6
@@ -323,7 +331,7 @@ def test_restart_if_changed_resumes_matching_checkpoints_and_sets_others_aside(p
     changed = run(project, "stage", "rl", "--restart-if-changed", *_set("rl.optim.lr=0.0002"))
     assert changed.returncode == 0, changed.stderr[-3000:]
     assert "resuming" not in changed.stderr and "rl.optim.lr: 0.0001 -> 0.0002" in changed.stderr
-    assert _tree(project / "runs/t/rl/superseded") == kept
+    assert _kept_set(project / "runs/t/rl/superseded/0001") == kept
     meta = json.loads((ckpts / "step00000003" / "dare_checkpoint.json").read_text())
     assert meta["settings"]["rl.optim.lr"] == 0.0002
     # bad settings still fail before anything moves
