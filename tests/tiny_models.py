@@ -32,9 +32,9 @@ WIDE_HEADS = {
 }
 
 
-def tiny(model_type: str, seed: int = 0, wide_heads: bool = False):
+def tiny(model_type: str, seed: int = 0, wide_heads: bool = False, vocab: int = VOCAB):
     sizes = {**SMALL[model_type], **(WIDE_HEADS[model_type] if wide_heads else {})}
-    cfg = get_family(model_type).tiny_config(VOCAB, MASK, EOS, **sizes)
+    cfg = get_family(model_type).tiny_config(vocab, MASK, EOS, **sizes)
     model = build_model(cfg)
     model.net.init_weights(generator(seed, model_type), std=0.3)
     for layer in model.net.layers:  # a non-trivial selection-only bias
