@@ -16,15 +16,12 @@ from typing import Any, Optional, Union
 
 import yaml
 
+from dare_core.errors import ConfigError
 from dare_core.output_paths import output_conflict
 from dare_core.recipes import apply_recipe
 from dare_core.remote import cache_path, local_copy, redact
 from dare_core.sampling.params import SamplingParams
 from dare_core.storage import is_remote, read_yaml_mapping
-
-
-class ConfigError(ValueError):
-    """A configuration problem, always naming the file and the key."""
 
 
 class FieldError(ValueError):

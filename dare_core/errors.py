@@ -15,6 +15,10 @@ class ModelLoadError(UserError):
     names the folder, the file and, where one is at fault, the parameter."""
 
 
+class ConfigError(ValueError):
+    """A configuration problem, always naming the file and the key (dare_core.config raises most)."""
+
+
 def clip(text: str, limit: int = 200) -> str:
     """`text` cut to `limit` characters for an error message (a value may be a 20 MB row)."""
     return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"

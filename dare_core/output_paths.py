@@ -54,7 +54,8 @@ def _location(setting: str, value: Union[str, Path], root: Path, what: str = "",
 
 def output_locations(cfg: DareConfig, root: Path) -> list[Location]:
     """Every folder a run writes: the run folder and each stage's folder in it, the exported
-    model, the metrics files, the prepared data and tokenizer, and a local artifact copy."""
+    model, the metrics files, the prepared data, the tokenizer of a from-scratch model, and a local
+    artifact copy."""
     run, data = cfg.run, cfg.data
     run_dir = Path(run.runs_dir) / run.name
     outputs = [
@@ -63,8 +64,9 @@ def output_locations(cfg: DareConfig, root: Path) -> list[Location]:
         _location("run.models_dir", Path(run.models_dir) / run.name, root, "model folder"),
         _location("run.metrics_dir", run.metrics_dir, root),
         _location("data.prepared_dir", data.prepared_dir, root),
-        _location("data.tokenizer_dir", data.tokenizer_dir, root),
     ]
+    if not cfg.model.path:  # with a given model its tokenizer is used, and prepare writes none
+        outputs.append(_location("data.tokenizer_dir", data.tokenizer_dir, root))
     if run.artifact_root and not is_remote(run.artifact_root):
         outputs.append(_location("run.artifact_root", Path(run.artifact_root) / run.name, root, "copy of the run"))
     return outputs

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from dare_core.errors import ModelLoadError
+from dare_core.errors import ConfigError, ModelLoadError
 from dare_core.models.transformer import TransformerConfig
 from dare_core.registry import Registry
 
@@ -51,8 +51,6 @@ class Family:
         """ConfigError unless every key of `model.init` is a setting of this family's from-scratch
         config.json: the mapping is free-form, and a typo (n_layer) would otherwise be one more key
         that nothing reads, the model silently built with the default."""
-        from dare_core.config import ConfigError
-
         if self.tiny_config is None:
             return
         known = self.tiny_config(8, 7, 6)

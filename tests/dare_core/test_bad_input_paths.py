@@ -101,6 +101,9 @@ def test_the_shipped_layouts_pass(layout: Path) -> None:
     cfg = _load(layout, "data.source=data/mine.jsonl", "model.path=elsewhere/model", "run.artifact_root=copies")
     assert cfg.data.prepared_dir == "data/prepared"
     assert _load(layout, "run.metrics_dir=runs/t/metrics", "run.models_dir=runs/t/models").run.name == "t"
+    # a given model brings its tokenizer: prepare writes none, so data.tokenizer_dir is no output
+    # (bench/train_step.py points it at the model folder)
+    assert _load(layout, "model.path=elsewhere/model", "data.tokenizer_dir=elsewhere/model").model.path
 
 
 def test_the_dare_core_package_is_never_an_output(tmp_path: Path) -> None:
