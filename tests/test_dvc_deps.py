@@ -226,6 +226,14 @@ def test_code_deps_exist_and_are_used(stage):
                 f"dvc.yaml stage '{stage}' depends on {dep}, but `dare stage {stage}` never imports or reads anything in it")
 
 
+def test_no_code_dep_holds_an_empty_file():
+    """DVC warns about every empty file a stage depends on, on every command (an empty __init__.py)."""
+    empty = sorted({str(f.relative_to(REPO)) for stage in _stages().values() for dep in code_deps(stage)
+                    for f in ([REPO / dep] if (REPO / dep).is_file() else (REPO / dep).rglob("*"))
+                    if f.is_file() and f.stat().st_size == 0 and "__pycache__" not in f.parts})
+    assert not empty, f"empty files that dvc.yaml stages depend on (give each a docstring): {empty}"
+
+
 def test_package_data_files_are_found_by_the_closure():
     """Non-Python files shipped in dare_core (pyproject package-data) count for a stage only when the
     rule in _data_files sees them being read; one read some other way needs that rule extended."""

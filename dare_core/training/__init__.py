@@ -1,0 +1,1 @@
+"""The stage loops (SFT, preference, RL) and what they share: engine setup, checkpoints, metrics, threads."""
