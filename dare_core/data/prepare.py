@@ -237,13 +237,34 @@ def _check_lengths(split: str, rows: list[dict], tokenizer: Tokenizer, canvas: i
         if n + canvas > limit:
             raise DataError(f"{row['_where']}: prompt is {n} tokens (with chat template) + {canvas} "
                             f"{split} generation tokens ({key}) = {n + canvas} > max sequence length {limit}")
-        # The canvas must hold the response and at least one EOS (how the model learns to stop);
-        # a longer response would be silently truncated.
-        for column in {"sft": ("response",), "preference": ("chosen", "rejected")}.get(split, ()):
+        # The canvas must hold the response and at least one EOS (how the model learns to stop): a
+        # longer response is silently truncated in training, and a sampler canvas that cannot hold
+        # the answers the model was taught caps accuracy without a word (rows of a test file carry
+        # no response: `_check_sampler_canvases` holds them to the training responses)
+        for column in {"preference": ("chosen", "rejected")}.get(split, ("response",)):
+            if not row.get(column):
+                continue
             r = len(_encode(tokenizer, row[column], row["_where"], column))
             if r + 1 > canvas:
                 name = "response is" if column == "response" else f"column '{column}' is"
-                raise DataError(f"{row['_where']}: {name} {r} tokens + 1 EOS > {key} {canvas}")
+                raise DataError(f"{row['_where']}: {name} {r} tokens + 1 EOS > {key} {canvas}{_fix(key, r + 1)}")
+
+
+def _fix(key: str, need: int) -> str:
+    return f": set {key} to auto (derived from the data) or at least {need}"
+
+
+def _check_sampler_canvases(sft_rows: list[dict], tokenizer: Tokenizer, lengths: dict[str, int]) -> None:
+    """Each sampler canvas holds the longest answer SFT teaches, plus its EOS."""
+    sized = [(len(_encode(tokenizer, row["response"], row["_where"], "response")), index) for index, row in enumerate(sft_rows)]
+    if not sized:
+        return
+    r, index = max(sized)
+    longest = sft_rows[index]
+    for key in ("rl.sampler.gen_length", "eval.sampler.gen_length"):
+        if r + 1 > lengths[key]:
+            raise DataError(f"{longest['_where']}: response is {r} tokens + 1 EOS > {key} {lengths[key]}, so the "
+                            f"sampler cannot write the answers SFT teaches{_fix(key, r + 1)}")
 
 
 def _overlaps(splits: dict[str, list[dict]], train_rows: list[dict]) -> dict[str, int]:
@@ -308,6 +329,7 @@ def prepare(cfg: DareConfig) -> dict[str, Any]:
                   "val": "rl.sampler.gen_length", "preference": "preference.pad_to"}
     for split, rows in prepared.items():
         _check_lengths(split, rows, tokenizer, lengths[canvas_key[split]], limit, canvas_key[split])
+    _check_sampler_canvases(prepared["sft"], tokenizer, lengths)
 
     tasks = sorted({row["task"] for rows in prepared.values() for row in rows})
     counts_out = {split: len(rows) for split, rows in prepared.items()}

@@ -23,6 +23,12 @@ def make_cfg(root, **data) -> DareConfig:
     return cfg
 
 
+def auto_sampler_lengths(cfg) -> None:
+    """Sampler canvases that hold these answers (longer than the code's default canvas)."""
+    for sampler in (cfg.rl.sampler, cfg.eval.sampler):
+        sampler.gen_length = sampler.steps = sampler.block_length = "auto"
+
+
 def read(cfg, split):
     return pq.read_table(f"{cfg.data.prepared_dir}/{split}.parquet").to_pylist()
 
@@ -94,6 +100,7 @@ def test_source_data_derives_pairs_from_the_answer_in_the_response(tmp_path):
     cfg = make_cfg(tmp_path, num_sft=20, num_rl=10, num_eval=5)
     cfg.data.source = _source(tmp_path, rows, "raw.jsonl")
     cfg.preference.pad_to = cfg.sft.pad_to = 24
+    auto_sampler_lengths(cfg)
     cfg.model.init = {"max_sequence_length": 64}
     prepare(cfg)
     pairs = read(cfg, "preference")
@@ -110,6 +117,7 @@ def test_rows_without_a_derivable_pair_give_an_empty_split(tmp_path):
     cfg = make_cfg(tmp_path, num_sft=8, num_rl=8, num_eval=4)
     cfg.data.source = _source(tmp_path, rows, "raw.jsonl")
     cfg.sft.pad_to = 24
+    auto_sampler_lengths(cfg)
     cfg.model.init = {"max_sequence_length": 64}
     summary = prepare(cfg)
     assert summary["counts"]["preference"] == 0 and read(cfg, "preference") == []

@@ -72,6 +72,8 @@ def test_instruction_helpers():
 def test_synthetic_tasks_prepare_with_the_char_tokenizer(tmp_path, task, args):
     cfg = make_cfg(tmp_path, task=task, task_args=args, num_sft=40, num_rl=10, num_eval=10)
     cfg.sft.pad_to = 32
+    for sampler in (cfg.rl.sampler, cfg.eval.sampler):  # canvases that hold these answers
+        sampler.gen_length = sampler.steps = sampler.block_length = "auto"
     if hasattr(cfg.data, "num_preference"):
         # derived preference pairs assume ground truth == the answer text, which these tasks do not use
         cfg.data.num_preference = 0

@@ -170,3 +170,22 @@ def test_auto_lengths_without_a_prepared_summary_say_to_run_prepare(tmp_path):
     cfg = user_cfg(tmp_path)
     with pytest.raises(ConfigError, match="run `dare stage prepare` first"):
         lengths.resolve(cfg)
+
+
+@pytest.mark.parametrize("key", ["sft.pad_to", "rl.sampler.gen_length", "eval.sampler.gen_length"])
+def test_a_fixed_length_too_short_for_the_answers_stops_prepare_with_the_numbers(tmp_path, key):
+    """A sampler canvas shorter than the taught answers would cap accuracy silently (the eval rows of a
+    test file carry no response, so the training responses are the measure); nothing is written."""
+    test_rows = [{"prompt": r["prompt"], "ground_truth": r["ground_truth"]} for r in map(sort_row, range(1000, 1008))]
+    cfg = user_cfg(tmp_path, eval_source=write_jsonl(tmp_path / "test.jsonl", test_rows))
+    section, _, name = key.rpartition(".")
+    target = cfg.sft if section == "sft" else getattr(cfg, section.split(".")[0]).sampler
+    setattr(target, name, 5)  # the answers are 5 digits: 5 tokens + EOS need 6
+    if section != "sft":
+        target.block_length = target.steps = 5
+    with pytest.raises(DataError) as caught:
+        prepare(cfg)
+    message = str(caught.value)
+    assert f"response is 5 tokens + 1 EOS > {key} 5" in message and f"set {key} to auto" in message, message
+    assert "at least 6" in message and str(tmp_path / "sort_digits.jsonl") in message
+    assert not Path(cfg.data.prepared_dir).exists()
