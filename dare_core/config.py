@@ -381,6 +381,9 @@ class PreferenceConfig:
     """The `preference` stage (ALGORITHMS.md 4): ELBO-DPO / VRPO on preference pairs, starting
     from the SFT model. A micro-batch holds `micro_batch_size` pairs (2x as many sequences)."""
 
+    # auto: the stage runs when the prepared data holds pairs, else it is off (logged, outputs say so);
+    # true: it must run (no pairs stops prepare); false: off
+    enabled: Union[bool, str] = "auto"
     algorithm: str = "vrpo"  # vrpo (stratified, reference under the policy's masks) | elbo_dpo
     beta: float = 0.2  # the reference recipe's beta, which assumes elbo_norm: fixed
     mc_num: int = 4  # n: Monte-Carlo rows per ELBO (VRPO: n timesteps, one mask each)
@@ -405,6 +408,8 @@ class PreferenceConfig:
         _at_least(self, 1, "mc_num", "rows_per_forward", "max_steps", "micro_batch_size", "grad_accum",
                   "log_every", "save_every", "keep_last")
         _int_or_auto(self, "pad_to")
+        if self.enabled not in (True, False, "auto"):
+            raise FieldError("enabled", f"must be true, false or auto, got {self.enabled!r}")
         if self.beta <= 0:
             raise FieldError("beta", f"must be > 0, got {self.beta}")
 

@@ -15,13 +15,23 @@ from __future__ import annotations
 import fnmatch
 import os
 from pathlib import Path
-from typing import Iterable, Union
+from typing import Iterable, Optional, Union
 
 from dare_core.errors import UserError
 
 OUTPUT_MARKER = ".dare-output"
 MARKER_TEXT = ("This folder was written by DARE: a stage replaces it whole when it runs again.\n"
                "Without this file a stage refuses to replace the folder unless it is empty.\n")
+
+# left instead of weights in the model folder of a stage that was switched off, holding why
+# (training/preference_off.py)
+STAGE_OFF_NOTE = "STAGE_OFF.txt"
+
+
+def stage_off_note(folder: Union[str, Path]) -> Optional[str]:
+    """The text an off stage left in its model folder, or None."""
+    note = Path(folder) / STAGE_OFF_NOTE
+    return note.read_text().strip() if note.is_file() else None
 
 
 def mark(folder: Union[str, Path]) -> None:

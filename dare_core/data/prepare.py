@@ -20,6 +20,7 @@ from typing import Any
 
 from dare_core.config import ConfigError, DareConfig
 from dare_core.data import lengths as derived
+from dare_core.data.pairs import why_no_pairs
 from dare_core.data.schema import DataError, check_ground_truths, read_rows, validate_rows, write_rows
 from dare_core.data.sources import attach_reward, check_size, dedupe, side_rows, source_pool, task_label
 from dare_core.data.synthetic import get_task
@@ -276,8 +277,17 @@ def _overlaps(splits: dict[str, list[dict]], train_rows: list[dict]) -> dict[str
             "val_train": len(prompts["val"] & train), "eval_val": len(prompts["eval"] & prompts["val"])}
 
 
-def _warnings(overlaps: dict[str, int], counts: dict[str, int]) -> list[str]:
+def _check_pairs_wanted(cfg: DareConfig, pairs: list[dict], origin: str) -> None:
+    if not pairs and cfg.preference.enabled is True:
+        raise DataError(f"{origin}: no preference pairs, but preference.enabled is true: {why_no_pairs(cfg)} "
+                        f"(or set preference.enabled: auto, which turns the stage off without pairs)")
+
+
+def _warnings(overlaps: dict[str, int], counts: dict[str, int], cfg: DareConfig) -> list[str]:
     out = []
+    if not counts["preference"] and cfg.data.num_preference > 0 and cfg.preference.enabled is not False:
+        out.append(f"data.num_preference is {cfg.data.num_preference}, but {why_no_pairs(cfg)}: the preference stage "
+                   f"will be off")
     if overlaps["sft_rl"]:
         out.append(f"{overlaps['sft_rl']} of the {counts['rl']} RL prompts are also SFT prompts: the source has too few "
                    f"distinct prompts for data.num_sft + data.num_rl; lower them for disjoint splits")
@@ -309,6 +319,7 @@ def prepare(cfg: DareConfig) -> dict[str, Any]:
         if path:
             splits[split] = side_rows(cfg, path, tokenizer, limit)
     splits["preference"], preference_info = _preference_rows(cfg, _train(pool, cfg), splits["eval"], origin, tokenizer, limit)
+    _check_pairs_wanted(cfg, splits["preference"], origin)
     prepared = {split: _finish(split, rows, tokenizer, cfg) for split, rows in splits.items()}
     for split, rows in prepared.items():
         validate_rows(rows, split, f"{origin} ({split})")
@@ -343,7 +354,7 @@ def prepare(cfg: DareConfig) -> dict[str, Any]:
         "seed": cfg.data.seed,
         "counts": counts_out,
         "overlaps": overlaps,
-        "warnings": _warnings(overlaps, counts_out),
+        "warnings": _warnings(overlaps, counts_out, cfg),
         "rewards": sorted({row["reward"] for split in _GRADED for row in prepared[split]}),
         "preference": preference_info,
         "max_prompt_tokens": longest,

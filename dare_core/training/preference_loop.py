@@ -26,6 +26,7 @@ from dare_core.artifacts import artifact_root
 from dare_core.config import DareConfig
 from dare_core.data.batching import balanced_micro_batches, global_batch_indices, pair_batch, row_tokens
 from dare_core.data.lengths import resolve as resolve_lengths
+from dare_core.data.pairs import why_no_pairs
 from dare_core.data.schema import DataError, read_rows
 from dare_core.devices import resolve_dtype
 from dare_core.models.hf_folder import inspect_model, load_model, save_model
@@ -36,6 +37,7 @@ from dare_core.training.checkpoint import CheckpointManager, SavePolicy, stage_f
 from dare_core.training.engine import whole_weights
 from dare_core.training.metrics import MetricsLogger, last_logged
 from dare_core.training.plots import STAGE_PLOTS
+from dare_core.training.preference_off import off_reason, write_off_stage
 from dare_core.training.preflight import check_outputs, checkpoint_bytes, model_bytes, stage_writes, training_need
 from dare_core.training.setup import prepare_for_training, sampler_dict, stage_tokenizer, tokenizer_folder
 
@@ -95,9 +97,8 @@ def check_preference(cfg: DareConfig, save_checkpoints: bool = True, export: boo
     out_dir = cfg.stage_dir("preference")
     data_path = Path(cfg.data.prepared_dir) / "preference.parquet"
     rows = read_rows(data_path, "preference")
-    if not rows:
-        raise DataError(f"{data_path}: no preference pairs (with data.source, set data.preference_source to a file "
-                        f"with prompt/chosen/rejected columns)")
+    if not rows:  # run_preference turns the stage off first (preference_off.py); a direct caller gets this
+        raise DataError(f"{data_path}: no preference pairs: {why_no_pairs(cfg)}")
     start_folder = preference_start_folder(cfg)
     if not (start_folder / "config.json").is_file():
         raise FileNotFoundError(f"{start_folder}: no SFT model to start from (run the sft stage first)")
@@ -129,6 +130,9 @@ def run_preference(cfg: DareConfig, progress: bool = True, save_checkpoints: boo
     export (benchmarks); `phase_times`: log where each step's time goes (None: `DARE_PHASE_TIMES`
     decides; `dare_core.timing`)."""
     cfg = resolve_lengths(cfg)  # `auto` lengths, as the prepare stage derived them
+    reason = off_reason(cfg)
+    if reason:
+        return write_off_stage(cfg, reason, writer=eng.rank() == 0)
     timer = PhaseTimer(phase_times_requested(phase_times))
     pcfg = cfg.preference
     out_dir = cfg.stage_dir("preference")
@@ -199,6 +203,7 @@ def run_preference(cfg: DareConfig, progress: bool = True, save_checkpoints: boo
     bar.close()
 
     summary = {
+        "enabled": True,
         "algorithm": pcfg.algorithm,
         "shared_masks": objective.shared_masks,
         "stratified": objective.stratified,

@@ -15,6 +15,8 @@ from pathlib import Path
 
 from dare_core.config import DareConfig
 from dare_core.data.lengths import resolve as resolve_lengths
+from dare_core.errors import UserError
+from dare_core.ownership import stage_off_note
 from dare_core.storage import atomic_write_json, atomic_write_text
 from dare_core.training.setup import sampler_dict
 from dare_core.training.threads import log_threads
@@ -40,6 +42,10 @@ def run_eval(cfg: DareConfig) -> dict:
     if "base" in folders and cfg.model.path:
         folders["base"] = cfg.model_folder()  # a URL: fetched (verified) into the download cache
     for name, folder in folders.items():
+        note = stage_off_note(folder)
+        if note:
+            raise UserError(f"eval.checkpoints lists '{name}', but the {name} stage was off ({note}): take it out "
+                            f"of eval.checkpoints, or switch the stage on")
         if not (folder / "config.json").exists():
             raise FileNotFoundError(f"{folder}: checkpoint '{name}' not found (run the earlier stages first)")
     prepared = Path(cfg.data.prepared_dir) / "eval.parquet"
