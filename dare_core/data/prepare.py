@@ -22,7 +22,8 @@ from dare_core.config import ConfigError, DareConfig
 from dare_core.data import lengths as derived
 from dare_core.data.pairs import why_no_pairs
 from dare_core.data.schema import DataError, check_ground_truths, read_rows, validate_rows, write_rows
-from dare_core.data.sources import attach_reward, check_size, dedupe, side_rows, source_pool, task_label
+from dare_core.data.sources import (attach_reward, check_distinct_uids, check_size, dedupe, side_rows, source_pool,
+                                   task_label)
 from dare_core.data.synthetic import get_task
 from dare_core.data.synthetic.registry import check_task_args
 from dare_core.models.tokenizer import TOKENIZER_FILES, Tokenizer, char_tokenizer, load_tokenizer
@@ -121,7 +122,7 @@ def _split(pool: list[dict], cfg: DareConfig, origin: str) -> dict[str, list[dic
               "val": pool[len(pool) - n_val:] if n_val else []}
     for split, rows in splits.items():
         for index, row in enumerate(rows):
-            row.setdefault("_where", f"{origin}: {split} row {index}")
+            row.setdefault("_where", f"{origin}: {split} row {index + 1}")  # a synthetic problem
     return splits
 
 
@@ -174,8 +175,13 @@ def _derived_pairs(train: list[dict], cfg: DareConfig, origin: str) -> list[dict
         else:
             continue
         pairs.append({"prompt": row["prompt"], "chosen": chosen, "rejected": rejected, "task": row["task"],
-                      "_label": row.get("_label", row["task"]), "_where": f"{origin}: preference row {len(pairs)}"})
+                      "_label": row.get("_label", row["task"]), "_where": _pair_where(len(pairs) + 1, row, origin)})
     return pairs
+
+
+def _pair_where(number: int, row: dict, origin: str) -> str:
+    """A derived pair is on no line of a file: it is named by its number and the problem it comes from."""
+    return f"derived preference pair {number} (from {row.get('_where') or origin})"
 
 
 def _preference_rows(cfg: DareConfig, train: list[dict], eval_rows: list[dict], origin: str, tokenizer: Tokenizer,
@@ -184,17 +190,14 @@ def _preference_rows(cfg: DareConfig, train: list[dict], eval_rows: list[dict], 
     Pairs on an eval prompt are dropped (counted in the summary): eval stays unseen."""
     path = cfg.data.preference_source
     if path:
-        rows = read_rows(path, "preference_source")
-        check_size(rows, ("prompt", "chosen", "rejected"), tokenizer, limit, str(path))
-        seen: dict[str, int] = {}
-        for index, row in enumerate(rows):
+        rows = read_rows(path, "preference_source", where=True)
+        check_size(rows, ("prompt", "chosen", "rejected"), tokenizer, limit)
+        check_distinct_uids(rows)
+        for row in rows:
             if row["chosen"] == row["rejected"]:
-                raise DataError(f"{path}: row {index}: columns 'chosen' and 'rejected' are identical")
-            if row.get("uid") is not None and seen.setdefault(row["uid"], index) != index:
-                raise DataError(f"{path}: rows {seen[row['uid']]} and {index} have the same uid {row['uid']!r}")
+                raise DataError(f"{row['_where']}: columns 'chosen' and 'rejected' are identical")
             row["_label"] = row.get("task") or task_label(cfg)
             row.setdefault("task", cfg.data.task)
-            row["_where"] = f"{path}: row {index}"
             if cfg.data.task_args.get("append_instruction", True):  # the same prompt format as sft/rl
                 row["prompt"] = add_instruction(row["task"], row["prompt"])
         origin = str(path)

@@ -1,5 +1,9 @@
 """Row schemas of raw and prepared data, with errors that name the file, the row and the column.
 
+A row is named as the user finds it in the file: `<file>: line N` in a JSON-lines file (the line an
+editor shows, blank lines counted), `<file>: row N` in a parquet file (from 1, as a spreadsheet
+counts). `read_rows(..., where=True)` keeps that `Place` on each row as `_where`.
+
 Kinds:
 - `source`: raw input of data preparation (prompt, response, ground_truth; task and uid optional);
 - `preference_source`: raw preference pairs (prompt, chosen, rejected; task and uid optional);
@@ -59,6 +63,33 @@ SCHEMAS: dict[str, Schema] = {
 }
 
 
+@dataclass(frozen=True)
+class Place:
+    """Where a row stands in a file, numbered as the user sees it there."""
+    file: str
+    unit: str  # "line" (a JSON-lines file) or "row" (a table)
+    number: int  # from 1
+
+    def __str__(self) -> str:
+        return f"{self.file}: {self.unit} {self.number}"
+
+
+def table_row(file: PathLike, index: int) -> Place:
+    """The row at `index` (from 0) of a table: the first data row is row 1, as a spreadsheet shows it."""
+    return Place(str(file), "row", index + 1)
+
+
+def two_places(first: Place, second: Place) -> str:
+    """Two rows of one file in one message: '<file>: lines 3 and 9'."""
+    return f"{first.file}: {first.unit}s {first.number} and {second.number}"
+
+
+def where_of(row: dict, source: str, index: int) -> Union[str, Place]:
+    """What a message calls `row`, the `index`-th (from 0) of `source`: where it was read (its
+    `_where`), else its row of the table."""
+    return row.get("_where") or table_row(source, index)
+
+
 def get_schema(kind: str) -> Schema:
     if kind not in SCHEMAS:
         raise ValueError(f"unknown data kind '{kind}'; known kinds: {sorted(SCHEMAS)}")
@@ -81,14 +112,14 @@ def validate_rows(rows: list[dict], kind: str, source: str) -> None:
     schema = get_schema(kind)
     for index, row in enumerate(rows):
         if not isinstance(row, dict):
-            raise DataError(f"{source}: row {index} is not a mapping (got {type(row).__name__})")
+            raise DataError(f"{table_row(source, index)} is not a mapping (got {type(row).__name__})")
         for column in schema.columns:
             problem = _check_value(row, column, column in schema.required)
             if problem:
-                raise DataError(f"{source}: row {index}: column '{column}' {problem}")
+                raise DataError(f"{where_of(row, source, index)}: column '{column}' {problem}")
 
 
-def _check_row_reward(row: dict, where: str) -> None:
+def _check_row_reward(row: dict, where: Union[str, Place]) -> None:
     """The row's own `reward`/`reward_args` columns name a usable reward (read where rl.reward is auto)."""
     from dare_core.rewards.scoring import parse_reward_args
     from dare_core.rewards import RewardError, get_reward
@@ -122,7 +153,7 @@ def check_ground_truths(rows: list[dict], reward: str, source: str, reward_args:
         except ValueError as exc:
             raise ConfigError(f"rl.reward: {exc}") from None
     for index, row in enumerate(rows):
-        where = row.get("_where") or f"{source}: row {index}"
+        where = where_of(row, source, index)
         if reward == "auto":
             _check_row_reward(row, where)
         try:
@@ -164,24 +195,32 @@ def json_lines(path: Path, error: type = DataError, stream=None, name: Optional[
             yield lineno, obj
 
 
+def _placed(row: dict, place: Place) -> dict:
+    row["_where"] = place
+    return row
+
+
 def _read_jsonl(path: Path, name: str) -> list[dict]:
-    return [obj for _, obj in json_lines(path, name=name)]
+    # the line number comes from the reader, not the row's index: skipped blank lines shift it
+    return [_placed(obj, Place(name, "line", lineno)) for lineno, obj in json_lines(path, name=name)]
 
 
 def _read_parquet(path: Path, name: str) -> list[dict]:
     try:
-        return pq.read_table(path).to_pylist()
+        rows = pq.read_table(path).to_pylist()
     except (pa.ArrowException, OSError) as exc:
         raise DataError(f"{name}: cannot read parquet: {exc}") from exc
+    return [_placed(row, table_row(name, index)) for index, row in enumerate(rows)]
 
 
 _READERS = {".jsonl": _read_jsonl, ".parquet": _read_parquet}
 
 
-def read_rows(path: PathLike, kind: str) -> list[dict]:
+def read_rows(path: PathLike, kind: str, where: bool = False) -> list[dict]:
     """Read a `.parquet` or `.jsonl` file and validate its rows against `kind`. A URL (s3://...) is
     read from its verified copy in the download cache (dare_core/remote.py); messages name the
-    path or URL as given."""
+    path or URL as given. `where`: each row keeps its `Place` in the file as `_where`, for the
+    messages of later checks."""
     name = redact(path) if is_remote(path) else str(Path(path))
     suffix = Path(name).suffix
     reader = _READERS.get(suffix)
@@ -205,6 +244,9 @@ def read_rows(path: PathLike, kind: str) -> list[dict]:
     except OSError as exc:
         raise DataError(f"{name}: cannot read ({exc.strerror or exc})") from None
     validate_rows(rows, kind, name)
+    if not where:  # rows handed to training hold the file's columns only (a user's reward sees them)
+        for row in rows:
+            del row["_where"]
     return rows
 
 

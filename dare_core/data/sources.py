@@ -9,7 +9,8 @@ Every row leaves here with
 - `reward` / `reward_args`: what grades it (`rl.reward` and `rl.reward_args`, else its task's
   reward), checked against its ground truth here, so a bad row stops prepare naming file, row and
   column before anything is written,
-- `_where`: "<file>: row <n>", for every later error.
+- `_where`: its place in the file ("<file>: line N" of a JSON-lines file, "<file>: row N" of a
+  parquet file, from 1), for every later error.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import random
 from pathlib import Path
 from typing import Any, Optional
 
-from dare_core.data.schema import DataError, check_ground_truths, read_rows
+from dare_core.data.schema import DataError, Place, check_ground_truths, read_rows, two_places
 from dare_core.data.synthetic import TASKS
 from dare_core.errors import clip
 from dare_core.models.tokenizer import Tokenizer
@@ -62,17 +63,16 @@ def reward_of(cfg: Any, task: str) -> tuple[str, Optional[str]]:
                         f"numeric, regex_match, choice, ...) or to your own as module:function") from None
 
 
-def label_rows(rows: list[dict], cfg: Any, path: str, graded: bool) -> None:
-    """Task, label, reward and location of each row of `path` (in place)."""
+def label_rows(rows: list[dict], cfg: Any, graded: bool) -> None:
+    """Task, label and reward of each row (in place)."""
     label, append = task_label(cfg), cfg.data.task_args.get("append_instruction", True)
-    for index, row in enumerate(rows):
+    for row in rows:
         own = row.get("task")
         row["task"], row["_label"] = own or cfg.data.task, own or label
         # Raw math/gsm8k prompts rarely ask for the format the reward parses (\boxed{}): append it,
         # unless task_args.append_instruction is false (prompts already templated; then only checked)
         if append and isinstance(row.get("prompt"), str):
             row["prompt"] = add_instruction(row["task"], row["prompt"])
-        row["_where"] = f"{path}: row {index}"
         if graded:
             attach_reward(row, cfg, row["task"])
 
@@ -81,32 +81,43 @@ def max_token_chars(tokenizer: Tokenizer) -> int:
     return max((len(token) for token in tokenizer.backend.get_vocab()), default=1)
 
 
-def check_size(rows: list[dict], columns: tuple[str, ...], tokenizer: Tokenizer, limit: int, path: str) -> None:
+def check_size(rows: list[dict], columns: tuple[str, ...], tokenizer: Tokenizer, limit: int) -> None:
     """Reject a text that cannot fit the model whatever its tokens, before any tokenizing."""
     per_token = _SLACK * max_token_chars(tokenizer)
-    for index, row in enumerate(rows):
+    for row in rows:
         for column in columns:
             text = row.get(column)
             if isinstance(text, str) and len(text) > per_token * limit:
-                raise DataError(f"{path}: row {index}: column '{column}' is {len(text)} characters, at least "
+                raise DataError(f"{row['_where']}: column '{column}' is {len(text)} characters, at least "
                                 f"{len(text) // per_token} tokens > max sequence length {limit}")
 
 
-def check_unique(rows: list[dict], path: str) -> None:
+def check_unique(rows: list[dict]) -> None:
     """Two rows with one uid, or with one prompt and different ground truths, are a broken file (a
     silent pick of one would train on an arbitrary answer); an exact repeat is merely dropped."""
-    uids: dict[str, tuple[int, tuple]] = {}
-    truths: dict[str, tuple[int, str]] = {}
-    for index, row in enumerate(rows):
+    uids: dict[str, tuple[Place, tuple]] = {}
+    truths: dict[str, tuple[Place, str]] = {}
+    for row in rows:
         uid, content = row.get("uid"), tuple(row.get(c) for c in ("prompt", "response", "ground_truth", "task"))
         if uid is not None:
-            first_uid = uids.setdefault(uid, (index, content))
+            first_uid = uids.setdefault(uid, (row["_where"], content))
             if first_uid[1] != content:
-                raise DataError(f"{path}: rows {first_uid[0]} and {index} have the same uid {uid!r}")
-        first = truths.setdefault(row["prompt"], (index, row["ground_truth"]))
+                raise DataError(f"{two_places(first_uid[0], row['_where'])} have the same uid {uid!r}")
+        first = truths.setdefault(row["prompt"], (row["_where"], row["ground_truth"]))
         if first[1] != row["ground_truth"]:
-            raise DataError(f"{path}: rows {first[0]} and {index} have the same prompt but different ground truths "
-                            f"({clip(first[1], 60)!r} and {clip(row['ground_truth'], 60)!r})")
+            raise DataError(f"{two_places(first[0], row['_where'])} have the same prompt but different ground "
+                            f"truths ({clip(first[1], 60)!r} and {clip(row['ground_truth'], 60)!r})")
+
+
+def check_distinct_uids(rows: list[dict]) -> None:
+    """Two rows of a file used as it is (nothing is dropped) may not share a uid: results are keyed by it."""
+    seen: dict[str, Place] = {}
+    for row in rows:
+        uid = row.get("uid")
+        if uid in seen:
+            raise DataError(f"{two_places(seen[uid], row['_where'])} have the same uid {uid!r}")
+        if uid is not None:
+            seen[uid] = row["_where"]
 
 
 def dedupe(rows: list[dict]) -> list[dict]:
@@ -123,11 +134,11 @@ def source_pool(cfg: Any, tokenizer: Tokenizer, limit: int) -> list[dict]:
     """The training file's distinct rows, shuffled with data.seed (a file may be ordered by source or
     difficulty; a carved eval split must be a fair sample of it)."""
     path = cfg.data.source
-    rows = read_rows(path, "source")
-    check_size(rows, ("prompt", "response"), tokenizer, limit, str(path))
+    rows = read_rows(path, "source", where=True)
+    check_size(rows, ("prompt", "response"), tokenizer, limit)
     # every row may land in rl, val or eval: its ground truth must suit the reward that grades it
-    label_rows(rows, cfg, str(path), graded=True)
-    check_unique(rows, str(path))
+    label_rows(rows, cfg, graded=True)
+    check_unique(rows)
     check_ground_truths(rows, "auto", str(path))
     rows = dedupe(rows)
     random.Random(cfg.data.seed).shuffle(rows)
@@ -136,12 +147,9 @@ def source_pool(cfg: Any, tokenizer: Tokenizer, limit: int) -> list[dict]:
 
 def side_rows(cfg: Any, path: str, tokenizer: Tokenizer, limit: int) -> list[dict]:
     """A test or validation file, used as it is: every row, in its order."""
-    rows = read_rows(path, "eval_source")
-    check_size(rows, ("prompt",), tokenizer, limit, str(path))
-    label_rows(rows, cfg, str(path), graded=True)
-    seen: dict[str, int] = {}
-    for index, row in enumerate(rows):
-        if row.get("uid") is not None and seen.setdefault(row["uid"], index) != index:
-            raise DataError(f"{path}: rows {seen[row['uid']]} and {index} have the same uid {row['uid']!r}")
+    rows = read_rows(path, "eval_source", where=True)
+    check_size(rows, ("prompt",), tokenizer, limit)
+    label_rows(rows, cfg, graded=True)
+    check_distinct_uids(rows)
     check_ground_truths(rows, "auto", str(path))
     return rows

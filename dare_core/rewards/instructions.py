@@ -38,7 +38,7 @@ def check_rows(rows: Iterable[dict], split: str) -> None:
     for index, row in enumerate(rows):
         task = row.get("task", "")
         if not has_instruction(task, row.get("prompt", "")):
-            where = row.get("_where", f"{split} row {index}")
+            where = row.get("_where", f"{split} row {index + 1}")
             raise ValueError(f"{where}: the {split} prompt of task '{task}' does not ask for the answer format "
                              f"its reward parses (one of {list(REQUIRED_MARKERS[task])}); e.g. append "
                              f"{INSTRUCTIONS[task]!r}")

@@ -27,7 +27,7 @@ from dare_core.config import DareConfig
 from dare_core.data.batching import balanced_micro_batches, global_batch_indices, pair_batch, row_tokens
 from dare_core.data.lengths import resolve as resolve_lengths
 from dare_core.data.pairs import why_no_pairs
-from dare_core.data.schema import DataError, read_rows
+from dare_core.data.schema import DataError, read_rows, table_row
 from dare_core.devices import resolve_dtype
 from dare_core.models.hf_folder import inspect_model, load_model, save_model
 from dare_core.storage import atomic_write_json
@@ -60,11 +60,12 @@ def encode_pairs(rows: list[dict], tokenizer) -> tuple[list, list, list]:
 def check_pairs(path: Path, prompts: list, chosen: list, rejected: list, pad_to: int, max_len: int) -> None:
     """Prompt + canvas must fit the model, and each response + one EOS the canvas (never truncated)."""
     for i, (p, w, lo) in enumerate(zip(prompts, chosen, rejected)):
+        where = table_row(path, i)
         if len(p) + pad_to > max_len:
-            raise ValueError(f"{path}: row {i}: prompt of {len(p)} tokens + preference.pad_to {pad_to} exceeds the model maximum {max_len}")
+            raise ValueError(f"{where}: prompt of {len(p)} tokens + preference.pad_to {pad_to} exceeds the model maximum {max_len}")
         for column, r in (("chosen", w), ("rejected", lo)):
             if len(r) + 1 > pad_to:
-                raise ValueError(f"{path}: row {i}: column '{column}' is {len(r)} tokens + 1 EOS > preference.pad_to {pad_to}")
+                raise ValueError(f"{where}: column '{column}' is {len(r)} tokens + 1 EOS > preference.pad_to {pad_to}")
 
 
 def check_preference_config(cfg: DareConfig) -> None:

@@ -20,7 +20,7 @@ from dare_core.artifacts import artifact_root
 from dare_core.config import ConfigError, DareConfig
 from dare_core.data.batching import global_batch_indices
 from dare_core.data.lengths import resolve as resolve_lengths
-from dare_core.data.schema import DataError, check_ground_truths, read_rows
+from dare_core.data.schema import DataError, check_ground_truths, read_rows, table_row
 from dare_core.devices import resolve_dtype
 from dare_core.models.hf_folder import inspect_model, load_model
 from dare_core.sampling.cache import check_cache_fits
@@ -149,8 +149,8 @@ def _check_prompt_lengths(path: Path, rows: list[dict], tokenizer, gen_length: i
     for i, row in enumerate(rows):
         n = len(tokenizer.encode(row["prompt_text"]))
         if n + gen_length > limit:
-            raise DataError(f"{path}: row {i}: prompt of {n} tokens + rl.sampler.gen_length {gen_length} exceeds the "
-                            f"model maximum {limit}")
+            raise DataError(f"{table_row(path, i)}: prompt of {n} tokens + rl.sampler.gen_length {gen_length} "
+                            f"exceeds the model maximum {limit}")
 
 
 def check_rl(cfg: DareConfig, save_checkpoints: bool = True) -> RLPlan:

@@ -17,7 +17,7 @@ from dare_core.artifacts import artifact_root
 from dare_core.config import DareConfig
 from dare_core.data.batching import balanced_micro_batches, global_batch_indices, row_tokens, sft_batch
 from dare_core.data.lengths import resolve as resolve_lengths
-from dare_core.data.schema import DataError, read_rows
+from dare_core.data.schema import DataError, read_rows, table_row
 from dare_core.devices import resolve_dtype
 from dare_core.diffusion.seeding import sample_generators
 from dare_core.models.hf_folder import save_model
@@ -72,7 +72,8 @@ def check_sft(cfg: DareConfig, save_checkpoints: bool = True, export: bool = Tru
     too_long = [i for i, p in enumerate(prompts) if len(p) + scfg.pad_to > spec.max_sequence_length]
     if too_long:
         i = too_long[0]
-        raise DataError(f"{data_path}: row {i}: prompt of {len(prompts[i])} tokens + sft.pad_to {scfg.pad_to} exceeds the model maximum {spec.max_sequence_length}")
+        raise DataError(f"{table_row(data_path, i)}: prompt of {len(prompts[i])} tokens + sft.pad_to {scfg.pad_to} "
+                        f"exceeds the model maximum {spec.max_sequence_length}")
     algo_cls = get_algorithm("sft")
     algo = algo_cls(build_options(algo_cls, {"loss_norm": scfg.loss_norm, "mask_law": scfg.mask_law}, "sft"), spec.mask_token_id)
 

@@ -2,7 +2,8 @@
 the multiple-choice question format and its letter extraction, math rows, few-shot prefixes.
 
 Every reader returns `Record`s: dicts that remember where they were read (`path: line N`, `row N`
-for parquet, `item N` for a JSON list), so a bad field can be reported at its place in the file.
+for parquet, `item N` for a JSON list; rows and items counted from 1, as a user counts them), so a bad
+field can be reported at its place in the file.
 """
 from __future__ import annotations
 
@@ -99,8 +100,8 @@ def read_json_list(path: Path) -> list[Record]:
     if not isinstance(items, list):
         raise BenchmarkDataError(f"{path}: line 1: expected a JSON list, got {type(items).__name__}")
     records = []
-    for index, obj in enumerate(items):
-        where = f"{path}: item {index}"
+    for number, obj in enumerate(items, start=1):
+        where = f"{path}: item {number}"
         if not isinstance(obj, dict):
             raise BenchmarkDataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
         records.append(Record(obj, where))
@@ -141,7 +142,8 @@ def read_parquet(path: Path, columns: Sequence[str]) -> list[Record]:
     missing = [c for c in columns if c not in table.column_names]
     if missing:
         raise BenchmarkDataError(f"{path}: missing column(s) {missing}; it has {table.column_names}")
-    return [Record(row, f"{path}: row {i}") for i, row in enumerate(table.select(list(columns)).to_pylist())]
+    rows = table.select(list(columns)).to_pylist()
+    return [Record(row, f"{path}: row {number}") for number, row in enumerate(rows, start=1)]
 
 
 # ---- rows ----------------------------------------------------------------------------------------

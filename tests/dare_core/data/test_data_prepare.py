@@ -104,7 +104,7 @@ def test_source_row_missing_prompt(tmp_path):
     rows = [{"prompt": f"{i}+1=", "response": str(i + 1), "ground_truth": str(i + 1)} for i in range(10)]
     del rows[4]["prompt"]
     source.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(DataError, match="raw.jsonl: row 4: column 'prompt' is missing"):
+    with pytest.raises(DataError, match="raw.jsonl: line 5: column 'prompt' is missing"):
         prepare(make_cfg(tmp_path, source=str(source)))
     assert not (tmp_path / "prepared").exists()
 
@@ -127,7 +127,7 @@ def test_too_long_prompt_names_row_and_writes_nothing(tmp_path):
     cfg.model.init = {"max_sequence_length": 16}
     cfg.data.task_args = {"min_digits": 3, "max_digits": 3}
     # chat template overhead is 2 tokens; "123+456=" is 8 more; + 8 canvas = 18 > 16
-    expected = r"task arithmetic: sft row 0: prompt is 10 tokens .* = 18 > max sequence length 16"
+    expected = r"task arithmetic: sft row 1: prompt is 10 tokens .* = 18 > max sequence length 16"
     with pytest.raises(DataError, match=expected):
         prepare(cfg)
     assert not (tmp_path / "prepared").exists() and not (tmp_path / "tokenizer").exists()

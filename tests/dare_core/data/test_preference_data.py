@@ -78,10 +78,10 @@ def test_preference_source_file(tmp_path):
 
 
 @pytest.mark.parametrize("bad, message", [
-    ({"rejected": None}, r"pairs.jsonl: row 3: column 'rejected' is missing"),
-    ({"chosen": 12}, r"pairs.jsonl: row 3: column 'chosen' must be a string"),
-    ({"rejected": "0002"}, r"pairs.jsonl: row 3: columns 'chosen' and 'rejected' are identical"),
-    ({"chosen": "0123456789"}, r"pairs.jsonl: row 3: column 'chosen' is 10 tokens \+ 1 EOS > preference.pad_to 8"),
+    ({"rejected": None}, r"pairs.jsonl: line 4: column 'rejected' is missing"),
+    ({"chosen": 12}, r"pairs.jsonl: line 4: column 'chosen' must be a string"),
+    ({"rejected": "0002"}, r"pairs.jsonl: line 4: columns 'chosen' and 'rejected' are identical"),
+    ({"chosen": "0123456789"}, r"pairs.jsonl: line 4: column 'chosen' is 10 tokens \+ 1 EOS > preference.pad_to 8"),
 ])
 def test_malformed_preference_source_names_file_and_row_and_writes_nothing(tmp_path, bad, message):
     rows = [{"prompt": f"{i}+1=", "chosen": "0002", "rejected": "0003"} for i in range(5)]

@@ -47,8 +47,8 @@ def test_preparation_fails_on_an_rl_math_row_without_the_instruction(tmp_path):
     source = math_source(tmp_path, prompts)
     cfg = make_cfg(tmp_path, source=str(source), task="math", task_args={"append_instruction": False},
                    num_sft=4)
-    # every row is in rl or eval: row 5 is graded, and names the file and row
-    with pytest.raises(DataError, match=r"raw.jsonl: row 5: the (rl|eval) prompt of task 'math' .*\\\\boxed"):
+    # every row is in rl or eval: the sixth (line 6) is graded, and names the file and line
+    with pytest.raises(DataError, match=r"raw.jsonl: line 6: the (rl|eval) prompt of task 'math' .*\\\\boxed"):
         prepare(cfg)
     assert not (tmp_path / "prepared").exists()
 
@@ -60,7 +60,7 @@ def test_instruction_helpers():
     assert add_instruction("countdown", "1 2 3 -> 9") == "1 2 3 -> 9"  # synthetic tasks carry their own
     check_rows([{"task": "gsm8k", "prompt": "q " + BOXED_INSTRUCTION},
                 {"task": "countdown", "prompt": "1 2 -> 3"}], "rl")
-    with pytest.raises(ValueError, match="rl row 1"):
+    with pytest.raises(ValueError, match="rl row 2"):
         check_rows([{"task": "math", "prompt": "\\boxed"}, {"task": "math", "prompt": "no"}], "rl")
 
 

@@ -94,7 +94,7 @@ def test_a_task_no_reward_grades_stops_prepare_and_says_what_to_set(tmp_path):
     cfg = user_cfg(tmp_path)
     cfg.rl.reward = "auto"
     cfg.data.task = "sort_digits"
-    with pytest.raises(DataError, match=r"sort_digits.jsonl: row 0: no reward grades task .sort_digits.: set rl.reward"):
+    with pytest.raises(DataError, match=r"sort_digits.jsonl: line 1: no reward grades task .sort_digits.: set rl.reward"):
         prepare(cfg)
     assert not Path(cfg.data.prepared_dir).exists()
 
@@ -104,12 +104,12 @@ def test_a_ground_truth_the_reward_cannot_grade_names_file_row_and_column(tmp_pa
     rows[37]["ground_truth"] = "1 2 4 4"
     cfg = user_cfg(tmp_path)
     cfg.data.source = write_jsonl(tmp_path / "sort_digits.jsonl", rows)
-    with pytest.raises(DataError, match=r"sort_digits.jsonl: row 37: column 'ground_truth': .*'1 2 4 4' is not an integer"):
+    with pytest.raises(DataError, match=r"sort_digits.jsonl: line 38: column 'ground_truth': .*'1 2 4 4' is not an integer"):
         prepare(cfg)
     assert not Path(cfg.data.prepared_dir).exists() and not Path(cfg.data.tokenizer_dir).exists()
     test_rows = [sort_row(1000), {"prompt": "sort 3 1", "ground_truth": "one three"}]
     cfg = user_cfg(tmp_path / "t", eval_source=write_jsonl(tmp_path / "test.jsonl", test_rows))
-    with pytest.raises(DataError, match=r"test.jsonl: row 1: column 'ground_truth'"):
+    with pytest.raises(DataError, match=r"test.jsonl: line 2: column 'ground_truth'"):
         prepare(cfg)
 
 

@@ -119,7 +119,7 @@ def _damage(name: str, root) -> tuple[str, str]:
         rows = pq.read_table(path).to_pylist()
         rows.append(dict(rows[0], question_id=999, answer="Z"))
         pq.write_table(pa.Table.from_pylist(rows), path)
-        return str(path), f"row {len(rows) - 1}"
+        return str(path), f"row {len(rows)}"  # counted from 1
     if name == "math":
         path = path / "algebra" / "0.json"
         path.write_text('{"problem": "x", "solution": ')
@@ -130,7 +130,7 @@ def _damage(name: str, root) -> tuple[str, str]:
         items = json.loads(path.read_text())
         items.append({"id": 1, "final_answer": ["$1$"]})
         path.write_text(json.dumps(items))
-        return str(path), f"item {len(items) - 1}"
+        return str(path), f"item {len(items)}"  # counted from 1
     bad = {"hellaswag": "{not json", "arc_c": json.dumps({"id": "x", "question": {"stem": "q", "choices": []}}),
            "gsm8k": json.dumps({"question": "q", "answer": "no final line"}), "aime24": json.dumps({"problem": "p"}),
            "aime25": json.dumps({"question": "q"}), "humaneval": "[1, 2]",

@@ -82,21 +82,21 @@ def test_task_benchmark_rows_survive_an_opencompass_table(tmp_path):
 
 def test_check_ground_truths_honours_the_rows_reward(mod):
     check_ground_truths([dict(ROW, ground_truth="Paris", reward="exact_match")], "auto", "f.parquet")
-    with pytest.raises(DataError, match="f.parquet: row 0: column 'ground_truth': arithmetic reward"):
+    with pytest.raises(DataError, match="f.parquet: row 1: column 'ground_truth': arithmetic reward"):
         check_ground_truths([dict(ROW, ground_truth="Paris")], "auto", "f.parquet")
     check_ground_truths([dict(ROW, ground_truth="abc", reward=f"{mod}:only_a")], "auto", "f.parquet")
-    with pytest.raises(DataError, match=rf"f.parquet: row 1: column 'ground_truth': reward '{mod}:only_a': "
+    with pytest.raises(DataError, match=rf"f.parquet: row 2: column 'ground_truth': reward '{mod}:only_a': "
                                         "validate rejected ground truth 'xyz'"):
         check_ground_truths([dict(ROW, ground_truth="abc", reward=f"{mod}:only_a"),
                              dict(ROW, ground_truth="xyz", reward=f"{mod}:only_a")], "auto", "f.parquet")
 
 
 @pytest.mark.parametrize("columns, problem", [
-    ({"reward": "nope"}, r"row 0: column 'reward': unknown reward 'nope'"),
-    ({"reward": "numeric", "reward_args": "{bad"}, r"row 0: column 'reward_args' is not JSON"),
-    ({"reward": "numeric", "reward_args": '{"tol": 1}'}, r"row 0: reward 'numeric': unknown option\(s\) 'tol'"),
-    ({"reward": "no_such_module_77:f"}, r"row 0: reward 'no_such_module_77:f': module 'no_such_module_77' is not"),
-    ({"reward": "exact_match", "reward_args": '{"whitespace": "x"}'}, r"row 0: exact_match reward: option whitespace"),
+    ({"reward": "nope"}, r"row 1: column 'reward': unknown reward 'nope'"),
+    ({"reward": "numeric", "reward_args": "{bad"}, r"row 1: column 'reward_args' is not JSON"),
+    ({"reward": "numeric", "reward_args": '{"tol": 1}'}, r"row 1: reward 'numeric': unknown option\(s\) 'tol'"),
+    ({"reward": "no_such_module_77:f"}, r"row 1: reward 'no_such_module_77:f': module 'no_such_module_77' is not"),
+    ({"reward": "exact_match", "reward_args": '{"whitespace": "x"}'}, r"row 1: exact_match reward: option whitespace"),
 ])
 def test_check_ground_truths_rejects_a_bad_row_reward(columns, problem):
     with pytest.raises(DataError, match=rf"f.parquet: {problem}"):
@@ -112,7 +112,7 @@ def test_check_ground_truths_configured_reward(mod):
         check_ground_truths([ROW], "gone_module_12:f", "f.parquet")
     with pytest.raises(ConfigError, match=r"rl.reward: unknown reward 'nope'"):
         check_ground_truths([ROW], "nope", "f.parquet")
-    with pytest.raises(ConfigError, match=r"rl.reward: regex_match reward: unknown flag 'z' .* \(at f.parquet: row 0\)"):
+    with pytest.raises(ConfigError, match=r"rl.reward: regex_match reward: unknown flag 'z' .* \(at f.parquet: row 1\)"):
         check_ground_truths([ROW], "regex_match", "f.parquet", {"flags": "z"})
 
 

@@ -106,7 +106,7 @@ def test_bad_preference_input_is_one_clear_error(tmp_path):
     path = tmp_path / "data" / "prepared" / "preference.parquet"
     pq.write_table(pq.read_table(path).drop(["rejected"]), path)
     r = _run(params, "preference")
-    assert r.returncode == 2 and "preference.parquet" in r.stderr and "row 0" in r.stderr and "rejected" in r.stderr
+    assert r.returncode == 2 and "preference.parquet: row 1:" in r.stderr and "rejected" in r.stderr
     assert not (tmp_path / "runs" / "t" / "preference").exists()
     pq.write_table(pq.read_table(path).slice(0, 0), path)  # no pairs at all
     r = _run(params, "preference")
