@@ -201,6 +201,7 @@ def stage_outputs(cfg: DareConfig, stage: str) -> list[Path]:
     metrics = Path(cfg.run.metrics_dir) / f"{stage}.json"
     from_scratch = not cfg.model.path
     outputs = {
+        "inputs": [Path(cfg.run.metrics_dir) / "inputs.json"],
         "prepare": [Path(cfg.data.prepared_dir)] + ([Path(cfg.data.tokenizer_dir)] if from_scratch else []),
         "sft": ([cfg.base_model_dir] if from_scratch else []) + [cfg.stage_dir("sft"), metrics],
         "preference": [cfg.stage_dir("preference"), metrics],

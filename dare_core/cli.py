@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 STAGES = {
     # name: (worker module, needs the distributed launcher)
+    "inputs": ("dare_core.workers.inputs", False),
     "prepare": ("dare_core.workers.prepare", False),
     "sft": ("dare_core.workers.sft", True),
     "preference": ("dare_core.workers.preference", True),

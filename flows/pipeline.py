@@ -1,6 +1,6 @@
 """The DARE pipeline as one Prefect flow: each DVC stage in order, then the eval table.
 
-    python -m flows.pipeline                          # prepare, sft, preference, rl, convert, eval
+    python -m flows.pipeline                          # inputs, prepare, sft, preference, rl, convert, eval
     python -m flows.pipeline --stages sft,rl --repo /path/to/project --force
 
 Each stage is a Prefect task (`tasks.dvc_stage`) that runs `dvc repro --single-item <stage>` when
@@ -64,8 +64,9 @@ from flows.report import run_markdown, stage_markdown  # noqa: E402
 from tasks.dvc_stage import StageResult, dvc_stage  # noqa: E402
 from tasks.workspace import apply_overrides, checkout_state, create_workspace  # noqa: E402
 
-# preference is a side branch: it trains from the SFT model (as RL does) and exports its own folder
-DEFAULT_STAGES = ["prepare", "sft", "preference", "rl", "convert", "eval"]
+# inputs records the input files' content (DVC runs it every time; prepare, rl and eval depend on
+# it); preference is a side branch: it trains from the SFT model (as RL does) and exports its own folder
+DEFAULT_STAGES = ["inputs", "prepare", "sft", "preference", "rl", "convert", "eval"]
 EVAL_METRICS = "metrics/eval.json"
 
 
@@ -170,7 +171,7 @@ def dare_pipeline(
     overrides: list[str] | None = None,
     isolated: bool = False,
 ) -> PipelineResult:
-    """Run the DVC stages in order (default: prepare, sft, preference, rl, convert, eval), each as a Prefect
+    """Run the DVC stages in order (default: inputs, prepare, sft, preference, rl, convert, eval), each as a Prefect
     task with `retries` retries, and publish what each stage produced in this run.
 
     overrides: params.yaml keys to set for this run (`["rl.num_steps=200"]`), written into the params.yaml
