@@ -64,9 +64,9 @@ from flows.report import run_markdown, stage_markdown  # noqa: E402
 from tasks.dvc_stage import StageResult, dvc_stage  # noqa: E402
 from tasks.workspace import apply_overrides, checkout_state, create_workspace  # noqa: E402
 
-# inputs records the input files' content (DVC runs it every time; prepare, rl and eval depend on
-# it); preference is a side branch: it trains from the SFT model (as RL does) and exports its own folder
-DEFAULT_STAGES = ["inputs", "prepare", "sft", "preference", "rl", "convert", "eval"]
+# Default: every stage of the project's dvc.yaml, in its order (DARE's: inputs, which records the
+# input files' content, then prepare, sft, preference (a side branch from the SFT model), rl,
+# convert, eval)
 EVAL_METRICS = "metrics/eval.json"
 
 
@@ -134,17 +134,30 @@ def eval_table(metrics: dict) -> str:
     return "\n".join(lines)
 
 
-def _check_stages(stages: list[str], repo: Path) -> None:
-    """Fail before running anything if a stage is not in dvc.yaml (stage@item and file:stage pass)."""
+def defined_stages(repo: Path) -> list[str]:
+    """The stages of `repo`'s dvc.yaml, in the file's order."""
     import yaml  # local: only needed here
 
     dvc_yaml = repo / "dvc.yaml"
     if not dvc_yaml.is_file():
         raise FileNotFoundError(f"no dvc.yaml in {repo}")
-    defined = set((yaml.safe_load(dvc_yaml.read_text()) or {}).get("stages") or {})
+    return list((yaml.safe_load(dvc_yaml.read_text()) or {}).get("stages") or {})
+
+
+def with_inputs(stages: list[str], defined: list[str]) -> list[str]:
+    """`stages` led by `inputs` where dvc.yaml has it: each stage runs as `dvc repro --single-item`,
+    which never runs an upstream stage, and the stages that read input files depend on its record."""
+    if "inputs" in defined and stages and "inputs" not in stages:
+        return ["inputs", *stages]
+    return stages
+
+
+def _check_stages(stages: list[str], repo: Path) -> None:
+    """Fail before running anything if a stage is not in dvc.yaml (stage@item and file:stage pass)."""
+    defined = set(defined_stages(repo))
     unknown = [s for s in stages if ":" not in s and s.split("@")[0] not in defined]
     if unknown:
-        raise ValueError(f"stages not in {dvc_yaml}: {unknown} (defined: {sorted(defined)})")
+        raise ValueError(f"stages not in {repo / 'dvc.yaml'}: {unknown} (defined: {sorted(defined)})")
 
 
 def _check_config(root: Path) -> None:
@@ -171,7 +184,7 @@ def dare_pipeline(
     overrides: list[str] | None = None,
     isolated: bool = False,
 ) -> PipelineResult:
-    """Run the DVC stages in order (default: inputs, prepare, sft, preference, rl, convert, eval), each as a Prefect
+    """Run the DVC stages in order (default: every stage of dvc.yaml, in its order), each as a Prefect
     task with `retries` retries, and publish what each stage produced in this run.
 
     overrides: params.yaml keys to set for this run (`["rl.num_steps=200"]`), written into the params.yaml
@@ -185,7 +198,7 @@ def dare_pipeline(
     """
     logger = get_run_logger()
     checkout = Path(repo).resolve()
-    stages = list(DEFAULT_STAGES if stages is None else stages)
+    stages = defined_stages(checkout) if stages is None else with_inputs(list(stages), defined_stages(checkout))
     overrides = list(overrides or [])
     _check_stages(stages, checkout)
     commit, dirty = checkout_state(checkout) if (checkout / ".git").exists() else (None, [])
@@ -289,8 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         epilog="Set PREFECT_API_URL to use a Prefect "
                "server (UI); otherwise Prefect runs in ephemeral mode.",
     )
-    parser.add_argument("--stages", default=",".join(DEFAULT_STAGES),
-                        help="comma-separated stages, in order (default: %(default)s)")
+    parser.add_argument("--stages", default=None,
+                        help="comma-separated stages, in order (default: every stage of dvc.yaml, in its order)")
     parser.add_argument("--repo", default=".", help="project directory with dvc.yaml (default: .)")
     parser.add_argument("--force", action="store_true", help="rerun stages even if unchanged")
     parser.add_argument("--retries", type=int, default=1, help="retries per stage (default: 1)")
@@ -306,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
 
     prefect.context.refresh_global_settings_context()  # pick up the defaults set above
 
-    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    stages = None if args.stages is None else [s.strip() for s in args.stages.split(",") if s.strip()]
     try:
         dare_pipeline(stages=stages, repo=args.repo, force=args.force,
                       retries=args.retries, retry_delay_seconds=args.retry_delay,

@@ -76,3 +76,25 @@ def test_a_user_task_runs_through_dvc_repro_and_eval_scores_its_test_file(tmp_pa
                               "sort_digits.json").read_text())
     assert [p["gold"] for p in predictions.values()] == [r["ground_truth"] for r in test]
     assert all(f"sort {r['prompt'][5:]}" in p["origin_prompt"] for p, r in zip(predictions.values(), test))
+
+    # the source edited in place (same path, so no setting changed): prepare reruns and everything
+    # that reads its outputs is out of date; the user's reward module is tracked the same way
+    def dvc_json(*args: str) -> dict:
+        done = subprocess.run([sys.executable, "-m", "dvc", *args, "--json"], cwd=repo, env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    assert dvc_json("status") == {"inputs": ["always changed"]}
+    edited = [dict(r) for r in train]
+    edited[0] = {**edited[0], "prompt": "sort 9 9 9 0", "response": "0 9 9 9", "ground_truth": "0 9 9 9"}
+    (repo / "user" / "sort_digits.jsonl").write_text("".join(json.dumps(r) + "\n" for r in edited))
+    before = (repo / "data" / "prepared" / "sft.parquet").read_bytes()
+    run = subprocess.run([sys.executable, "-m", "dvc", "repro", "prepare"], cwd=repo, env=env, capture_output=True, text=True)
+    assert run.returncode == 0 and "Running stage 'prepare'" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+    assert (repo / "data" / "prepared" / "sft.parquet").read_bytes() != before
+    stale = dvc_json("status")
+    assert {"sft", "preference", "rl", "eval"} <= set(stale), stale
+
+    (repo / "sort_rewards.py").write_text(REWARD_MODULE + "\n# a comment is an edit too\n")
+    subprocess.run([sys.executable, "-m", "dvc", "repro", "inputs"], cwd=repo, env=env, check=True, capture_output=True)
+    assert "prepare" in dvc_json("status")
