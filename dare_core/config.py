@@ -18,7 +18,7 @@ import yaml
 
 from dare_core.errors import ConfigError
 from dare_core.output_paths import output_conflict
-from dare_core.recipes import apply_recipe
+from dare_core.recipes import all_auto, apply_recipe
 from dare_core.remote import cache_path, local_copy, redact
 from dare_core.sampling.params import SamplingParams
 from dare_core.storage import is_remote, read_yaml_mapping
@@ -464,6 +464,12 @@ class DareConfig:
     restart: str = field(default="never", metadata={"cli_only": True})
     # a paper recipe applied over params.yaml (configs/recipes/<name>.yaml or a path; dare_core/recipes.py)
     recipe: Optional[str] = None
+    # `auto`: every length from the data (recipes.all_auto), whatever the sections say; empty: as they say
+    lengths: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.lengths not in (None, "auto"):
+            raise FieldError("lengths", f"must be auto or empty, got {self.lengths!r}")
 
     # ---- derived artifact locations (one place, so stages and dvc.yaml agree)
     @property
@@ -617,6 +623,8 @@ def load_config(path: Union[str, Path] = "params.yaml", overrides: Optional[list
     recipe = next((value for key, value in reversed(parsed) if key == "recipe"), raw.get("recipe"))
     raw = apply_recipe(raw, recipe, path)
     _check_has_sections(raw, path)
+    if next((value for key, value in reversed(parsed) if key == "lengths"), raw.get("lengths")) == "auto":
+        raw = all_auto(raw)  # under the overrides, like a recipe: `-S sft.pad_to=8` still wins
     for key, value in parsed:
         _set_dotted(raw, key, value)
     cfg = from_dict(DareConfig, raw, "", str(path))

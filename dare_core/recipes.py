@@ -79,3 +79,23 @@ def apply_recipe(raw: dict, name: Optional[Any], params_path: Union[str, Path]) 
         # params.yaml's task_args belong to its own task (arithmetic digits, say), not the recipe's
         out["data"] = {**out["data"], "task_args": {}}
     return out
+
+
+# the lengths `lengths: auto` derives from the data (data/lengths.py)
+SAMPLER_LENGTHS = {"gen_length": "auto", "block_length": "auto", "steps": "auto"}
+AUTO_LENGTHS = {"sft": {"pad_to": "auto"}, "preference": {"pad_to": "auto"}, "rl": {"sampler": SAMPLER_LENGTHS},
+                "eval": {"sampler": SAMPLER_LENGTHS}}
+MODEL_LENGTH_KEYS = ("max_sequence_length", "max_position_embeddings")  # what families call a model's length
+
+
+def all_auto(raw: dict) -> dict:
+    """params.yaml's tree with every length set to `auto` (`lengths: auto`, one key instead of nine):
+    each canvas, sampler length and step count, and a from-scratch model's length where its
+    `model.init` names one. An explicit `-S` override, applied after, still wins."""
+    over: dict = dict(AUTO_LENGTHS)
+    init = (raw.get("model") or {}).get("init")  # unused with a model.path, whose length is its own
+    if isinstance(init, dict):
+        named = {key: "auto" for key in MODEL_LENGTH_KEYS if key in init}
+        if named:
+            over["model"] = {"init": named}
+    return merged(raw, over)

@@ -59,3 +59,20 @@ def test_values_out_of_range_name_their_full_key(tmp_path):
             load_config(_write(tmp_path, "run: {seed: 0}\n"), [override])
     # 0 where it means "off" stays allowed
     assert load_config(_write(tmp_path, "run: {seed: 0}\n"), ["rl.validate_every=0", "rl.dual_clip=0"]).rl.validate_every == 0
+
+
+def test_lengths_auto_is_one_key_for_every_length(tmp_path):
+    """`lengths: auto` leaves every canvas, sampler length and step count, and a from-scratch model's
+    length, to the data, over the sections' numbers; an override still wins; empty keeps them."""
+    from pathlib import Path
+
+    shipped = Path(__file__).resolve().parents[2] / "params.yaml"
+    fixed = load_config(shipped, root=tmp_path)
+    assert fixed.lengths is None and fixed.sft.pad_to == 6 and fixed.model.init["max_sequence_length"] == 32
+    cfg = load_config(shipped, ["lengths=auto", "preference.pad_to=7"], root=tmp_path)
+    assert (cfg.sft.pad_to, cfg.preference.pad_to) == ("auto", 7)
+    for sampler in (cfg.rl.sampler, cfg.eval.sampler):
+        assert (sampler.gen_length, sampler.block_length, sampler.steps) == ("auto", "auto", "auto")
+    assert cfg.model.init["max_sequence_length"] == "auto"
+    with pytest.raises(ConfigError, match="key 'lengths' must be auto or empty, got 'fixed'"):
+        load_config(shipped, ["lengths=fixed"], root=tmp_path)
