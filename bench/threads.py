@@ -1,8 +1,8 @@
 """torch CPU threads on an idle and a busy machine: which thread count and OpenMP wait policy hold
 up when other processes take cores, and what `launch.threads: auto` picks there.
 
-    python3 bench/threads.py                      # writes bench/results/threads.md (~3 min on 2 cores)
-    python3 bench/threads.py --seconds 1 --out /tmp/threads.md
+    python3 bench/threads.py                      # writes bench/results/threads.md (~3-4 min on 2 cores)
+    python3 bench/threads.py --seconds 0.5 --out /tmp/threads.md
 
 Workloads, on the embedded default model of params.yaml (from-scratch LLaDA of `model.init`, the
 arithmetic task's prompts through the chat template):
@@ -153,7 +153,7 @@ def burners(n: int) -> Iterator[None]:
     """`n` CPU-bound processes (a busy loop each), as other jobs on a shared machine; killed after."""
     procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
     try:
-        time.sleep(1.0)  # running before the cells (and auto's look at the machine) start
+        time.sleep(0.5)  # running before the cells (and auto's look at the machine) start
         yield
     finally:
         for p in procs:
@@ -212,7 +212,7 @@ def table(loads: dict, counts: list[int]) -> list[str]:
 
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seconds", type=float, default=1.5, help="measured time per workload and cell, after a warm-up step")
+    parser.add_argument("--seconds", type=float, default=1.0, help="measured time per workload and cell, after a warm-up step")
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one cell, in its own interpreter
     args = parser.parse_args(argv)
@@ -239,6 +239,8 @@ def main(argv: Optional[list[str]] = None) -> None:
               "`default`: OpenMP's own wait policy (spin a while, then sleep); PASSIVE: OMP_WAIT_POLICY=PASSIVE. "
               "auto: the environment `dare stage` gives its worker, computed under the same load.", "",
               *table(loads, counts), "",
+              "The cells of a load run one after another, so other work on the machine moves them: with one thread "
+              "the wait policy does nothing, and the two 1-thread columns differ by that noise alone.  ",
               "auto's log line at each load: " + "; ".join(f"{k}: {v['auto']['reason']}" for k, v in loads.items()) + ".  ",
               f"Total wall time {time.monotonic() - started:.0f} s.", ""]
     args.out.parent.mkdir(parents=True, exist_ok=True)
