@@ -126,8 +126,9 @@ def busy_cpus(stat_before: str, stat_after: str, cpus: Collection[int]) -> Optio
 def auto_threads(machine: Machine, ranks: int) -> ThreadChoice:
     """Physical cores available to this process (else logical CPUs) less those other processes keep
     busy, capped by the cgroup quota, shared among `ranks` local processes; at least 1. A core that
-    another process holds makes torch's threads wait on each other: 2 threads ran 12x slower than 1
-    on a 2-core machine with one core taken (bench/results/threads.md)."""
+    another process holds makes torch's threads wait on each other (a user's SFT on a shared 2-core
+    machine: 28 samples/s with 2 threads, 339 with 1); threads beyond the free cores only win by
+    taking CPU time from the other jobs (bench/results/threads.md)."""
     logical = max(1, len(machine.cpus))
     physical = physical_cores(machine.cpus, machine.cpuinfo) if machine.cpuinfo else None
     cores, what = (physical, "physical cores") if physical else (logical, "CPUs")
@@ -169,8 +170,8 @@ def wait_policy_env(environ: Mapping[str, str]) -> dict:
     """OMP_WAIT_POLICY=PASSIVE to add to `environ`, or nothing where the user set a policy. OpenMP's
     default lets a thread that finished its share spin before it sleeps; where another process holds
     a core (or takes one after the count was chosen) the spinning threads starve the one still
-    working: 2 threads ran 10-20x slower than 1 on a busy 2-core machine, and as fast as 1 or faster
-    when waiting passively (bench/results/threads.md). libgomp reads it once, when torch loads it."""
+    working: on a busy 2-core machine 2 spinning threads ran 2-17x slower than 1, 2 passive ones
+    0.5-1.9x as fast as 1 (bench/results/threads.md). libgomp reads it once, when torch loads it."""
     return {} if environ.get("OMP_WAIT_POLICY", "").strip() else {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
