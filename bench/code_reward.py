@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dare_core.rewards.sandbox import check_available  # noqa: E402
 from dare_core.rewards.scoring import default_workers, score_texts  # noqa: E402
-from stamp import header  # noqa: E402
+from stamp import cpu_model, header, usable_cores  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "code_reward.md"
 WORK = "def work(n):\n    s = 0\n    for i in range(n):\n        s += i * i % 7\n    return s\n"
@@ -63,14 +63,7 @@ def timed(rows: list[dict], texts: list[str], workers: int) -> tuple[float, list
 
 
 def hardware() -> str:
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
-    except OSError:
-        pass
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"CPU {model}, {usable} usable cores, no GPU (the reward runs on the CPU only); Python {platform.python_version()}"
+    return f"CPU {cpu_model()}, {usable_cores()} usable cores, no GPU (the reward runs on the CPU only); Python {platform.python_version()}"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -44,6 +44,23 @@ def library_versions(names: tuple[str, ...] = ("torch", "deepspeed", "opencompas
     return ", ".join(f"{n} {version(n)}" for n in names)
 
 
+def cpu_model() -> str:
+    """The CPU's model name as /proc/cpuinfo gives it (else what `platform` knows)."""
+    import platform
+
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        return model
+
+
+def usable_cores() -> int:
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def header(title: str, command: str, hardware: str, commit: Optional[str] = None) -> list[str]:
     """The top of a results file: what ran, at which commit (`commit`: as read when the run began;
     default: now), where, with what, when."""
