@@ -64,9 +64,10 @@ from flows.report import run_markdown, stage_markdown  # noqa: E402
 from tasks.dvc_stage import StageResult, dvc_stage  # noqa: E402
 from tasks.workspace import apply_overrides, checkout_state, create_workspace  # noqa: E402
 
-# Default: every stage of the project's dvc.yaml, in its order (DARE's: inputs, which records the
-# input files' content, then prepare, sft, preference (a side branch from the SFT model), rl,
-# convert, eval)
+# inputs records the input files' content (DVC runs it every time; prepare, rl and eval depend on
+# it); preference is a side branch: it trains from the SFT model (as RL does) and exports its own
+# folder. A project's dvc.yaml without one of them runs the others.
+DEFAULT_STAGES = ["inputs", "prepare", "sft", "preference", "rl", "convert", "eval"]
 EVAL_METRICS = "metrics/eval.json"
 
 
@@ -184,7 +185,8 @@ def dare_pipeline(
     overrides: list[str] | None = None,
     isolated: bool = False,
 ) -> PipelineResult:
-    """Run the DVC stages in order (default: every stage of dvc.yaml, in its order), each as a Prefect
+    """Run the DVC stages in order (default: inputs, prepare, sft, preference, rl, convert, eval, those
+    dvc.yaml has; `inputs` also leads a list of stages given), each as a Prefect
     task with `retries` retries, and publish what each stage produced in this run.
 
     overrides: params.yaml keys to set for this run (`["rl.num_steps=200"]`), written into the params.yaml
@@ -198,7 +200,8 @@ def dare_pipeline(
     """
     logger = get_run_logger()
     checkout = Path(repo).resolve()
-    stages = defined_stages(checkout) if stages is None else with_inputs(list(stages), defined_stages(checkout))
+    defined = defined_stages(checkout)
+    stages = [s for s in DEFAULT_STAGES if s in defined] if stages is None else with_inputs(list(stages), defined)
     overrides = list(overrides or [])
     _check_stages(stages, checkout)
     commit, dirty = checkout_state(checkout) if (checkout / ".git").exists() else (None, [])
@@ -303,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                "server (UI); otherwise Prefect runs in ephemeral mode.",
     )
     parser.add_argument("--stages", default=None,
-                        help="comma-separated stages, in order (default: every stage of dvc.yaml, in its order)")
+                        help="comma-separated stages, in order (default: " + ",".join(DEFAULT_STAGES) + ")")
     parser.add_argument("--repo", default=".", help="project directory with dvc.yaml (default: .)")
     parser.add_argument("--force", action="store_true", help="rerun stages even if unchanged")
     parser.add_argument("--retries", type=int, default=1, help="retries per stage (default: 1)")

@@ -131,6 +131,7 @@ def run_preference(cfg: DareConfig, progress: bool = True, save_checkpoints: boo
     export (benchmarks); `phase_times`: log where each step's time goes (None: `DARE_PHASE_TIMES`
     decides; `dare_core.timing`)."""
     cfg = resolve_lengths(cfg)  # `auto` lengths, as the prepare stage derived them
+    check_preference_config(cfg)  # a wrong setting is an error even while the stage is off
     reason = off_reason(cfg)
     if reason:
         return write_off_stage(cfg, reason, writer=eng.rank() == 0)

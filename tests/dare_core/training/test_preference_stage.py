@@ -108,8 +108,11 @@ def test_bad_preference_input_is_one_clear_error(tmp_path):
     r = _run(params, "preference")
     assert r.returncode == 2 and "preference.parquet: row 1:" in r.stderr and "rejected" in r.stderr
     assert not (tmp_path / "runs" / "t" / "preference").exists()
-    pq.write_table(pq.read_table(path).slice(0, 0), path)  # no pairs at all
-    r = _run(params, "preference")
-    assert r.returncode == 2 and "no preference pairs" in r.stderr and "data.preference_source" in r.stderr
+    pq.write_table(pq.read_table(path).slice(0, 0), path)  # no pairs at all: an error only where they are required
+    r = _run(params, "preference", "-S", "preference.enabled=true")
+    assert r.returncode == 2 and "no preference pairs, but preference.enabled is true" in r.stderr, r.stderr
+    assert not (tmp_path / "runs" / "t" / "preference").exists()
+    r = _run(params, "preference")  # auto: the stage is off (training/preference_off.py)
+    assert r.returncode == 0 and "preference stage off: no preference pairs" in r.stderr, r.stderr
     r = _run(params, "preference", "-S", "preference.algorithm=dpo")
     assert r.returncode == 2 and "unknown preference algorithm 'dpo'" in r.stderr
