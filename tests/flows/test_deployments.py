@@ -110,10 +110,11 @@ def test_concurrent_runs_complete_in_their_own_workspaces_and_failures_show_the_
     logs = api_post(server, "logs/filter", {"logs": {"flow_run_id": {"any_": [ids[0]]}}, "limit": 200})
     assert any("loss" in log["message"] and "step" in log["message"] for log in logs)  # the worker's step lines
 
-    # a stage failing in its worker: the Prefect task's message is the worker's error line
-    bad = run_deployment(server, dep, {"stages": ["prepare"], "overrides": ["data.num_sft=-1"], "retries": 0})
+    # a stage failing in its worker: the Prefect task's message is the worker's error line (a setting
+    # that load_config refuses fails the flow before any stage: tests/dare_core/test_bad_input_paths.py)
+    bad = run_deployment(server, dep, {"stages": ["prepare"], "overrides": ["model.init.n_heads=3"], "retries": 0})
     state = final_state(server, bad, 240)
     assert state["state_type"] == "FAILED"
     tasks = api_post(server, "task_runs/filter", {"flow_runs": {"id": {"any_": [bad]}}})
     message = next(t for t in tasks if t["name"] == "prepare")["state"]["message"]
-    assert "error: params.yaml: key 'data.num_sft' must be >= 0, got -1" in message, message
+    assert "error: model.init: n_heads (3) must divide the width d_model" in message, message
