@@ -153,7 +153,7 @@ def burners(n: int) -> Iterator[None]:
     """`n` CPU-bound processes (a busy loop each), as other jobs on a shared machine; killed after."""
     procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
     try:
-        time.sleep(0.5)  # running before the cells start
+        time.sleep(0.5)  # running before the cells (and auto's look at the machine) start
         yield
     finally:
         for p in procs:

@@ -188,8 +188,8 @@ class LaunchConfig:
     # of the weights wait in host memory between uses (zero_stage 3)
     offload_optimizer: str = "none"  # none | cpu
     offload_params: str = "none"  # none | cpu
-    # torch CPU threads per rank: auto = physical cores available / local ranks, waiting passively
-    # (an explicit OMP_NUM_THREADS wins over auto); an int wins over both
+    # torch CPU threads per rank: auto = (physical cores available - those other processes keep
+    # busy) / local ranks (an explicit OMP_NUM_THREADS wins over auto); an int wins over both
     # (dare_core/training/threads.py)
     threads: Union[str, int] = "auto"
     # seconds a rank waits for the others (rendezvous, every collective) before it fails with an

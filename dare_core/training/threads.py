@@ -5,12 +5,10 @@ machine (or a machine shared with other jobs) oversubscribe the cores and spin-w
 a user measured SFT at 10 samples/s that way against 71-92/s with one thread per rank.
 
 Precedence: an int in `launch.threads` > `OMP_NUM_THREADS` in the environment (the user's choice)
-> auto = the physical cores this process may use (CPU affinity, cgroup CPU quota) / local ranks.
-Idle OpenMP threads sleep rather than spin (`wait_policy_env`) unless the user set OMP_WAIT_POLICY:
-on a shared or busy machine, another process's load then costs its share of the cores, not a
-collapse (bench/results/threads.md). The count itself never depends on the load of the moment, so
-a run resumed on a busier machine computes with the same threads, hence the same bits. The
-decision is applied at the start of every worker (`configure_threads`) and logged once the
+> auto = (the physical cores this process may use (CPU affinity, cgroup CPU quota) - those other
+processes keep busy) / local ranks. Idle OpenMP threads sleep rather than spin (`wait_policy_env`)
+unless the user set OMP_WAIT_POLICY: on a shared machine, load that comes after the count was
+chosen then costs a share of the cores, not a collapse (bench/results/threads.md). The decision is applied at the start of every worker (`configure_threads`) and logged once the
 stage's checks have passed (`log_threads`): a failing check leaves only its error line on stderr.
 """
 from __future__ import annotations
@@ -18,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Collection, Mapping, Optional, Union
@@ -27,6 +26,9 @@ log = logging.getLogger(__name__)
 # set by `dare stage` next to the OMP_NUM_THREADS it exports to its ranks, so that each rank's log
 # line says why the count was chosen rather than only where it came from
 REASON_VAR = "DARE_THREADS_REASON"
+# how long auto watches the CPUs for other processes' work: 10 scheduler ticks per CPU at the
+# usual 100 Hz, enough to tell a busy core from an idle one, short beside a stage's start
+BUSY_SAMPLE_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,8 @@ class Machine:
     cpus: frozenset  # logical CPU ids this process may run on
     cpuinfo: Optional[str] = None  # /proc/cpuinfo text, for the core each logical CPU belongs to
     cpu_max: Optional[str] = None  # cgroup v2 cpu.max text: "<quota> <period>" or "max <period>"
+    # CPUs of `cpus` that other processes kept busy while it was read (`busy_cpus`); None: unknown
+    busy: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -93,18 +97,50 @@ def local_ranks(environ: Mapping[str, str]) -> int:
     return 1
 
 
+def busy_cpus(stat_before: str, stat_after: str, cpus: Collection[int]) -> Optional[float]:
+    """How many of `cpus` were busy between two readings of /proc/stat: the sum of each CPU's busy
+    share of its ticks (time stolen by a hypervisor counts as busy: the CPU was not ours to use).
+    None where a CPU's line is missing or no tick passed."""
+    def ticks(text: str) -> dict:  # cpu id -> (busy ticks, all ticks)
+        out = {}
+        for line in text.splitlines():
+            name, *fields = line.split() or [""]
+            values = fields[:8]  # user nice system idle iowait irq softirq steal (guest is inside user)
+            if name[:3] == "cpu" and name[3:].isdigit() and len(values) >= 4 and all(v.isdigit() for v in values):
+                counts = [int(v) for v in values]
+                out[int(name[3:])] = (sum(counts) - sum(counts[3:5]), sum(counts))
+        return out
+
+    before, after = ticks(stat_before), ticks(stat_after)
+    busy = 0.0
+    for cpu in cpus:
+        if cpu not in before or cpu not in after:
+            return None
+        spent, total = after[cpu][0] - before[cpu][0], after[cpu][1] - before[cpu][1]
+        if total <= 0:
+            return None
+        busy += spent / total
+    return busy
+
+
 def auto_threads(machine: Machine, ranks: int) -> ThreadChoice:
-    """Physical cores available to this process (else logical CPUs), capped by the cgroup quota,
-    shared among `ranks` local processes; at least 1."""
+    """Physical cores available to this process (else logical CPUs) less those other processes keep
+    busy, capped by the cgroup quota, shared among `ranks` local processes; at least 1. A core that
+    another process holds makes torch's threads wait on each other (a user's SFT on a shared 2-core
+    machine: 28 samples/s with 2 threads, 339 with 1); threads beyond the free cores only win by
+    taking CPU time from the other jobs (bench/results/threads.md)."""
     logical = max(1, len(machine.cpus))
     physical = physical_cores(machine.cpus, machine.cpuinfo) if machine.cpuinfo else None
     cores, what = (physical, "physical cores") if physical else (logical, "CPUs")
+    # a CPU counts as taken when another process used more than half of it
+    busy = math.floor(machine.busy + 0.5) if machine.busy else 0
+    free, label = max(1, cores - busy), f"{cores} {what}" + (f" - {busy} busy" if busy else "")
     quota = cgroup_cpus(machine.cpu_max)
-    if quota is not None and quota < cores:
-        cores, what = quota, "CPUs of cgroup quota"
+    if quota is not None and quota < free:
+        free, label = quota, f"{quota} CPUs of cgroup quota"
     ranks = max(1, ranks)
-    count = max(1, cores // ranks)
-    return ThreadChoice(count, f"{cores} {what} / {ranks} local rank{'s' if ranks != 1 else ''}")
+    count = max(1, free // ranks)
+    return ThreadChoice(count, f"{label} / {ranks} local rank{'s' if ranks != 1 else ''}")
 
 
 def omp_threads(environ: Mapping[str, str]) -> Optional[int]:
@@ -121,7 +157,7 @@ def omp_threads(environ: Mapping[str, str]) -> Optional[int]:
 
 def resolve_threads(setting: Union[str, int], environ: Mapping[str, str], machine: Optional[Machine] = None) -> ThreadChoice:
     """The thread count for `launch.threads` = `setting`, by the module docstring's precedence.
-    `machine` is read (`read_machine`) only where auto decides."""
+    `machine` is read (`read_machine`, a tenth of a second) only where auto decides."""
     if not isinstance(setting, str):
         return ThreadChoice(int(setting), f"launch.threads: {setting}")
     omp = omp_threads(environ)
@@ -154,13 +190,30 @@ def _cgroup_v1_cpu_max() -> Optional[str]:
     return f"{'max' if quota.strip() == '-1' else quota.strip()} {period.strip()}"
 
 
-def read_machine() -> Machine:
-    """This process's CPUs as the system reports them."""
+def _measure_busy(cpus: Collection[int], seconds: float) -> Optional[float]:
+    """CPUs of `cpus` busy with other processes' work over the next `seconds`: /proc/stat per CPU
+    (so a container counts the host CPUs it may use, not the whole host), less this process's own
+    CPU time. The caller sleeps meanwhile, so a launcher measures the machine before its ranks start."""
+    before, own_before, started = _read("/proc/stat"), os.times(), time.monotonic()
+    if before is None:
+        return None
+    time.sleep(seconds)
+    after, own_after, elapsed = _read("/proc/stat"), os.times(), time.monotonic() - started
+    busy = busy_cpus(before, after or "", cpus)
+    if busy is None:
+        return None
+    own = (own_after.user - own_before.user) + (own_after.system - own_before.system)
+    return max(0.0, busy - own / elapsed)
+
+
+def read_machine(busy_sample_s: float = BUSY_SAMPLE_S) -> Machine:
+    """This process's CPUs as the system reports them, and how busy others keep them right now."""
     try:
         cpus = frozenset(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
         cpus = frozenset(range(os.cpu_count() or 1))
-    return Machine(cpus, _read("/proc/cpuinfo"), _read("/sys/fs/cgroup/cpu.max") or _cgroup_v1_cpu_max())
+    return Machine(cpus, _read("/proc/cpuinfo"), _read("/sys/fs/cgroup/cpu.max") or _cgroup_v1_cpu_max(),
+                   _measure_busy(cpus, busy_sample_s) if busy_sample_s > 0 else None)
 
 
 _applied: Optional[ThreadChoice] = None

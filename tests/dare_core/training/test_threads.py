@@ -7,7 +7,7 @@ import pytest
 
 from dare_core.config import ConfigError, load_config
 from dare_core.training import threads
-from dare_core.training.threads import (REASON_VAR, Machine, auto_threads, cgroup_cpus, launcher_env, physical_cores,
+from dare_core.training.threads import (REASON_VAR, Machine, auto_threads, busy_cpus, cgroup_cpus, launcher_env, physical_cores,
                                         resolve_threads, wait_policy_env)
 from pipeline_helpers import worker_env
 
@@ -21,8 +21,8 @@ def cpuinfo(cores: int, threads_per_core: int) -> str:
     return "\n".join(blocks)
 
 
-def machine(cpus, info=None, cpu_max=None) -> Machine:
-    return Machine(frozenset(cpus), info, cpu_max)
+def machine(cpus, info=None, cpu_max=None, busy=None) -> Machine:
+    return Machine(frozenset(cpus), info, cpu_max, busy)
 
 
 def test_physical_cores_count_distinct_cores_of_the_allowed_cpus():
@@ -55,6 +55,50 @@ def test_auto_is_physical_cores_under_quota_per_local_rank():
     assert auto_threads(machine(range(2), cpuinfo(2, 1)), 8).count == 1  # more ranks than cores: still one each
 
 
+def test_cores_other_processes_keep_busy_are_left_to_them():
+    info = cpuinfo(2, 1)
+    choice = auto_threads(machine(range(2), info, busy=1.0), 1)  # the issue's shared 2-core machine
+    assert (choice.count, choice.reason) == (1, "2 physical cores - 1 busy / 1 local rank")
+    choice = auto_threads(machine(range(2), info, busy=3.7), 1)  # more busy than there are: still one
+    assert (choice.count, choice.reason) == (1, "2 physical cores - 4 busy / 1 local rank")
+    big = cpuinfo(16, 2)
+    assert auto_threads(machine(range(32), big, busy=6.2), 2).reason == "16 physical cores - 6 busy / 2 local ranks"
+    assert auto_threads(machine(range(32), big, busy=6.2), 2).count == 5
+    # a core counts as taken from half its time on; a little background work takes none
+    assert auto_threads(machine(range(32), big, busy=0.4), 1).count == 16
+    assert auto_threads(machine(range(32), big, busy=0.5), 1).count == 15
+    # the quota caps what is left, and is itself the limit while the host has cores to spare
+    assert auto_threads(machine(range(32), big, "800000 100000", busy=12), 1).reason == "16 physical cores - 12 busy / 1 local rank"
+    choice = auto_threads(machine(range(32), big, "300000 100000", busy=12), 1)
+    assert (choice.count, choice.reason) == (3, "3 CPUs of cgroup quota / 1 local rank")
+
+
+def test_an_idle_or_unmeasured_machine_keeps_every_core():
+    info = cpuinfo(8, 2)
+    for busy in (None, 0.0, 0.2):
+        choice = auto_threads(machine(range(16), info, busy=busy), 2)
+        assert (choice.count, choice.reason) == (4, "8 physical cores / 2 local ranks")
+
+
+def stat(*cpus) -> str:
+    """/proc/stat with one line per CPU of (user, idle) ticks, the rest zero, after the all-CPU line."""
+    lines = ["cpu  1 2 3 4 5 6 7 8 0 0"]
+    lines += [f"cpu{i} {user} 0 0 {idle} 0 0 0 0 0 0" for i, (user, idle) in enumerate(cpus)]
+    return "\n".join(lines + ["intr 1 2 3", "", "ctxt 99"]) + "\n"
+
+
+def test_busy_cpus_sum_each_cpus_busy_share():
+    before = stat((100, 100), (100, 100), (100, 100))
+    after = stat((110, 100), (105, 105), (100, 110))  # cpu0 busy, cpu1 half, cpu2 idle
+    assert busy_cpus(before, after, {0, 1, 2}) == pytest.approx(1.5)
+    assert busy_cpus(before, after, {1, 2}) == pytest.approx(0.5)  # only the CPUs this process may use
+    steal = "cpu0 100 0 0 100 0 0 0 0 0 0\n", "cpu0 100 0 0 105 0 0 0 5 0 0\n"  # a hypervisor took half
+    assert busy_cpus(*steal, {0}) == pytest.approx(0.5)
+    assert busy_cpus(before, after, {0, 3}) is None  # a CPU /proc/stat does not list: unknown
+    assert busy_cpus(before, before, {0}) is None  # no tick passed
+    assert busy_cpus("", "", {0}) is None
+
+
 def test_the_machine_is_read_only_where_auto_decides(monkeypatch):
     def unread():
         raise AssertionError("read_machine called")
@@ -65,8 +109,10 @@ def test_the_machine_is_read_only_where_auto_decides(monkeypatch):
     assert launcher_env("auto", 2, {"OMP_NUM_THREADS": "2"})["OMP_NUM_THREADS"] == "2"
 
 
-def test_read_machine_reads_this_machine():
-    assert threads.read_machine().cpus
+def test_read_machine_measures_this_machine():
+    m = threads.read_machine(busy_sample_s=0.05)
+    assert m.cpus and (m.busy is None or 0 <= m.busy <= len(m.cpus))
+    assert threads.read_machine(busy_sample_s=0).busy is None
 
 
 def test_openmp_threads_wait_passively_unless_the_user_chose():
