@@ -6,9 +6,12 @@ a user measured SFT at 10 samples/s that way against 71-92/s with one thread per
 
 Precedence: an int in `launch.threads` > `OMP_NUM_THREADS` in the environment (the user's choice)
 > auto = (the physical cores this process may use (CPU affinity, cgroup CPU quota) - those other
-processes keep busy) / local ranks. Idle OpenMP threads sleep rather than spin (`wait_policy_env`)
-unless the user set OMP_WAIT_POLICY: on a shared machine, load that comes after the count was
-chosen then costs a share of the cores, not a collapse (bench/results/threads.md). The decision is applied at the start of every worker (`configure_threads`) and logged once the
+processes keep busy as the stage starts) / local ranks: OpenMP threads that share a core with
+another job collapse (they spin-wait for the one that is descheduled), and threads beyond the free
+cores gain only by taking CPU time from the other jobs (bench/results/threads.md). OpenMP's own wait
+policy is kept: making idle threads sleep at once (OMP_WAIT_POLICY=PASSIVE) would survive load that
+arrives later, but cost a third or more of the speed of an idle machine there. The decision is
+applied at the start of every worker (`configure_threads`) and logged once the
 stage's checks have passed (`log_threads`): a failing check leaves only its error line on stderr.
 """
 from __future__ import annotations
@@ -166,15 +169,6 @@ def resolve_threads(setting: Union[str, int], environ: Mapping[str, str], machin
     return auto_threads(machine or read_machine(), local_ranks(environ))
 
 
-def wait_policy_env(environ: Mapping[str, str]) -> dict:
-    """OMP_WAIT_POLICY=PASSIVE to add to `environ`, or nothing where the user set a policy. OpenMP's
-    default lets a thread that finished its share spin before it sleeps; where another process holds
-    a core (or takes one after the count was chosen) the spinning threads starve the one still
-    working: on a busy 2-core machine 2 spinning threads ran 2-17x slower than 1, 2 passive ones
-    0.5-1.9x as fast as 1 (bench/results/threads.md). libgomp reads it once, when torch loads it."""
-    return {} if environ.get("OMP_WAIT_POLICY", "").strip() else {"OMP_WAIT_POLICY": "PASSIVE"}
-
-
 def _read(path: str) -> Optional[str]:
     try:
         return Path(path).read_text()
@@ -249,12 +243,11 @@ def log_threads() -> None:
 def launcher_env(setting: Union[str, int], nproc: int, environ: Mapping[str, str],
                  machine: Optional[Machine] = None) -> dict:
     """`environ` plus the OMP/MKL thread counts for the `nproc` ranks a launcher starts on this
-    machine, and the wait policy (`wait_policy_env`). Exported before launching because torchrun
+    machine. Exported before launching because torchrun
     otherwise sets OMP_NUM_THREADS=1 for several ranks, which each rank would then take for the
     user's choice."""
     env = dict(environ)
     env.pop(REASON_VAR, None)  # a stale reason from an enclosing launch would misreport this one
-    env.update(wait_policy_env(env))
     if isinstance(setting, str) and omp_threads(env) is not None:
         return env  # the user's OMP_NUM_THREADS reaches every rank as it is
     choice = resolve_threads(setting, {**env, "LOCAL_WORLD_SIZE": str(nproc)}, machine)

@@ -8,7 +8,7 @@ import pytest
 from dare_core.config import ConfigError, load_config
 from dare_core.training import threads
 from dare_core.training.threads import (REASON_VAR, Machine, auto_threads, busy_cpus, cgroup_cpus, launcher_env, physical_cores,
-                                        resolve_threads, wait_policy_env)
+                                        resolve_threads)
 from pipeline_helpers import worker_env
 
 
@@ -115,16 +115,6 @@ def test_read_machine_measures_this_machine():
     assert threads.read_machine(busy_sample_s=0).busy is None
 
 
-def test_openmp_threads_wait_passively_unless_the_user_chose():
-    assert wait_policy_env({}) == {"OMP_WAIT_POLICY": "PASSIVE"}
-    assert wait_policy_env({"OMP_WAIT_POLICY": " "}) == {"OMP_WAIT_POLICY": "PASSIVE"}  # empty: unset
-    assert wait_policy_env({"OMP_WAIT_POLICY": "ACTIVE"}) == {}
-    m = machine(range(8), cpuinfo(8, 1))
-    assert launcher_env("auto", 1, {}, m)["OMP_WAIT_POLICY"] == "PASSIVE"
-    assert launcher_env(2, 1, {}, m)["OMP_WAIT_POLICY"] == "PASSIVE"
-    assert launcher_env("auto", 1, {"OMP_WAIT_POLICY": "active"}, m)["OMP_WAIT_POLICY"] == "active"
-
-
 def test_local_ranks_come_from_the_launchers_variables():
     m = machine(range(8), cpuinfo(8, 1))
     assert resolve_threads("auto", {}, m).count == 8
@@ -153,7 +143,7 @@ def test_launcher_exports_each_ranks_share():
     assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "2" and env["PATH"] == "/bin"
     assert env[REASON_VAR] == "8 physical cores / 4 local ranks"
     user = launcher_env("auto", 4, {"OMP_NUM_THREADS": "1", REASON_VAR: "stale"}, m)
-    assert user == {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}  # the user's count reaches the ranks as it is
+    assert user == {"OMP_NUM_THREADS": "1"}  # the user's count reaches the ranks as it is
     env = launcher_env(3, 4, {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}, m)
     assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "3"
 
@@ -190,10 +180,10 @@ WORKER = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("extra_env, args, expected, reason", [
-    ({}, ["-S", "launch.threads=3"], "3 PASSIVE", "launch.threads: 3"),
-    ({"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "ACTIVE"}, [], "2 ACTIVE", "OMP_NUM_THREADS=2 in the environment"),
+    ({}, ["-S", "launch.threads=3"], "3 None", "launch.threads: 3"),
+    ({"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"}, [], "2 PASSIVE", "OMP_NUM_THREADS=2 in the environment"),
 ])
-def test_a_worker_sets_torchs_thread_count_and_wait_policy(tmp_path, extra_env, args, expected, reason):
+def test_a_worker_sets_torchs_thread_count_and_keeps_the_wait_policy(tmp_path, extra_env, args, expected, reason):
     params = tmp_path / "params.yaml"
     params.write_text("run: {seed: 0}\n")  # (an empty file is refused)
     env = {k: v for k, v in worker_env().items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", REASON_VAR)}
