@@ -1,6 +1,7 @@
 """Tiny self-contained pipeline configs for stage and end-to-end tests."""
 from __future__ import annotations
 
+import copy
 import os
 import random
 import re
@@ -35,7 +36,9 @@ TINY = {
 
 def tiny_params(root: Path, **overrides) -> dict:
     """The repository's params.yaml (every key DVC tracks) shrunk to a seconds-long run under `root`."""
-    params = _merge(yaml.safe_load((REPO / "params.yaml").read_text()), TINY)
+    # a deep copy: `init` and `task_args` come from TINY whole, and a test that edits its params
+    # would otherwise edit TINY for every later test in the process
+    params = copy.deepcopy(_merge(yaml.safe_load((REPO / "params.yaml").read_text()), TINY))
     params["run"].update(runs_dir=str(root / "runs"), models_dir=str(root / "models"), metrics_dir=str(root / "metrics"))
     params["data"].update(prepared_dir=str(root / "data" / "prepared"), tokenizer_dir=str(root / "data" / "tokenizer"))
     for dotted, value in overrides.items():

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import random
 import re
-from typing import Any
+from typing import Any, Optional
 
 from dare_core.config import ConfigError, DareConfig
 from dare_core.data import lengths as derived
@@ -44,7 +44,10 @@ _UNSIZED_LIMIT = 1 << 16
 _GRADED = ("rl", "val", "eval")
 
 
-def _max_length(cfg: DareConfig) -> int:
+def _max_length(cfg: DareConfig, length_key: Optional[str] = None) -> int:
+    """The model's length (a from-scratch model's checked `model.init`, or the folder's config.json).
+    `length_key`: the init key left to the data (`auto`); the shapes are still checked here, with a
+    stand-in length, so that a bad head count stops prepare rather than the SFT stage after it."""
     if cfg.model.path is None:
         # whatever the family calls it (max_sequence_length, max_position_embeddings), its config says
         from dare_core.models.family import get_family
@@ -53,10 +56,12 @@ def _max_length(cfg: DareConfig) -> int:
         if family.tiny_config is None:
             return DEFAULT_MAX_LENGTH
         family.check_init(cfg.model.init)  # a typo is named, not one more key nothing reads
+        init = {**cfg.model.init, length_key: _UNSIZED_LIMIT} if length_key else cfg.model.init
         try:
-            return family.config_from_hf(family.tiny_config(8, 7, 6, **cfg.model.init)).max_sequence_length
+            length = family.config_from_hf(family.tiny_config(8, 7, 6, **init)).max_sequence_length
         except (KeyError, TypeError, ValueError, ArithmeticError) as exc:  # checked here too: prepare writes first
             raise ConfigError(f"model.init: {exc}") from None
+        return _UNSIZED_LIMIT if length_key else length
     path = cfg.model_folder() / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"model config not found: {path}")
@@ -309,7 +314,7 @@ def prepare(cfg: DareConfig) -> dict[str, Any]:
         check_replaceable(output, WRITES)  # a folder of the user's is never replaced
     tokenizer = char_tokenizer() if from_scratch else load_tokenizer(cfg.model_folder())
     length_key = derived.model_length_key(cfg)  # a from-scratch model sized by the data
-    limit = _UNSIZED_LIMIT if length_key else _max_length(cfg)
+    limit = _max_length(cfg, length_key)
     counts = (cfg.data.num_sft, cfg.data.num_rl, cfg.data.num_eval, cfg.data.num_val)
     if min(counts) < 0:
         raise DataError(f"data.num_sft, num_rl, num_eval and num_val must be >= 0, got {counts}")

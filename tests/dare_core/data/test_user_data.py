@@ -189,3 +189,11 @@ def test_a_fixed_length_too_short_for_the_answers_stops_prepare_with_the_numbers
     assert f"response is 5 tokens + 1 EOS > {key} 5" in message and f"set {key} to auto" in message, message
     assert "at least 6" in message and str(tmp_path / "sort_digits.jsonl") in message
     assert not Path(cfg.data.prepared_dir).exists()
+
+
+def test_model_init_shapes_are_checked_when_its_length_is_left_to_the_data(tmp_path):
+    cfg = user_cfg(tmp_path)  # model.init: {max_sequence_length: auto}
+    cfg.model.init = {"max_sequence_length": "auto", "d_model": 32, "n_heads": 3}
+    with pytest.raises(ConfigError, match=r"model.init: n_heads \(3\) must divide the width d_model \(32\)"):
+        prepare(cfg)
+    assert not Path(cfg.data.prepared_dir).exists()
