@@ -11,7 +11,6 @@ imported (importing runs the user's code).
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any, Optional
 
 from dare_core.config import DareConfig
 from dare_core.errors import UserError
-from dare_core.remote import listing
+from dare_core.remote import file_digest, listing
 from dare_core.storage import is_remote
 
 FILES = ("data.source", "data.eval_source", "data.val_source", "data.preference_source")
@@ -27,14 +26,6 @@ FILES = ("data.source", "data.eval_source", "data.val_source", "data.preference_
 
 def inputs_file(cfg: DareConfig) -> Path:
     return Path(cfg.run.metrics_dir) / "inputs.json"
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def file_identity(setting: str, value: Optional[str]) -> Optional[dict]:
@@ -46,7 +37,7 @@ def file_identity(setting: str, value: Optional[str]) -> Optional[dict]:
     path = Path(os.path.expanduser(value[len("file://"):] if value.startswith("file://") else value))
     if not path.is_file():
         raise UserError(f"{setting}: {value} is not a file")
-    return {"path": value, "sha256": sha256(path)}
+    return {"path": value, "sha256": file_digest(path, "sha256")}
 
 
 def module_source(module: str, search: list[str]) -> Optional[Path]:
@@ -70,7 +61,7 @@ def reward_identity(reward: str) -> Optional[dict]:
     found = module_source(module, [os.getcwd(), *sys.path[1:]])
     if found is None:
         return {"module": module, "file": None}
-    return {"module": module, "file": str(found), "sha256": sha256(found)}
+    return {"module": module, "file": str(found), "sha256": file_digest(found, "sha256")}
 
 
 def identities(cfg: DareConfig) -> dict[str, Any]:

@@ -82,7 +82,8 @@ def apply_recipe(raw: dict, name: Optional[Any], params_path: Union[str, Path]) 
 
 
 # the lengths `lengths: auto` derives from the data (data/lengths.py)
-SAMPLER_LENGTHS = {"gen_length": "auto", "block_length": "auto", "steps": "auto"}
+SAMPLER_KEYS = ("gen_length", "block_length", "steps")
+SAMPLER_LENGTHS = {key: "auto" for key in SAMPLER_KEYS}
 AUTO_LENGTHS = {"sft": {"pad_to": "auto"}, "preference": {"pad_to": "auto"}, "rl": {"sampler": SAMPLER_LENGTHS},
                 "eval": {"sampler": SAMPLER_LENGTHS}}
 MODEL_LENGTH_KEYS = ("max_sequence_length", "max_position_embeddings")  # what families call a model's length

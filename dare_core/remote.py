@@ -201,8 +201,9 @@ def listing(url: PathLike, what: str = "object", folder: Optional[bool] = None) 
     return entries
 
 
-def _md5(path: Path) -> str:
-    h = hashlib.md5()
+def file_digest(path: Path, algorithm: str = "md5") -> str:
+    """The hex digest of a file's bytes, read in 4 MiB chunks (a model shard never sits in memory)."""
+    h = hashlib.new(algorithm)
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
@@ -216,7 +217,7 @@ def verify(path: Path, expected: dict, url: str) -> None:
         raise RemoteError(f"{redact(url)}: downloaded {size} bytes, the object store lists {expected['size']} (a broken "
                           f"transfer, or the object changed meanwhile); nothing was kept, run again")
     if expected.get("md5") and os.environ.get(VERIFY_ENV, "").lower() != "size":
-        got = _md5(path)
+        got = file_digest(path)
         if got != expected["md5"]:
             raise RemoteError(f"{redact(url)}: the download's MD5 {got} differs from the object's ETag {expected['md5']}; "
                               f"nothing was kept, run again (objects encrypted with SSE-KMS or SSE-C have ETags that "

@@ -18,9 +18,10 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Optional
 
+from dare_core.recipes import MODEL_LENGTH_KEYS as LENGTH_KEYS  # what families call a model's length
+from dare_core.recipes import SAMPLER_KEYS
+
 AUTO = "auto"
-SAMPLER_KEYS = ("gen_length", "block_length", "steps")
-LENGTH_KEYS = ("max_sequence_length", "max_position_embeddings")  # what families call a model's length
 
 
 def _round_up(n: int, multiple: int) -> int:

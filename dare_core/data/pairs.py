@@ -13,3 +13,10 @@ def why_no_pairs(cfg: Any) -> str:
         return "data.num_preference is 0 and no data.preference_source is set"
     return ("no training row has an answer with a digit to change (pairs are derived only from numeric answers); "
             "give pairs of your own in data.preference_source")
+
+
+def pairs_required(cfg: Any, where: str) -> str:
+    """The error when `preference.enabled: true` finds no pairs at `where` (prepare, or the stage)."""
+    return (f"{where}: no preference pairs, but preference.enabled is true: {why_no_pairs(cfg)} (or set "
+            f"preference.enabled: auto, which turns the stage off without pairs)")
+

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from dare_core.config import ConfigError, DareConfig
 from dare_core.data import lengths as derived
-from dare_core.data.pairs import why_no_pairs
+from dare_core.data.pairs import pairs_required, why_no_pairs
 from dare_core.data.schema import DataError, check_ground_truths, read_rows, validate_rows, write_rows
 from dare_core.data.sources import (attach_reward, check_distinct_uids, check_size, dedupe, side_rows, source_pool,
                                    task_label)
@@ -287,8 +287,7 @@ def _overlaps(splits: dict[str, list[dict]], train_rows: list[dict]) -> dict[str
 
 def _check_pairs_wanted(cfg: DareConfig, pairs: list[dict], origin: str) -> None:
     if not pairs and cfg.preference.enabled is True:
-        raise DataError(f"{origin}: no preference pairs, but preference.enabled is true: {why_no_pairs(cfg)} "
-                        f"(or set preference.enabled: auto, which turns the stage off without pairs)")
+        raise DataError(pairs_required(cfg, origin))
 
 
 def _warnings(overlaps: dict[str, int], counts: dict[str, int], cfg: DareConfig) -> list[str]:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from dare_core.config import DareConfig
-from dare_core.data.pairs import why_no_pairs
+from dare_core.data.pairs import pairs_required, why_no_pairs
 from dare_core.data.schema import DataError, read_rows
 from dare_core.ownership import STAGE_OFF_NOTE
 from dare_core.storage import atomic_dir, atomic_write_json
@@ -40,8 +40,7 @@ def off_reason(cfg: DareConfig) -> Optional[str]:
     if path.is_file() and read_rows(path, "preference"):
         return None
     if enabled is True:
-        raise DataError(f"{path}: no preference pairs, but {SWITCH} is true: {why_no_pairs(cfg)} "
-                        f"(or set {SWITCH}: auto to skip the stage)")
+        raise DataError(pairs_required(cfg, str(path)))
     return f"no preference pairs in {path}: {why_no_pairs(cfg)}"
 
 
