@@ -19,7 +19,8 @@ Parts:
                 (launch.offload_optimizer), packed, on the largest --gpus count
   rl-lora       one d1 step at LLaDA-8B, LoRA, dual cache and CUDA graphs, on each --gpus count
   rl-full       the same step, full-parameter, ZeRO-3 with the optimizer on the CPU, on each count
-  rl-threshold  the LoRA step under ZeRO-3 with threshold unmasking (ranks decode in lockstep)
+  rl-threshold  the LoRA step under ZeRO-3 with threshold unmasking (each rank decodes on the whole
+                weights, gathered once a step: launch.rollout_weights)
   multinode     the embedded tiny model: SFT and RL as one node of N ranks, and as N "nodes" of one
                 GPU each started as the README tells (torchrun nnodes/node_rank, master 127.0.0.1)
 The file is rewritten after every run, so a run stopped by a time limit keeps what it measured.
@@ -52,8 +53,6 @@ OFFLOAD = {"launch.zero_stage": 3, "launch.offload_optimizer": "cpu"}
 # what a multi-rank run used to end with on success, and NCCL's watchdog on a timeout: counted in each
 # run's log (the stage's own stderr), where a user would read them as a crash
 CPP_NOISE = ("TCPStore", "destroy_process_group", "Guessing device ID", "frame #", "Exception raised from", "terminate called")
-# under ZeRO-3 the forward gathers the weights: no CUDA graphs (decode.py refuses them), no compile
-ZERO3_SAMPLER = {"cuda_graphs": None, "compile_forward": False}
 
 
 # --------------------------------------------------------------------------- one rank
@@ -217,14 +216,11 @@ def measure(parts: list[str], gpu_counts: list[int], shapes: list[str], s: ts.Se
             extra = {**split_batch(s, top), **OFFLOAD}
             name = f"sft-full-{shape}-{top}gpu"
             rows.append(sft_row(name, shape, "full", top, extra, run(name, top, spec(name, "sft", shape, "full", extra)), s))
-    # under ZeRO-3 one step is timed: it captures no graphs and compiles nothing, so it has no warm-up
-    # to leave out; full-parameter rollouts go 64 at a time (the reference model's copy takes the room)
-    one_step = {"rl.num_steps": 1}
+    # under ZeRO-3 the rollouts decode on the whole weights (launch.rollout_weights), with CUDA graphs
+    # as at ZeRO-0; full-parameter rollouts go 64 at a time (the reference model's copy takes the room)
     rl_variants = {"rl-lora": ("lora", {}, gpu_counts),
-                   "rl-full": ("full", {**OFFLOAD, **one_step, "model.lora": None,
-                                        "rl.sampler": {**ZERO3_SAMPLER, "batch_size": s.rollout_batch // 2}}, gpu_counts),
-                   "rl-threshold": ("lora", {"launch.zero_stage": 3, **one_step,
-                                             "rl.sampler": {**ZERO3_SAMPLER, "unmasking": "threshold", "threshold": 0.9}}, [top])}
+                   "rl-full": ("full", {**OFFLOAD, "model.lora": None, "rl.sampler": {"batch_size": s.rollout_batch // 2}}, gpu_counts),
+                   "rl-threshold": ("lora", {"launch.zero_stage": 3, "rl.sampler": {"unmasking": "threshold", "threshold": 0.9}}, [top])}
     for part, (training, extra, counts) in rl_variants.items():
         if part not in parts:
             continue
@@ -265,7 +261,8 @@ SFT_COLUMNS = SETUP + [
     ("fwd+bwd (s)", lambda r: fmt(r["fwd_bwd_s"])), ("optimizer (s)", lambda r: fmt(r["optimizer_s"])),
     ("peak GiB (max over ranks)", lambda r: fmt(r["peak_gib"], ".1f")), ("losses", _values("losses")),
     ("C++ trace lines", lambda r: str(r["noise_lines"]))]
-RL_COLUMNS = SETUP + [("unmasking", lambda r: r["unmasking"]), ("step (s)", lambda r: fmt(r["step_s"]))] + [
+RL_COLUMNS = SETUP + [("unmasking", lambda r: r["unmasking"]), ("denoising steps", lambda r: fmt(r.get("rollout_steps"), ".0f")),
+                      ("step (s)", lambda r: fmt(r["step_s"]))] + [
     (p.replace("forward_backward", "fwd+bwd"), (lambda p: lambda r: fmt(r[p]))(p)) for p in (*ts.RL_PHASES, "other")] + [
     ("peak GiB", lambda r: fmt(r["peak_gib"], ".1f")), ("rewards per step", _values("rewards")),
     ("C++ trace lines", lambda r: str(r["noise_lines"]))]

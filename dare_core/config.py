@@ -188,6 +188,11 @@ class LaunchConfig:
     # of the weights wait in host memory between uses (zero_stage 3)
     offload_optimizer: str = "none"  # none | cpu
     offload_params: str = "none"  # none | cpu
+    # what RL rollouts and validation decode on under ZeRO-3. whole: every rank gathers the whole
+    # weights once a step and decodes without collectives (as fast as ZeRO 0-2, CUDA graphs allowed;
+    # costs one copy of the weights in GPU memory while decoding). partitioned: each forward gathers
+    # the layer it needs and the ranks decode in lockstep (for models whose weights do not fit a GPU)
+    rollout_weights: str = "whole"  # whole | partitioned
     # torch CPU threads per rank: auto = (physical cores available - those other processes keep
     # busy) / local ranks (an explicit OMP_NUM_THREADS wins over auto); an int wins over both
     # (dare_core/training/threads.py)
@@ -215,6 +220,7 @@ class LaunchConfig:
         _one_of(self, "zero_stage", (0, 1, 2, 3))
         _one_of(self, "offload_optimizer", OFFLOAD_DEVICES)
         _one_of(self, "offload_params", OFFLOAD_DEVICES)
+        _one_of(self, "rollout_weights", ("whole", "partitioned"))
         if self.offload_optimizer != "none" and self.zero_stage == 0:
             raise FieldError("offload_optimizer", "needs launch.zero_stage 1, 2 or 3 (ZeRO's partitioned optimizer is what "
                                                   "moves to the CPU), got zero_stage 0")

@@ -2,9 +2,10 @@
 
 For each family it decodes all prompts on one plain model (the one-rank result), then wraps the same
 model in a ZeRO-3 engine, which partitions its MLP weights across the ranks, and decodes its share of
-the prompts with threshold unmasking and stop ids, so the ranks' rows stop at different points. It
-writes what it decoded, its rows' own step counts and how many forward passes it made to
-<out>/rank<N>.json.
+the prompts with threshold unmasking and stop ids, so the ranks' rows stop at different points: in
+lockstep on the partitioned weights, then on the whole weights (`engine.rollout_weights`), then
+partitioned again. It writes what it decoded, its rows' own step counts and how many forward passes
+it made to <out>/rank<N>.json.
 """
 import json
 import sys
@@ -64,7 +65,17 @@ def main(out_dir: Path) -> None:
         wrapped.net.layers[0].register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
         partitioned = zero3_partitioned(wrapped) and any(p.ds_tensor.numel() < p.ds_numel for p in wrapped.parameters())
         mine = decode(wrapped, family, shares[rank])
-        result[family] = {"alone": alone, "mine": mine, "forwards": forwards[0], "partitioned": partitioned}
+        lockstep_forwards = forwards[0]
+        # the RL loop's way: the whole weights gathered once, the per-layer gathers off, no lockstep
+        with eng.rollout_weights(engine, LaunchConfig(zero_stage=3)):
+            whole_partitioned = zero3_partitioned(wrapped)
+            whole = decode(wrapped, family, shares[rank])
+        whole_forwards = forwards[0] - lockstep_forwards
+        # and after it the weights are partitioned again, their gathers back on (the lockstep's result)
+        again = decode(wrapped, family, shares[rank])
+        result[family] = {"alone": alone, "mine": mine, "forwards": lockstep_forwards, "partitioned": partitioned,
+                          "whole": whole, "whole_forwards": whole_forwards, "whole_partitioned": whole_partitioned,
+                          "again": again, "partitioned_again": zero3_partitioned(wrapped)}
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
 
 

@@ -74,12 +74,16 @@ class GraphStore:
         self.attn = torch.zeros((batch, length), dtype=torch.long, device=p.device)
         self.pos = torch.zeros_like(self.attn)
         self.graphed = GraphedWindow(model, compile_forward)
+        self.weights = tuple(q.data_ptr() for q in model.parameters())
 
 
 def graph_store(model, batch: int, length: int, compile_forward: bool) -> GraphStore:
     """The model's store for this shape; one at a time (a KV cache per shape would not fit)."""
+    # the graphs read the weights where they were at capture: weights gathered anew (ZeRO-3's whole
+    # rollout weights, each step) live elsewhere, and the graphs must be captured again
+    weights = tuple(q.data_ptr() for q in model.parameters())
     store = getattr(model, "_dare_graph_store", None)
-    if store is None or store.key != (batch, length, compile_forward):
+    if store is None or store.key != (batch, length, compile_forward) or store.weights != weights:
         model._dare_graph_store = None
         torch.cuda.empty_cache()
         store = GraphStore(model, batch, length, compile_forward)

@@ -18,8 +18,12 @@ import torch
 
 
 def zero3_partitioned(model: torch.nn.Module) -> bool:
-    """DeepSpeed's ZeRO-3 marks each parameter it partitions with a `ds_id`."""
-    return any(hasattr(p, "ds_id") for p in model.parameters())
+    """Whether a forward of `model` gathers weights from other ranks: DeepSpeed's ZeRO-3 marks each
+    parameter it manages with a `ds_id`, and one of which this rank holds only its shard is
+    NOT_AVAILABLE. Inside `engine.rollout_weights` every parameter is whole (and the gather hooks
+    are off), so decoding there needs no lockstep."""
+    return any(hasattr(p, "ds_id") and getattr(getattr(p, "ds_status", None), "name", "") == "NOT_AVAILABLE"
+               for p in model.parameters())
 
 
 class RankLockstep:

@@ -140,3 +140,20 @@ def whole_weights(engine, needed: bool = True):
     (the gather is a collective), each then holds the whole model until it exits. A no-op under
     ZeRO 0-2 (every rank holds every parameter) or when not `needed`."""
     return gathered(engine.module.parameters(), needed and engine.zero_optimization_stage() >= 3)
+
+
+def rollout_weights(engine, launch: LaunchConfig, needed: bool = True):
+    """The context RL decodes in. Under ZeRO-3 with `launch.rollout_weights: whole`, every rank
+    gathers the whole weights once (a collective: every rank must enter it) and DeepSpeed's
+    per-layer gather hooks are off until it exits, so decoding makes no collective calls: each
+    rank stops when its own rows are done, and CUDA graphs may capture the forward. Otherwise (ZeRO
+    0-2, or `partitioned`) a no-op: under ZeRO-3 the forwards then gather layer by layer and the
+    ranks decode in lockstep (dare_core/sampling/lockstep.py). Not `needed`: a no-op too (nothing
+    will decode: a validation that is not due)."""
+    import contextlib
+
+    if not needed or engine.zero_optimization_stage() < 3 or launch.rollout_weights != "whole":
+        return contextlib.nullcontext()
+    from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
+
+    return unwrap_model_for_generation(engine)

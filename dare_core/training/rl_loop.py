@@ -33,7 +33,7 @@ from dare_core.training.metrics import MetricsLogger
 from dare_core.training.plots import STAGE_PLOTS
 from dare_core.training.preflight import check_outputs, checkpoint_bytes, model_bytes, stage_writes, training_need
 from dare_core.training.rl_ranks import rank_prompts, reduce_step_metrics
-from dare_core.training.rl_validation import RLValidator
+from dare_core.training.rl_validation import RLValidator, due
 from dare_core.training.setup import prepare_for_training, stage_tokenizer
 
 log = logging.getLogger(__name__)
@@ -260,7 +260,8 @@ def _run_rl(cfg: DareConfig, progress: bool, save_checkpoints: bool, timer: Phas
     t_start = time.time()
     val_postfix: dict = {}
     if start == 0:  # the SFT model, before any update (a resumed run validated it already)
-        val_metrics = validator(engine.module, tokenizer, 0)
+        with eng.rollout_weights(engine, cfg.launch, needed=due(0, rl)):
+            val_metrics = validator(engine.module, tokenizer, 0)
         if val_metrics:
             logger.log(0, val_metrics)
             val_postfix = _val_postfix(val_metrics)
@@ -271,17 +272,19 @@ def _run_rl(cfg: DareConfig, progress: bool, save_checkpoints: bool, timer: Phas
         idx = global_batch_indices(step, rl.prompts_per_step, len(rows), cfg.run.seed)
         prompt_rows = [rows[i] for i in idx]
         mine = [prompt_rows[i] for i in rank_prompts(len(prompt_rows), rl.mini_batches, rank, world)]
-        with timer.phase("rollout"):  # less the reward, timed inside
-            batch, metrics = algo.rollout(sampler, engine.module, tokenizer, mine, cfg, step)
-        t_rollout = time.time() - t0
+        # rollouts and the no-grad scoring on the whole weights (under ZeRO-3: one gather a step)
+        with eng.rollout_weights(engine, cfg.launch):
+            with timer.phase("rollout"):  # less the reward, timed inside
+                batch, metrics = algo.rollout(sampler, engine.module, tokenizer, mine, cfg, step)
+            t_rollout = time.time() - t0
 
-        with timer.phase("reward"):
-            context = RolloutContext(tokenizer, prompt_rows_expanded(mine, rl.group_size), rl.reward, rl.reward_args)
-            metrics.update(algo.prepare(batch, context))
-        with timer.phase("scoring"), torch.no_grad():
-            corruptions = [algo.corrupt(batch, (cfg.run.seed, step, it)) for it in range(rl.num_iterations)]
-            old = None if trivial_ratio else [chunked_scores(algo, engine.module, batch, c, micro) for c in corruptions]
-            ref_scores = reference_scores(algo, engine.module, ref, batch, corruptions, micro) if rl.kl_beta > 0 else None
+            with timer.phase("reward"):
+                context = RolloutContext(tokenizer, prompt_rows_expanded(mine, rl.group_size), rl.reward, rl.reward_args)
+                metrics.update(algo.prepare(batch, context))
+            with timer.phase("scoring"), torch.no_grad():
+                corruptions = [algo.corrupt(batch, (cfg.run.seed, step, it)) for it in range(rl.num_iterations)]
+                old = None if trivial_ratio else [chunked_scores(algo, engine.module, batch, c, micro) for c in corruptions]
+                ref_scores = reference_scores(algo, engine.module, ref, batch, corruptions, micro) if rl.kl_beta > 0 else None
         # per key: (sum of micro-batch value x weight, weight); the losses' sum (`combine_rank_metrics`)
         update_metrics: dict[str, tuple[float, float]] = {}
         loss_sum = 0.0
@@ -317,7 +320,8 @@ def _run_rl(cfg: DareConfig, progress: bool, save_checkpoints: bool, timer: Phas
         metrics = reduce_step_metrics({"prompts": len(mine), "metrics": metrics, "updates": update_metrics, "loss": loss_sum},
                                       rl.num_iterations * rl.mini_batches)
         # before the checkpoint: a run resumed from it must not validate this step again
-        val_metrics = validator(engine.module, tokenizer, step + 1)
+        with eng.rollout_weights(engine, cfg.launch, needed=due(step + 1, rl)):
+            val_metrics = validator(engine.module, tokenizer, step + 1)
         metrics.update(val_metrics)
         val_postfix = _val_postfix(val_metrics) or val_postfix
         if (step + 1) % rl.log_every == 0 or step + 1 == rl.num_steps or val_metrics:

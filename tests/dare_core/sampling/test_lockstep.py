@@ -1,6 +1,7 @@
 """Decoding under ZeRO-3 on two ranks (gloo on the CPU): ranks whose rows stop at different points
 still make the same forward calls (each gathers the partitioned weights from both ranks), so the job
-completes, and every row decodes as the one-rank run decodes it."""
+completes, and every row decodes as the one-rank run decodes it; on the whole weights (how RL
+decodes by default) each rank stops on its own, with the same rows."""
 import json
 import subprocess
 import sys
@@ -39,3 +40,10 @@ def test_two_zero3_ranks_stopping_apart_decode_as_one_rank(tmp_path):
         for p in parts:
             for uid, row in p["mine"].items():
                 assert row == alone[uid], (family, uid)
+        # on the whole weights each rank stops with its own rows (fewer forwards on rank 0) and
+        # decodes what it decodes alone; afterwards the weights are partitioned again and still decode so
+        print(family, "forward calls on the whole weights:", [p["whole_forwards"] for p in parts])
+        assert not any(p["whole_partitioned"] for p in parts) and all(p["partitioned_again"] for p in parts)
+        assert parts[0]["whole_forwards"] < parts[1]["whole_forwards"], family
+        for p in parts:
+            assert p["whole"] == p["mine"] and p["again"] == p["mine"], family
