@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import subprocess
 from pathlib import Path
 from typing import Optional
@@ -12,9 +13,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 def git_commit() -> str:
     """The checkout's commit; DARE_COMMIT, when set, names it instead (a copy of the tree whose .git
-    is absent or stale, as on the remote GPU machine)."""
-    if os.environ.get("DARE_COMMIT"):
-        return os.environ["DARE_COMMIT"]
+    is absent or stale, as on the remote GPU machine). It must be a whole 40-digit hash, as
+    `git rev-parse HEAD` prints it where the commit exists: a short one typed by hand can name a
+    commit that is not there (a results file of 2026-11-27 named ff06b86e for ff06b86c)."""
+    given = os.environ.get("DARE_COMMIT")
+    if given:
+        if not re.fullmatch(r"[0-9a-f]{40}", given):
+            raise SystemExit(f"DARE_COMMIT={given!r}: give the whole hash, e.g. DARE_COMMIT=$(git rev-parse HEAD) "
+                             "in the checkout where the commit exists")
+        return given
 
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()

@@ -46,3 +46,18 @@ def test_threshold_table_covers_every_model_in_one_stamped_file(tmp_path):
         table = text.split(f"### `{model}`")[1].split("###")[0]
         assert "| plain (1 token/step) |" in table and "| 1.0x |" in table
         assert len([line for line in table.splitlines() if line.startswith("| ")]) == 1 + 4  # header + 4 settings
+
+
+def test_a_commit_named_by_hand_must_be_a_whole_hash(monkeypatch):
+    import importlib
+
+    import pytest
+
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    stamp = importlib.import_module("stamp")
+
+    monkeypatch.setenv("DARE_COMMIT", "ff06b86e")
+    with pytest.raises(SystemExit, match="whole hash"):
+        stamp.git_commit()
+    monkeypatch.setenv("DARE_COMMIT", "ff06b86c728df7cea065a12d4243177114a544f5")
+    assert stamp.git_commit() == "ff06b86c728df7cea065a12d4243177114a544f5"
