@@ -39,8 +39,25 @@ def checkout_state(repo: Path) -> tuple[str | None, list[str]]:
     """(HEAD commit, tracked files with uncommitted changes) of a git checkout; no commit yet: None."""
     proc = subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"], cwd=repo, capture_output=True, text=True)
     commit = proc.stdout.strip() or None
-    dirty = [line[3:] for line in _git("status", "--porcelain", "--untracked-files=no", cwd=repo).splitlines()]
-    return commit, dirty
+    return commit, changed_files(repo)
+
+
+def changed_files(repo: Path) -> list[str]:
+    """Tracked files with uncommitted changes. `-z` output: unquoted names, and no stripping that
+    could eat the leading space of a status (` M prefect.yaml`, a change not yet staged)."""
+    proc = subprocess.run(["git", "status", "--porcelain", "-z", "--untracked-files=no"], cwd=repo,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise WorkspaceError(f"git status failed in {repo}: {proc.stderr.strip()}")
+    entries = iter(proc.stdout.split("\0"))
+    files = []
+    for entry in entries:
+        if len(entry) < 4:
+            continue
+        files.append(entry[3:])
+        if entry[0] in "RC":  # a rename or copy: its source path follows as an entry of its own
+            next(entries, None)
+    return files
 
 
 def dvc_cache_dir(repo: Path) -> Path:
