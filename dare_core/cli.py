@@ -104,23 +104,33 @@ def cmd_stage(args: argparse.Namespace) -> int:
         return code or _publish(args.name, load_config(args.params, args.set))
     cfg = load_config(args.params, args.set)
     cmd = launch_command(module, cfg.launch, worker_args)
-    return _launch(cmd, launch_env(cfg.launch, os.environ)) or _publish(args.name, cfg)
+    what = "the worker" if cfg.launch.launcher == "local" else f"the {cfg.launch.launcher} launcher"
+    return _launch(cmd, launch_env(cfg.launch, os.environ), what) or _publish(args.name, cfg)
 
 
-def _launch(cmd: list[str], env: dict) -> int:
+def _launch(cmd: list[str], env: dict, what: str = "the worker") -> int:
     """Run the launcher (or the one worker) to its end; its exit code. It ends with this process,
     and this process with its parent (workers/lifeline.py); the watch starts after the fork (a
-    preexec_fn is only safe while no other thread runs)."""
+    preexec_fn is only safe while no other thread runs). Killed by a signal, it printed nothing
+    about it: this names the signal in an `error:` line and exits as a shell would, 128 + N
+    (`sys.exit(-9)` would end this process with 247, which reads as an ordinary exit code)."""
+    from dare_core.exits import killed_by, signal_of
     from dare_core.workers.lifeline import dies_with_parent, watch_parent
 
     launcher = subprocess.Popen(cmd, env=env, preexec_fn=dies_with_parent())
     watch_parent()
     try:
-        return launcher.wait()
+        code = launcher.wait()
     except BaseException:  # as subprocess.call does (Ctrl-C): the launcher goes too
         launcher.kill()
         launcher.wait()
         raise
+    if code >= 0:
+        return code
+    died = signal_of(code)
+    how = killed_by(died) if died else f"killed by signal {-code}"
+    print(f"error: {what} (pid {launcher.pid}) was {how}", file=sys.stderr, flush=True)
+    return 128 - code
 
 
 def launch_env(launch: LaunchConfig, environ: Mapping[str, str]) -> dict:

@@ -33,7 +33,8 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import task_run
 
-from tasks.stage_output import LineForwarder, dvc_error, error_line
+from dare_core.exits import killed_by, signal_of
+from tasks.stage_output import WORKER_ERROR, LineForwarder, dvc_error, error_line
 
 __all__ = ["StageFailed", "StageResult", "dvc_stage", "run_stage", "stage_changes"]
 
@@ -42,21 +43,35 @@ class StageFailed(RuntimeError):
     """A stage failed. Its message starts with the line that explains why: the worker's own
     `error: ...` line when it printed one (`error_line`), else DVC's report. `returncode` is the
     stage cmd's exit code when DVC reported it ("exited with N"), else the DVC command's own exit
-    code (`dvc_returncode`; DVC exits 255 on any error)."""
+    code (`dvc_returncode`; DVC exits 255 on any error). `signal` is the signal that code carries
+    (dare_core/exits.py), if any: a killed stage is reported as killed, by name, not by a number
+    (DVC reports `-9`, a shell `137`, the DeepSpeed launcher `247`)."""
 
     def __init__(self, stage: str, dvc_returncode: int, command: list[str], repo: str | Path,
                  dvc_error: str = "", cause: str = ""):
         m = re.search(r"exited with (-?\d+)", dvc_error)
         self.stage = stage
         self.returncode = int(m.group(1)) if m else dvc_returncode
+        self.signal = signal_of(self.returncode)
         self.dvc_returncode = dvc_returncode
         self.dvc_error = dvc_error
         self.cause = cause if cause and cause != dvc_error else ""
+        if self.signal is not None and not WORKER_ERROR.match(self.cause):
+            self.cause = ""  # the last line a killed stage printed is not why it died
         self.command = command
         self.repo = str(repo)
-        detail = f" (dvc: {dvc_error.removeprefix('ERROR: ')})" if dvc_error else ""
-        what = f"stage {stage!r} failed with exit code {self.returncode}"
-        super().__init__(f"{self.cause} [{what}]" if self.cause else what + detail)
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        failed = f"stage {self.stage!r} failed with exit code {self.returncode}"
+        if self.signal is not None:
+            killed = f"stage {self.stage!r} was {killed_by(self.signal)}"
+            if f"killed by {self.signal.name}" in self.cause:  # the worker's line already says how
+                return f"{self.cause} [{failed}]"
+            return f"{self.cause} [{killed}]" if self.cause else killed
+        if self.cause:
+            return f"{self.cause} [{failed}]"
+        return failed + (f" (dvc: {self.dvc_error.removeprefix('ERROR: ')})" if self.dvc_error else "")
 
     def __reduce__(self):  # picklable (Prefect may serialize exceptions)
         return (type(self), (self.stage, self.dvc_returncode, self.command, self.repo, self.dvc_error, self.cause))

@@ -12,6 +12,8 @@ import threading
 import time
 from typing import Callable
 
+from dare_core.exits import is_progress_bar
+
 # DARE's workers end a failed run with one `error: ...` line (dare_core/workers/common.py)
 WORKER_ERROR = re.compile(r"^error: ")
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -73,9 +75,10 @@ def error_line(output_tail: str) -> str:
     """The line that explains a failed stage: the worker's own `error: ...` line if it printed one;
     else, when the stage command failed ("exited with N"), the last line it printed before DVC's
     report (a traceback's last line); else DVC's own `ERROR: ...` line, which is then the cause
-    (an output DVC refuses, a lock, a missing dependency)."""
+    (an output DVC refuses, a lock, a missing dependency). A progress bar's frame never is: a stage
+    killed mid-step leaves one as its last output."""
     lines = [ANSI.sub("", ln).strip() for ln in re.split(r"[\r\n]+", output_tail)]
-    lines = [ln for ln in lines if ln]
+    lines = [ln for ln in lines if ln and (ln.lower().startswith("error") or not is_progress_bar(ln))]
     worker = [ln for ln in lines if WORKER_ERROR.match(ln)]
     if worker:
         return worker[-1]

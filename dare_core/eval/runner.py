@@ -26,6 +26,7 @@ from typing import Any, Iterable, Iterator, Optional
 
 from dare_core.errors import UserError
 from dare_core.eval.configs import get_benchmark, parse_benchmarks
+from dare_core.exits import is_progress_bar, killed_by, signal_of
 from dare_core.storage import atomic_dir, atomic_write_json, atomic_write_text
 
 
@@ -195,7 +196,7 @@ def _worth_showing(line: str) -> bool:
     # stay in the log, and an error is reported once, as the failure's message
     if line.startswith("Map"):  # datasets' own progress bar over a handful of rows
         return False
-    return "it/s]" in line or "s/it]" in line or "%|" in line
+    return is_progress_bar(line)
 
 
 # the last line of a Python traceback: `ValueError: ...`, `dare_core.errors.ModelLoadError: ...`
@@ -208,8 +209,9 @@ def _failure(log_path: Path, rc: int) -> str:
     lines = log_path.read_text(errors="replace").splitlines()
     cause = next((f"{m.group(1)}: {m.group(2).strip()}" for m in map(_EXCEPTION_LINE.match, reversed(lines)) if m), None)
     if cause is None:
-        cause = f"killed by signal {-rc} (out of memory?)" if rc < 0 else (
-            next((line.strip() for line in reversed(lines) if line.strip()), "no output"))
+        died = signal_of(rc)
+        cause = killed_by(died) if died else next(
+            (line.strip() for line in reversed(lines) if line.strip() and not is_progress_bar(line)), "no output")
     fd, kept = tempfile.mkstemp(prefix="dare-opencompass-", suffix=".log")
     with os.fdopen(fd, "w") as out:
         out.write("\n".join(lines) + "\n")

@@ -21,6 +21,7 @@ import traceback
 from typing import Callable, Optional
 
 from dare_core.config import ConfigError, DareConfig, load_config
+from dare_core.exits import killed_by
 from dare_core.training.threads import configure_threads, log_threads
 from dare_core.workers.rank_output import NativeNoiseFilter, lost_contact, native_error_message, parse_collective
 
@@ -177,9 +178,6 @@ def run_worker(fn: Callable[[DareConfig], object], argv: Optional[list[str]], de
 # --------------------------------------------------------------------------- one rank
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # how launchers and users stop a job
-DEATH_HINTS = {signal.SIGKILL: " (the out-of-memory killer? `dmesg` says)", signal.SIGSEGV: " (a crash in native code)",
-               signal.SIGBUS: " (a crash in native code)",
-               signal.SIGABRT: " (a crash in native code, or NCCL's watchdog ending a collective that timed out)"}
 
 
 def _on_parent_death(signum: int) -> None:
@@ -266,7 +264,7 @@ def run_rank(argv: list[str]) -> int:
         if timed_out:  # NCCL's watchdog aborts the process (SIGABRT) when a collective times out
             print(f"error: {who}{lost_contact(timed_out)}", file=sys.stderr, flush=True)
         else:
-            print(f"error: {who}the worker (pid {worker.pid}) was killed by {died.name}{DEATH_HINTS.get(died, '')}"
+            print(f"error: {who}the worker (pid {worker.pid}) was {killed_by(died)}"
                   f"{_first_native_error(noise)}", file=sys.stderr, flush=True)
     # end the same way, so that the launcher reports this rank's signal
     if died not in (signal.SIGKILL, signal.SIGSTOP):  # (their handling cannot be changed)

@@ -66,3 +66,13 @@ def test_a_failure_of_dvc_itself_is_reported_as_dvcs_error():
             "ERROR: failed to reproduce 'sft':  output 'metrics/sft.json' is already tracked by SCM (e.g. Git).\n"
             "    You can remove it from Git, then add to DVC.\n")
     assert error_line(tail) == "ERROR: failed to reproduce 'sft':  output 'metrics/sft.json' is already tracked by SCM (e.g. Git)."
+
+
+def test_a_progress_bar_is_never_the_error_line():
+    # the bar's last frame (cut short: the stage died mid-redraw) follows the line that says why
+    tail = ("Running stage 'sft':\n> dare stage sft\nRuntimeError: boom\n"
+            "sft:  40%|####      | 4/10 [00:01<00:02, 3.21it/s]\rsft:  50%|#####   \n"
+            "ERROR: failed to reproduce 'sft': failed to run: dare stage sft, exited with 1\n")
+    assert error_line(tail) == "RuntimeError: boom"
+    only_bar = "Running stage 'sft':\n> dare stage sft\nsft:  40%|####  | 4/10 [00:01<00:02]\nERROR: failed to reproduce 'sft': exited with 1\n"
+    assert error_line(only_bar) == "ERROR: failed to reproduce 'sft': exited with 1"
