@@ -4,6 +4,7 @@
   dare run               the whole pipeline through the Prefect flow (same as `make run`)
   dare generate          sample from a model folder
   dare eval              OpenCompass benchmarks (or a prepared eval file) on any model folder
+  dare workspaces prune  remove old workspaces of isolated flow runs (dare_core/workspaces.py)
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import functools
 import os
 import subprocess
 import sys
-from typing import TYPE_CHECKING, Mapping, Optional
+from typing import TYPE_CHECKING, Callable, Mapping, Optional
 
 if TYPE_CHECKING:
     from dare_core.config import DareConfig, LaunchConfig
@@ -221,6 +222,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_workspaces_prune(args: argparse.Namespace) -> int:
+    from dare_core.workspaces import DEFAULT_KEEP, keep_setting, prune
+
+    keep = args.keep if args.keep is not None else keep_setting() or DEFAULT_KEEP  # ('off' is for the automatic prune)
+    prune(args.repo, keep, args.failed_for, dry_run=args.dry_run)
+    return 0
+
+
 def _project_config(params: Optional[str]) -> DareConfig:
     """The config whose run layout tells `dare eval` which folders are stage outputs. An explicit
     --params must load; the default params.yaml only where it does: `dare eval` also runs outside a
@@ -329,7 +338,23 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--params", default=None,
                    help="the project config whose runs_dir/models_dir locate stage outputs (default: params.yaml if it loads)")
     _sampler_args(e, many=True).set_defaults(func=cmd_eval)
+    _workspaces_parser(sub_parser)
     return p
+
+
+def _workspaces_parser(sub_parser: Callable[..., argparse.ArgumentParser]) -> None:
+    from dare_core.workspaces import DEFAULT_FAILED_FOR_H, DEFAULT_KEEP, KEEP_ENV
+
+    w = sub_parser("workspaces", help="the git worktrees of isolated flow runs (.cache/workspaces)")
+    prune = w.add_subparsers(dest="action", required=True).add_parser(
+        "prune", help="remove old workspaces: never one in use; keep the newest N, and failed runs' for a while")
+    prune.add_argument("--keep", type=int, default=None, metavar="N",
+                       help=f"keep the newest N ended workspaces (default: ${KEEP_ENV}, else {DEFAULT_KEEP})")
+    prune.add_argument("--failed-for", type=float, default=DEFAULT_FAILED_FOR_H, metavar="HOURS",
+                       help=f"keep a failed run's workspace this long after it ended (default: {DEFAULT_FAILED_FOR_H:g})")
+    prune.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
+    prune.add_argument("--repo", default=".", help="the project's checkout, or one of its workspaces (default: .)")
+    prune.set_defaults(func=cmd_workspaces_prune)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

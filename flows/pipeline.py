@@ -62,7 +62,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact  #
 
 from flows.report import run_markdown, stage_markdown  # noqa: E402
 from tasks.dvc_stage import StageResult, dvc_stage  # noqa: E402
-from tasks.workspace import apply_overrides, checkout_state, create_workspace  # noqa: E402
+from tasks.workspace import apply_overrides, checkout_state, create_workspace, end_run  # noqa: E402
 
 # inputs records the input files' content (DVC runs it every time; prepare, rl and eval depend on
 # it); preference is a side branch: it trains from the SFT model (as RL does) and exports its own
@@ -193,7 +193,9 @@ def dare_pipeline(
     the stages read, so DVC tracks them; recorded in the `dare-run` artifact.
     isolated: work in a git worktree of the checkout's commit (`.cache/workspaces/<flow run>`, DVC cache
     shared) instead of the checkout itself, so concurrent runs never collide and the checkout stays clean.
-    Deployments set it (prefect.yaml); a run from the command line works in place by default.
+    Deployments set it (prefect.yaml); a run from the command line works in place by default. When an
+    isolated run ends, its outcome is recorded in its workspace and old workspaces are pruned
+    (`DARE_KEEP_WORKSPACES`, default 10; `off`: none; dare_core/workspaces.py has the rule).
 
     Returns a PipelineResult (per-stage ran/skipped, attempts, wall time; eval metrics and table).
     A failing stage raises StageFailed (the worker's error line, the stage and its exit code).
@@ -205,19 +207,34 @@ def dare_pipeline(
     overrides = list(overrides or [])
     _check_stages(stages, checkout)
     commit, dirty = checkout_state(checkout) if (checkout / ".git").exists() else (None, [])
-    root = checkout
-    if isolated:
-        root, commit = create_workspace(checkout, _workspace_name())
-        logger.info("isolated workspace %s (commit %s)", root, commit[:12])
-        if dirty:
-            logger.warning("uncommitted changes in %s are not part of this run: %s", checkout, ", ".join(dirty))
+    if not isolated:
+        return _run_in(checkout, stages, overrides, dict(checkout=checkout, commit=commit, isolated=False, dirty=dirty),
+                       force=force, retries=retries, retry_delay_seconds=retry_delay_seconds)
+    root, commit = create_workspace(checkout, _workspace_name())
+    logger.info("isolated workspace %s (commit %s)", root, commit[:12])
+    if dirty:
+        logger.warning("uncommitted changes in %s are not part of this run: %s", checkout, ", ".join(dirty))
+    outcome = "failed"  # also for an override typo: its workspace is kept a while, then pruned
+    try:
+        result = _run_in(root, stages, overrides, dict(checkout=checkout, commit=commit, isolated=True, dirty=dirty),
+                         force=force, retries=retries, retry_delay_seconds=retry_delay_seconds)
+        outcome = "ran"
+        return result
+    finally:
+        end_run(checkout, root, outcome, say=logger.info, warn=logger.warning)
+
+
+def _run_in(root: Path, stages: list[str], overrides: list[str], run_info: dict, *, force: bool, retries: int,
+            retry_delay_seconds: float) -> PipelineResult:
+    """The body of a flow run, in `root` (the checkout or its workspace): the overrides, the
+    `dare-run` artifact (`run_info`: where the run came from), each stage, the eval table."""
+    logger = get_run_logger()
     if overrides:
         applied = apply_overrides(root / "params.yaml", overrides)
         logger.info("params.yaml overrides: %s", ", ".join(f"{k}={v!r}" for k, v in applied))
     create_markdown_artifact(
         key="dare-run",
-        markdown=run_markdown(checkout=checkout, workdir=root, commit=commit, overrides=overrides,
-                              stages=stages, isolated=isolated, dirty=dirty),
+        markdown=run_markdown(workdir=root, overrides=overrides, stages=stages, **run_info),
         description="where this run worked, its commit and params.yaml overrides",
     )
     _check_config(root)

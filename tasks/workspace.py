@@ -5,6 +5,8 @@ Isolated runs: each run gets its own git worktree of the checkout's commit under
 with the checkout. Two runs at once then never meet on DVC's stage locks (`'data/tokenizer' is
 busy`) or on each other's outputs, the checkout stays clean, and what one run cached (the outputs
 are cached) the next restores instead of recomputing. Only committed files are in a workspace.
+A run holds its workspace's lock while it works and records its outcome there; after it, old
+workspaces are pruned (dare_core/workspaces.py has the rule, `dare workspaces prune` applies it by hand).
 
 Overrides (`rl.num_steps=200`) are written into the workspace's params.yaml through DVC's own YAML
 round trip, the one `dvc exp run -S` uses, so DVC tracks them as params and the file keeps its
@@ -18,21 +20,18 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
-WORKSPACES = Path(".cache") / "workspaces"
+from dare_core.workspaces import (RECORD, WORKSPACES, WorkspaceError, claim, git, keep_setting, prune, record_run,
+                                  release)
 
-
-class WorkspaceError(RuntimeError):
-    pass
+__all__ = ["WorkspaceError", "apply_overrides", "checkout_state", "create_workspace", "end_run", "parse_overrides"]
 
 
 def _git(*args: str, cwd: Path) -> str:
-    proc = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise WorkspaceError(f"git {' '.join(args)} failed in {cwd}: {proc.stderr.strip() or proc.stdout.strip()}")
-    return proc.stdout.strip()
+    return git(*args, cwd=cwd).strip()
 
 
 def checkout_state(repo: Path) -> tuple[str | None, list[str]]:
@@ -76,6 +75,18 @@ def create_workspace(repo: str | Path, name: str) -> tuple[Path, str]:
         raise WorkspaceError(f"an isolated run works on a commit, and {repo} has none yet: commit the project first")
     path = repo / WORKSPACES / name
     _exclude_locally(repo, f"/{WORKSPACES.as_posix()}/")
+    _exclude_locally(repo, f"/{RECORD}")  # (the exclude file is shared by the workspaces)
+    claim(path)  # before the worktree exists: a prune never takes a workspace half made
+    try:
+        _add_worktree(repo, path, commit)
+    except BaseException:
+        release(path)
+        raise
+    record_run(path, "running", commit=commit, pid=os.getpid())
+    return path, commit
+
+
+def _add_worktree(repo: Path, path: Path, commit: str) -> None:
     if not (path / ".git").exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         for attempt in range(5):  # concurrent `worktree add`s can meet on git's index lock
@@ -86,13 +97,36 @@ def create_workspace(repo: str | Path, name: str) -> tuple[Path, str]:
                 if attempt == 4:
                     raise
                 time.sleep(0.5 + attempt)
+    share_dvc_cache(repo, path)
+
+
+def share_dvc_cache(repo: Path, path: Path) -> None:
+    """Have the workspace at `path` use `repo`'s DVC cache (its local config, not the committed one)."""
     cache = dvc_cache_dir(repo)
     cache.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run([sys.executable, "-m", "dvc", "cache", "dir", "--local", str(cache)], cwd=path,
                           capture_output=True, text=True)
     if proc.returncode != 0:
         raise WorkspaceError(f"could not share the DVC cache {cache} with {path}: {proc.stderr.strip()}")
-    return path, commit
+
+
+def end_run(repo: str | Path, workspace: Path, status: str, say: Callable[[str], None] = print,
+            warn: Callable[[str], None] = print) -> None:
+    """Record the run's outcome (`ran` or `failed`) in its workspace, let the workspace go, and prune
+    the checkout's workspaces as DARE_KEEP_WORKSPACES says (dare_core/workspaces.py). A prune that
+    cannot run is a warning: the run's own outcome stands."""
+    try:
+        record_run(workspace, status)
+    except OSError as exc:  # (a full disk): the prune then takes the run as killed
+        warn(f"the outcome of the run was not recorded in {workspace}: {exc}")
+    finally:
+        release(workspace)
+    try:
+        keep = keep_setting()
+        if keep is not None:
+            prune(repo, keep, say=say)
+    except (OSError, ValueError) as exc:
+        warn(f"old workspaces not pruned: {exc}")
 
 
 def _exclude_locally(repo: Path, pattern: str) -> None:
@@ -103,10 +137,6 @@ def _exclude_locally(repo: Path, pattern: str) -> None:
         exclude.parent.mkdir(parents=True, exist_ok=True)
         with open(exclude, "a") as f:
             f.write(("\n" if lines and lines[-1] else "") + pattern + "\n")
-
-
-def remove_workspace(repo: str | Path, path: str | Path) -> None:
-    _git("worktree", "remove", "--force", str(path), cwd=Path(repo).resolve())
 
 
 def parse_overrides(overrides: list[str]) -> list[tuple[str, object]]:

@@ -26,7 +26,7 @@ def test_help_lists_every_command(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     out = capsys.readouterr().out
-    for cmd in ("stage", "run", "generate", "eval"):
+    for cmd in ("stage", "run", "generate", "eval", "workspaces"):
         assert cmd in out
 
 

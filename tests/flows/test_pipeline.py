@@ -270,3 +270,4 @@ def test_prefect_sees_stage_output_errors_overrides_and_isolated_runs(tmp_path, 
     assert "lr: 0.5" in (work / "params.yaml").read_text() and "lr: 0.3" in (tmp_path / "params.yaml").read_text()
     assert subprocess.run(["git", "status", "--porcelain"], cwd=tmp_path, capture_output=True, text=True).stdout == before
     assert "isolated git worktree" in Artifact.get("dare-run").data
+    assert '"status": "ran"' in (work / ".dare-run.json").read_text()  # its outcome, for the prune
