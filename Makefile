@@ -27,16 +27,11 @@ PYTEST_ARGS ?=
 RUN_ARGS    ?=
 
 # ---- Runtime environment shared by every target (offline-friendly, caches inside the repo) ----
-export DVC_NO_ANALYTICS := 1
-export PREFECT_SERVER_ANALYTICS_ENABLED := false
-export DO_NOT_TRACK := 1
-export HF_HUB_OFFLINE := 1
-export HF_DATASETS_OFFLINE := 1
-export TOKENIZERS_PARALLELISM := false
-# Prefect's ephemeral API server needs ~20 s on a cold PREFECT_HOME; the default timeout is 20 s.
-export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
-export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
-export PREFECT_HOME := $(CURDIR)/.cache/prefect
+# dare.env holds the list; `dare stage` and the flow read the same file (dare_core/env_file.py).
+# Its ${DARE_PROJECT} is this checkout (the checkout a workspace of an isolated run belongs to).
+DARE_PROJECT := $(firstword $(subst /.cache/workspaces/, ,$(CURDIR)))
+include dare.env
+export $(shell sed -n 's/^\([A-Za-z_][A-Za-z0-9_]*\)=.*/\1/p' dare.env)
 ifneq ($(HAVE_GPU),1)
 export DS_ACCELERATOR := cpu
 endif

@@ -84,6 +84,11 @@ def _node_rank_in_hostfile(launch: LaunchConfig) -> int:
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
+    from dare_core.env_file import apply_env_defaults
+
+    # what the Makefile exports, for a stage not started by make (a deployment's worker, `dvc repro`):
+    # DeepSpeed's ops built once into the project's .cache/torch_extensions, Hugging Face offline, ...
+    apply_env_defaults(os.environ)
     module, distributed = STAGES[args.name]
     if args.recipe:
         # first, so that an explicit -S recipe=... still wins

@@ -30,19 +30,15 @@ to a `process` work pool named `dare`.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
-# Defaults that must be in the environment before Prefect reads its settings (at import). They
-# never override a value the user set. main() re-applies them and refreshes Prefect's settings.
-ENV_DEFAULTS = {
-    # Ephemeral mode migrates a fresh SQLite database on a cold PREFECT_HOME: 16-19 s on a small
-    # machine, close to the default 20 s limit.
-    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
-    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    "DO_NOT_TRACK": "1",
-    "DVC_NO_ANALYTICS": "1",
-}
-for _key, _value in ENV_DEFAULTS.items():
-    os.environ.setdefault(_key, _value)
+from dare_core.env_file import apply_env_defaults, env_defaults
+
+# dare.env (the Makefile's list) must be in the environment before Prefect reads its settings (at
+# import): a deployment's worker is not started by make, and the stages inherit it (TORCH_EXTENSIONS_DIR:
+# DeepSpeed's ops built once, not at every stage). A value the user set wins. PREFECT_HOME waits for
+# main(), which keeps a Prefect setup the user chose.
+apply_env_defaults(os.environ, Path(__file__).resolve().parents[1], skip=("PREFECT_HOME",))
 # Prefect creates only the last level of PREFECT_HOME, and complains at import when its parent is
 # missing ("Failed to create the Prefect home directory"), e.g. the Makefile's .cache/prefect.
 if os.environ.get("PREFECT_HOME"):
@@ -54,7 +50,6 @@ import re  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass, field, replace  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 from prefect import flow, get_run_logger  # noqa: E402
 from prefect.runtime import flow_run  # noqa: E402
@@ -303,14 +298,17 @@ def _artifact_key(stage: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", stage.lower()).strip("-")
 
 
-def apply_env_defaults(repo: str | Path = ".") -> None:
-    """Environment defaults for a run from the command line (never overriding what is set)."""
-    for key, value in ENV_DEFAULTS.items():
-        os.environ.setdefault(key, value)
+def apply_run_env(repo: str | Path = ".") -> None:
+    """Environment defaults for a run from the command line (never overriding what is set): `repo`'s
+    dare.env, its PREFECT_HOME only where the user chose no Prefect home, server or profiles."""
+    defaults = env_defaults(Path(repo))
+    for key, value in defaults.items():
+        if key != "PREFECT_HOME":
+            os.environ.setdefault(key, value)
     # Prefect state in the repo, unless the user chose a home/server or has profiles of their own.
     if not any(k in os.environ for k in ("PREFECT_HOME", "PREFECT_API_URL", "PREFECT_PROFILES_PATH")) \
             and not (Path.home() / ".prefect" / "profiles.toml").exists():
-        os.environ["PREFECT_HOME"] = str(Path(repo).resolve() / ".cache" / "prefect")
+        os.environ["PREFECT_HOME"] = defaults.get("PREFECT_HOME", str(Path(repo).resolve() / ".cache" / "prefect"))
     if os.environ.get("PREFECT_HOME"):
         Path(os.environ["PREFECT_HOME"]).expanduser().mkdir(parents=True, exist_ok=True)  # Prefect creates only the last level
 
@@ -334,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="run in a git worktree of the checkout's commit (.cache/workspaces/<run>)")
     args = parser.parse_args(argv)
 
-    apply_env_defaults(args.repo)
+    apply_run_env(args.repo)
     import prefect.context
 
     prefect.context.refresh_global_settings_context()  # pick up the defaults set above

@@ -33,6 +33,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import task_run
 
+from dare_core.env_file import apply_env_defaults
 from dare_core.exits import killed_by, signal_of
 from tasks.stage_output import WORKER_ERROR, LineForwarder, dvc_error, error_line
 
@@ -96,12 +97,12 @@ def dvc_command(*args: str) -> list[str]:
 
 
 def stage_env(repo: str | Path | None = None) -> dict[str, str]:
-    """Environment of the DVC subprocess: ours, plus DVC analytics off, this Python's bin dir first
-    on PATH (a stage cmd `dare stage <name>` resolves to this environment's `dare`) and the project
-    first on PYTHONPATH, so a stage runs the dare_core of the checkout or workspace it runs in (the
-    code dvc.yaml's deps hash), not whichever copy is installed."""
-    env = dict(os.environ)
-    env.setdefault("DVC_NO_ANALYTICS", "1")
+    """Environment of the DVC subprocess: ours, filled in from the project's dare.env (DVC analytics
+    off, DeepSpeed's ops built once into the project's .cache/torch_extensions, ...; what is set
+    wins), this Python's bin dir first on PATH (a stage cmd `dare stage <name>` resolves to this
+    environment's `dare`) and the project first on PYTHONPATH, so a stage runs the dare_core of the
+    checkout or workspace it runs in (the code dvc.yaml's deps hash), not whichever copy is installed."""
+    env = apply_env_defaults(dict(os.environ), None if repo is None else Path(repo))
     env.setdefault("DARE_LOG_STEPS", "1")  # workers print a line per logged step, which the task forwards
     bindir = str(Path(sys.executable).parent)
     path = env.get("PATH", "")

@@ -158,13 +158,14 @@ def test_image_holds_a_git_checkout():
 
 
 def test_caches_are_writable_and_match_the_makefile():
-    """The image sets the Makefile's runtime environment, and every cache lives in the checkout
-    (owned by the image's user, or by whoever owns a mounted one)."""
+    """The image sets the runtime environment the Makefile exports (dare.env), and every cache lives
+    in the checkout (owned by the image's user, or by whoever owns a mounted one)."""
+    from dare_core.env_file import read_env_file
+
     env = _env()
     workdir = instructions()[_index("WORKDIR", last=True)][1]
-    exported = re.findall(r"^export\s+([A-Z_]+)\s*:?=", (REPO / "Makefile").read_text(), re.M)
-    missing = sorted(set(exported) - set(env) - {"DS_ACCELERATOR"})  # DS_ACCELERATOR: CPU machines only
-    assert not missing, f"the Makefile exports {missing}; the image does not set them"
+    missing = sorted(set(read_env_file(REPO / "dare.env")) - set(env))  # (DS_ACCELERATOR: CPU machines only)
+    assert not missing, f"dare.env sets {missing}; the image does not"
     for name in ("XDG_CACHE_HOME", "TORCH_EXTENSIONS_DIR", "TRITON_CACHE_DIR", "PREFECT_HOME"):
         assert env.get(name, "").startswith(workdir + "/.cache"), f"{name}={env.get(name)}"
 

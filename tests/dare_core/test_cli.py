@@ -91,3 +91,22 @@ def test_eval_fails_before_writing_anything(folder, tmp_path, capsys):
                  "--work-dir", str(work)]) == 2
     assert capsys.readouterr().err.startswith("error: ")
     assert not (tmp_path / "deep").exists()
+
+
+def test_dare_stage_fills_in_dare_env_for_its_workers(monkeypatch):
+    from pathlib import Path
+
+    import dare_core.cli
+    from dare_core.env_file import env_defaults
+
+    repo = Path(__file__).resolve().parents[2]
+    for key in env_defaults(repo):  # (set, then unset: whatever `dare stage` sets is undone after the test)
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "0")  # the user's choice
+    monkeypatch.chdir(repo)
+    seen: dict = {}
+    monkeypatch.setattr(dare_core.cli, "_launch", lambda cmd, env, what: seen.update(env) or 1)
+    assert main(["stage", "sft"]) == 1
+    assert seen["TORCH_EXTENSIONS_DIR"] == str(repo / ".cache" / "torch_extensions")
+    assert seen["HF_HUB_OFFLINE"] == "1" and seen["HF_DATASETS_OFFLINE"] == "0"

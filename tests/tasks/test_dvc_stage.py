@@ -55,3 +55,14 @@ def test_dare_stage_s_own_line_for_a_killed_worker_leads(project):
     assert err.returncode == 137 and err.signal is signal.SIGKILL
     assert str(err).startswith("error: the worker (pid ")
     assert str(err).endswith(" was killed by SIGKILL (out of memory? see dmesg) [stage 'dare' failed with exit code 137]")
+
+
+def test_stages_get_dare_env_where_the_environment_lacks_it(monkeypatch):
+    from tasks.dvc_stage import stage_env
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # the user's choice
+    env = stage_env(REPO)
+    assert env["TORCH_EXTENSIONS_DIR"] == str(REPO / ".cache" / "torch_extensions") and env["HF_HUB_OFFLINE"] == "0"
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/elsewhere/ops")
+    assert stage_env(REPO)["TORCH_EXTENSIONS_DIR"] == "/elsewhere/ops"
