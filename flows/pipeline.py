@@ -7,7 +7,9 @@ Each stage is a Prefect task (`tasks.dvc_stage`) that runs `dvc repro --single-i
 DVC says the stage changed; an unchanged stage is reported as skipped. Everything a stage does is
 in `dvc.yaml`, so `dvc repro` alone reproduces the same run; this flow adds ordering, retries (a
 rerun of a killed stage resumes from its checkpoints), a per-stage summary and the eval table as a
-Prefect artifact.
+Prefect artifact. A flow run whose worker died is marked Crashed by the server (automations.yaml);
+its retry works in the same workspace, resumes each stage from its checkpoints and first closes
+the task runs the lost attempt left open (flows/attempts.py).
 
 Parameter overrides: `overrides=["rl.num_steps=200"]` (a deployment parameter; `--set` here) sets
 params.yaml keys for the run, recorded in the run's `dare-run` artifact; DVC tracks them as params
@@ -55,6 +57,7 @@ from prefect import flow, get_run_logger  # noqa: E402
 from prefect.runtime import flow_run  # noqa: E402
 from prefect.artifacts import create_markdown_artifact, create_table_artifact  # noqa: E402
 
+from flows.attempts import close_lost_task_runs  # noqa: E402
 from flows.report import run_markdown, stage_markdown  # noqa: E402
 from tasks.dvc_stage import StageResult, dvc_stage  # noqa: E402
 from tasks.workspace import apply_overrides, checkout_state, create_workspace, end_run  # noqa: E402
@@ -196,6 +199,10 @@ def dare_pipeline(
     A failing stage raises StageFailed (the worker's error line, the stage and its exit code).
     """
     logger = get_run_logger()
+    attempt = flow_run.get_run_count()
+    if closed := close_lost_task_runs(flow_run.get_id(), flow_run.get_name(), attempt):
+        logger.warning("attempt %d: marked Crashed the task runs a lost attempt left open: %s",
+                       attempt, ", ".join(closed))
     checkout = Path(repo).resolve()
     defined = defined_stages(checkout)
     stages = [s for s in DEFAULT_STAGES if s in defined] if stages is None else with_inputs(list(stages), defined)

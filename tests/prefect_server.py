@@ -14,9 +14,12 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import psutil
 
 PREFECT = [sys.executable, "-m", "prefect"]
 
@@ -88,6 +91,22 @@ class PrefectServer:
         self.workers.append(worker)
         return worker
 
+    def kill_worker(self, worker: subprocess.Popen) -> None:
+        """SIGKILL a worker and every process under it (its flow runs and their stages), as a host
+        that dies takes them all: each is stopped (SIGSTOP) before any is killed, so none can start
+        another or outlive its parent unseen, and none reports anything to the server."""
+        root = psutil.Process(worker.pid)
+        stopped: dict[int, psutil.Process] = {}
+        while found := [p for p in [root, *root.children(recursive=True)] if p.pid not in stopped]:
+            for p in found:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.send_signal(signal.SIGSTOP)
+                stopped[p.pid] = p
+        for p in stopped.values():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        worker.wait()
+
     def worker_log(self, index: int = 0) -> str:
         return (self.home / f"worker-{index}.log").read_text(errors="replace")
 
@@ -120,15 +139,25 @@ def flow_runs(server: PrefectServer, deployment_id: str | None = None, states: l
 
 
 def api_post(server: PrefectServer, path: str, body: dict) -> list | dict:
-    req = urllib.request.Request(f"{server.api}/{path}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
-    with urllib.request.urlopen(req, timeout=10) as r:
-        return json.loads(r.read())
+    return _request(urllib.request.Request(f"{server.api}/{path}", data=json.dumps(body).encode(),
+                                           headers={"Content-Type": "application/json"}, method="POST"))
 
 
 def api_get(server: PrefectServer, path: str) -> list | dict:
-    with urllib.request.urlopen(f"{server.api}/{path}", timeout=10) as r:
-        return json.loads(r.read())
+    return _request(urllib.request.Request(f"{server.api}/{path}"))
+
+
+def _request(req: urllib.request.Request, attempts: int = 5) -> list | dict:
+    """The server answers 503 when SQLite stays locked (a busy machine): its transaction was rolled
+    back, and Prefect's own client retries it, as this does."""
+    for attempt in range(attempts):
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            if e.code != 503 or attempt == attempts - 1:
+                raise
+            time.sleep(1 + attempt)
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 1.0):

@@ -4,14 +4,20 @@
 - an interval schedule creates runs and the worker executes one to Completed;
 - two deployment runs at once both complete, each in its own worktree (no `'data/tokenizer' is busy`),
   and the deploy checkout stays clean;
-- a stage that fails in its worker fails its Prefect task with the worker's own error line.
+- a stage that fails in its worker fails its Prefect task with the worker's own error line;
+- a run whose worker host dies is marked Crashed by automations.yaml, retried as the UI does, and
+  resumes from its checkpoints; the lost attempt's task runs are closed.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
@@ -21,6 +27,7 @@ from prefect_server import PrefectServer, api_get, api_post, flow_runs, free_por
 pytestmark = pytest.mark.slow
 POOL = "dare-test"
 GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+WORKER_ENV = {"TORCH_EXTENSIONS_DIR": str(REPO / ".cache" / "torch_extensions")}
 
 
 def committed_project(root: Path) -> Path:
@@ -32,13 +39,13 @@ def committed_project(root: Path) -> Path:
     return root
 
 
-def deploy(server: PrefectServer, project: Path, name: str, parameters: dict, schedules: list) -> str:
+def deploy(server: PrefectServer, project: Path, name: str, parameters: dict, schedules: list, pool: str = POOL) -> str:
     """prefect.yaml's process deployment, pointed at the test pool, deployed with `prefect deploy`."""
     config = yaml.safe_load((REPO / "prefect.yaml").read_text())
     spec = next(d for d in config["deployments"] if d["name"] == "dare-pipeline")
     spec.update(name=name, schedules=schedules)
     spec["parameters"].update(parameters)
-    spec["work_pool"]["name"] = POOL
+    spec["work_pool"]["name"] = pool
     config["deployments"] = [spec]
     (project / "prefect.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     server.cli("--no-prompt", "deploy", "--name", name, cwd=project)
@@ -67,7 +74,7 @@ def deployed(tmp_path_factory):
     try:
         project = committed_project(base / "project")
         server.cli("work-pool", "create", POOL, "--type", "process")
-        server.start_worker(POOL, cwd=project, limit=2, TORCH_EXTENSIONS_DIR=str(REPO / ".cache" / "torch_extensions"))
+        server.start_worker(POOL, cwd=project, limit=2, **WORKER_ENV)
         yield server, project
     finally:
         server.stop()
@@ -118,3 +125,75 @@ def test_concurrent_runs_complete_in_their_own_workspaces_and_failures_show_the_
     tasks = api_post(server, "task_runs/filter", {"flow_runs": {"id": {"any_": [bad]}}})
     message = next(t for t in tasks if t["name"] == "prepare")["state"]["message"]
     assert "error: model.init: n_heads (3) must divide the width d_model" in message, message
+
+
+# automations.yaml's windows are 90 s (for 30 s heartbeats, Prefect's shortest); the test's are shorter
+ZOMBIE_WINDOW = 40
+WINDOWS = {"dare-crash-unresponsive-runs": ZOMBIE_WINDOW, "dare-finish-lost-cancellations": 10}
+LOST_POOL = "dare-test-lost"
+
+
+def flow_run_env(worker: subprocess.Popen, run_id: str) -> dict:
+    """The environment of the worker's process that runs flow run `run_id`."""
+    for proc in psutil.Process(worker.pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if (env := proc.environ()).get("PREFECT__FLOW_RUN_ID") == run_id:
+                return env
+    return {}
+
+
+def test_a_run_whose_worker_host_dies_is_crashed_and_a_retry_resumes_from_its_checkpoints(deployed):
+    server, project = deployed
+    automations = yaml.safe_load((REPO / "automations.yaml").read_text())
+    for automation in automations["automations"]:
+        automation["trigger"]["within"] = WINDOWS[automation["name"]]
+    (server.home / "automations.yaml").write_text(yaml.safe_dump(automations))
+    # a pool of its own (the shared pool's job template), so that the shared worker lives on for the other tests
+    template = api_get(server, f"work_pools/{POOL}")["base_job_template"]
+    api_post(server, "work_pools/", {"name": LOST_POOL, "type": "process", "base_job_template": template})
+    worker = server.start_worker(LOST_POOL, cwd=project, **WORKER_ENV)
+    with ThreadPoolExecutor(1) as background:  # the documented install step, while deploying
+        installed = background.submit(server.cli, "automation", "create", "--from-file",
+                                      str(server.home / "automations.yaml"))
+        dep = deploy(server, project, "lost", {}, [], pool=LOST_POOL)
+        installed.result()
+    # a run cancelled after its worker died (here: one that never had a worker) stays Cancelling
+    # unless the second automation finishes the cancellation; checked at the end
+    cancelled = api_post(server, "flow_runs/", {"flow_id": api_get(server, f"deployments/{dep}")["flow_id"],
+                                                "state": {"type": "RUNNING"}})["id"]
+    api_post(server, f"flow_runs/{cancelled}/set_state", {"state": {"type": "CANCELLING"}})
+    run_id = run_deployment(server, dep, {"stages": ["prepare", "sft"],
+                                          "overrides": ["sft.max_steps=100", "sft.save_every=10", "sft.log_every=50"]})
+    name = api_get(server, f"flow_runs/{run_id}")["name"]
+    checkpoints = project / ".cache" / "workspaces" / f"{name}-{run_id[:8]}" / "runs" / "t" / "sft" / "checkpoints"
+    wait_for(lambda: (checkpoints / "latest").exists(), 240, "an SFT checkpoint", interval=0.2)
+
+    # prefect.yaml's heartbeat setting reached the flow run's processes (a run beats once at its start)
+    assert flow_run_env(worker, run_id).get("PREFECT_FLOWS_HEARTBEAT_FREQUENCY") == "30"
+    server.kill_worker(worker)
+    killed = time.monotonic()
+    tag = (checkpoints / "latest").read_text().strip()  # the checkpoint a retry must resume from
+    replacement = len(server.workers)
+    server.start_worker(LOST_POOL, cwd=project, **WORKER_ENV)  # starts up while the server notices
+    assert api_get(server, f"flow_runs/{run_id}")["state_type"] == "RUNNING"
+    crashed = wait_for(lambda: (r := api_get(server, f"flow_runs/{run_id}"))["state_type"] == "CRASHED" and r,
+                       ZOMBIE_WINDOW + 30, "the server to mark the lost run Crashed")
+    # its last heartbeat came before the kill: Crashed within the window, the 5 s evaluation tick and polling
+    assert time.monotonic() - killed < ZOMBIE_WINDOW + 10
+    assert "dare-crash-unresponsive-runs" in crashed["state"]["message"]
+
+    # the Retry of the flow run's menu in Prefect 3.8.8's default UI (ui-v2)
+    retry = api_post(server, f"flow_runs/{run_id}/set_state", {
+        "state": {"type": "SCHEDULED", "name": "AwaitingRetry", "message": "Retry from the UI"}, "force": True})
+    assert retry["status"] == "ACCEPT", retry
+    final = final_state(server, run_id, 300)
+    assert final["state_type"] == "COMPLETED" and final["run_count"] == 2, server.worker_log(replacement)[-4000:]
+    tasks = api_post(server, "task_runs/filter", {"flow_runs": {"id": {"any_": [run_id]}}})
+    assert not [t["name"] for t in tasks if t["state_type"] in ("RUNNING", "PENDING", "SCHEDULED")]
+    sft = {t["flow_run_run_count"]: t for t in tasks if t["name"] == "sft"}
+    assert (sft[1]["state_type"], sft[2]["state_type"]) == ("CRASHED", "COMPLETED")
+    assert f"attempt 1 of flow run {name!r}" in sft[1]["state"]["message"]
+    logs = [log["message"] for log in api_post(server, "logs/filter",
+                                               {"logs": {"task_run_id": {"any_": [sft[2]["id"]]}}})]
+    assert [line for line in logs if "resuming SFT from" in line and tag in line], (tag, logs)
+    assert api_get(server, f"flow_runs/{cancelled}")["state"]["message"].startswith("still Cancelling after 90 s")
