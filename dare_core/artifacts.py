@@ -7,7 +7,9 @@ its configured folder, named as in the default layout (`runs/`, `models/`, `metr
 `data/prepared/`, `data/tokenizer/`), so two machines with different local folders share one
 remote layout. Training checkpoints are uploaded as each is completed (training/checkpoint.py);
 the rest of a stage's outputs when the stage has succeeded (`publish_stage`, called by `dare
-stage`). Every object is written whole (an S3 PUT, or a rename into place for a local root); a
+stage`). A stage DVC restores from its cache never runs `dare stage`, so the pipeline flow copies its
+outputs with `dare upload` (the same `publish_stage`), and those of a stage DVC found up to date
+where their copies are missing (`missing_only`). Every object is written whole (an S3 PUT, or a rename into place for a local root); a
 checkpoint counts remotely only once its marker file is there, and the marker is uploaded after
 the checkpoint's other files, `latest` after the marker. One line is printed per upload; a URL is
 shown without credentials, and credentials come from the backend's standard environment
@@ -112,24 +114,39 @@ class ArtifactRoot:
             if fs.exists(rpath):
                 fs.rm(rpath, recursive=True)
 
-    def upload(self, local: Path) -> None:
+    def _sizes(self, fs: Any, dest: str, url: str, folder: bool) -> dict[str, int]:
+        """{remote path: size} of what the artifact root holds at `dest` (a folder: every file in it)."""
+        with remote_errors(url, "listing it"):
+            if not folder:
+                try:
+                    return {fs._strip_protocol(dest): int(fs.info(dest).get("size") or 0)}
+                except FileNotFoundError:
+                    return {}
+            found = fs.find(dest, detail=True) if fs.exists(dest) else {}
+        return {fs._strip_protocol(p): int(i.get("size") or 0) for p, i in found.items() if i.get("type") != "directory"}
+
+    def upload(self, local: Path, missing_only: bool = False) -> None:
         """Copy a file, or a folder with everything in it, to its place; remote files of that folder
-        that no longer exist locally are deleted afterwards (the copy mirrors the output)."""
+        that no longer exist locally are deleted afterwards (the copy mirrors the output).
+        `missing_only`: send only the files whose copy is missing or has another size (the check of
+        an output DVC found up to date: listing the root is cheap, hashing a model is not)."""
         local = Path(local)
         fs, base = self._fs()
         dest, url = self._rpath(base, local), self.url(local)
         files = [local] if local.is_file() else sorted(p for p in local.rglob("*") if p.is_file())
         pairs = [(f, dest if f == local else f"{dest}/{f.relative_to(local).as_posix()}") for f in files]
-        self._put(fs, pairs, url)
-        if local.is_dir():
-            with remote_errors(url, "listing it"):
-                remote = set(fs.find(dest)) if fs.exists(dest) else set()
-            stale = sorted(remote - {fs._strip_protocol(r) for _, r in pairs})
-            if stale:
-                with remote_errors(url, "deleting from it"):
-                    fs.rm(stale)
-        print(f"uploaded {shown(local)} -> {redact(url)} ({describe(len(files), sum(f.stat().st_size for f in files))})",
-              flush=True)
+        remote = self._sizes(fs, dest, url, local.is_dir()) if missing_only or local.is_dir() else {}
+        sent = [(f, r) for f, r in pairs if remote.get(fs._strip_protocol(r)) != f.stat().st_size] if missing_only else pairs
+        self._put(fs, sent, url)
+        stale = sorted(set(remote) - {fs._strip_protocol(r) for _, r in pairs}) if local.is_dir() else []
+        if stale:
+            with remote_errors(url, "deleting from it"):
+                fs.rm(stale)
+        size = describe(len(sent), sum(f.stat().st_size for f, _ in sent))
+        if sent or not missing_only:
+            print(f"uploaded {shown(local)} -> {redact(url)} ({size})", flush=True)
+        else:  # a line per output either way: the log shows that the copy was checked
+            print(f"already uploaded: {shown(local)} -> {redact(url)}", flush=True)
 
     def sync_checkpoints(self, ckpt_dir: Path, pruned: Iterable[str] = ()) -> None:
         """Upload each complete checkpoint of `ckpt_dir` that the artifact root lacks (its marker
@@ -212,10 +229,11 @@ def stage_outputs(cfg: DareConfig, stage: str) -> list[Path]:
     return outputs[stage]
 
 
-def publish_stage(cfg: DareConfig, stage: str) -> None:
+def publish_stage(cfg: DareConfig, stage: str, missing_only: bool = False) -> None:
     """Copy what `stage` wrote to the artifact root (nothing when none is set). Checkpoints are
     synchronised (those already uploaded during training are not sent again); checkpoints set aside
-    and temporary files are not copied."""
+    and temporary files are not copied. `missing_only`: the other files too are sent only where
+    their copy is missing or has another size (`ArtifactRoot.upload`)."""
     root = artifact_root(cfg)
     if root is None:
         return
@@ -229,6 +247,6 @@ def publish_stage(cfg: DareConfig, stage: str) -> None:
                 if child.name == "checkpoints":
                     root.sync_checkpoints(child)
                 else:
-                    root.upload(child)
+                    root.upload(child, missing_only)
         else:
-            root.upload(path)
+            root.upload(path, missing_only)

@@ -1,6 +1,7 @@
 """The `dare` command.
 
   dare stage <name>      run one pipeline stage by hand (what each dvc.yaml stage calls)
+  dare upload <name>     copy a stage's outputs to run.artifact_root (as the stage does when it succeeds)
   dare run               the whole pipeline through the Prefect flow (same as `make run`)
   dare generate          sample from a model folder
   dare eval              OpenCompass benchmarks (or a prepared eval file) on any model folder
@@ -83,6 +84,12 @@ def _node_rank_in_hostfile(launch: LaunchConfig) -> int:
     return launch.node_rank
 
 
+def _config_sets(args: argparse.Namespace) -> list[str]:
+    """The -S overrides of a `stage` or `upload` command, its --recipe first, so that an explicit
+    -S recipe=... still wins."""
+    return [f"recipe={args.recipe}", *args.set] if args.recipe else list(args.set)
+
+
 def cmd_stage(args: argparse.Namespace) -> int:
     from dare_core.env_file import apply_env_defaults
 
@@ -90,9 +97,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
     # DeepSpeed's ops built once into the project's .cache/torch_extensions, Hugging Face offline, ...
     apply_env_defaults(os.environ)
     module, distributed = STAGES[args.name]
-    if args.recipe:
-        # first, so that an explicit -S recipe=... still wins
-        args.set = [f"recipe={args.recipe}", *args.set]
+    args.set = _config_sets(args)
     worker_args = ["--params", args.params] + [f"--set={s}" for s in args.set]
     if args.debug:
         worker_args.append("--debug")
@@ -160,15 +165,59 @@ def launch_env(launch: LaunchConfig, environ: Mapping[str, str]) -> dict:
     return env
 
 
-def _publish(stage: str, cfg: DareConfig) -> int:
+def _publish(stage: str, cfg: DareConfig, missing_only: bool = False) -> int:
     """Once a stage has succeeded: copy its outputs to run.artifact_root, if set (training
     checkpoints went up as they were saved; dare_core/artifacts.py). Here, in the one process that
     started the stage, not in its ranks; with torchrun on several nodes, on the first node only."""
     if cfg.run.artifact_root and cfg.launch.node_rank == 0:
         from dare_core.artifacts import publish_stage
 
-        publish_stage(cfg, stage)
+        publish_stage(cfg, stage, missing_only)
     return 0
+
+
+def cmd_upload(args: argparse.Namespace) -> int:
+    """What a stage does after it succeeded, without running it: for a stage DVC restored from its
+    cache (it never ran `dare stage`), or outputs made before run.artifact_root was set."""
+    from pathlib import Path
+
+    from dare_core.artifacts import stage_outputs
+    from dare_core.config import load_config
+    from dare_core.errors import UserError
+
+    cfg = load_config(args.params, _config_sets(args))
+    if not cfg.run.artifact_root:
+        raise UserError(f"{args.params}: run.artifact_root is not set, so there is nowhere to upload to "
+                        f"(set it to s3://bucket/prefix or a folder)")
+    if cfg.launch.node_rank != 0:
+        raise UserError(f"launch.node_rank is {cfg.launch.node_rank}: the first node (node_rank 0) uploads a stage's outputs")
+    outputs = stage_outputs(cfg, args.name)
+    if not any(Path(p).exists() for p in outputs):
+        raise UserError(f"stage {args.name} has no outputs here ({', '.join(map(str, outputs))}): "
+                        f"run it first (dvc repro {args.name})")
+    return _publish(args.name, cfg, args.missing)
+
+
+def upload_argv(stage_cmd: str) -> Optional[list[str]]:
+    """The `dare` arguments that copy what the command `stage_cmd` (a dvc.yaml stage's cmd, `dare
+    stage <name> ...`) writes: `upload <name>` with its params file, -S keys and recipe. None when
+    `stage_cmd` is not such a command."""
+    import contextlib
+    import io
+    import shlex
+
+    try:
+        tokens = shlex.split(stage_cmd)
+    except ValueError:
+        return None
+    if len(tokens) < 3 or os.path.basename(tokens[0]) != "dare" or tokens[1] != "stage":
+        return None
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # argparse's usage text: not ours to show
+            args = build_parser().parse_args(tokens[1:])
+    except SystemExit:
+        return None
+    return ["upload", args.name, "--params", args.params, *(f"--set={s}" for s in _config_sets(args))]
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -287,6 +336,16 @@ def _sampler_args(p: argparse.ArgumentParser, many: bool = False) -> argparse.Ar
     return p
 
 
+def _config_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """A stage's name and the config it reads (`stage` and `upload` read the same one)."""
+    p.add_argument("name", choices=list(STAGES))
+    p.add_argument("--params", default="params.yaml")
+    p.add_argument("--set", "-S", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    p.add_argument("--recipe", metavar="NAME", help="apply a paper recipe (configs/recipes/NAME.yaml, or a path) over "
+                                                  "--params; -S still overrides it (same as -S recipe=NAME)")
+    return p
+
+
 DEBUG_HELP = "on an error, print the full traceback as well as the one-line message"
 
 
@@ -299,12 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     sub_parser = functools.partial(sub.add_parser, parents=[debug])
 
-    s = sub_parser("stage", help="run one pipeline stage (prepare, sft, preference, rl, convert, eval)")
-    s.add_argument("name", choices=list(STAGES))
-    s.add_argument("--params", default="params.yaml")
-    s.add_argument("--set", "-S", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
-    s.add_argument("--recipe", metavar="NAME", help="apply a paper recipe (configs/recipes/NAME.yaml, or a path) over "
-                                                  "--params; -S still overrides it (same as -S recipe=NAME)")
+    s = _config_args(sub_parser("stage", help="run one pipeline stage (prepare, sft, preference, rl, convert, eval)"))
     restart = s.add_mutually_exclusive_group()
     restart.add_argument("--restart", dest="restart", action="store_const", const="always", default="never",
                          help="train from the start: the stage's checkpoints are set aside (into <stage>/superseded, "
@@ -313,6 +367,13 @@ def build_parser() -> argparse.ArgumentParser:
                          help="resume checkpoints made with these settings; set other ones aside and start fresh "
                               "(what the DVC pipeline does)")
     s.set_defaults(func=cmd_stage)
+
+    u = _config_args(sub_parser("upload", help="copy a stage's outputs to run.artifact_root, as the stage does when it "
+                                                "succeeds (for outputs DVC restored from its cache, or made before "
+                                                "artifact_root was set)"))
+    u.add_argument("--missing", action="store_true",
+                   help="send only the files whose copy is missing or has another size (and checkpoints not there yet)")
+    u.set_defaults(func=cmd_upload)
 
     r = sub_parser("run", help="run the whole pipeline through the Prefect flow (DVC skips unchanged stages)")
     r.add_argument("--stages", help="comma-separated subset, e.g. sft,rl")

@@ -4,8 +4,10 @@
     python -m flows.pipeline --stages sft,rl --repo /path/to/project --force
 
 Each stage is a Prefect task (`tasks.dvc_stage`) that runs `dvc repro --single-item <stage>` when
-DVC says the stage changed; an unchanged stage is reported as skipped. Everything a stage does is
-in `dvc.yaml`, so `dvc repro` alone reproduces the same run; this flow adds ordering, retries (a
+DVC says the stage changed; an unchanged stage is reported as skipped, and a changed one whose
+outputs DVC checked out of its cache without running it as restored (with `run.artifact_root` set,
+the task copies a restored stage's outputs there, and what an up-to-date stage's copies lack).
+Everything a stage does is in `dvc.yaml`, so `dvc repro` alone reproduces the same run; this flow adds ordering, retries (a
 rerun of a killed stage resumes from its checkpoints), a per-stage summary and the eval table as a
 Prefect artifact. A flow run whose worker died is marked Crashed by the server (automations.yaml);
 its retry works in the same workspace, resumes each stage from its checkpoints and first closes
@@ -18,7 +20,8 @@ worktree of the checkout's commit, so concurrent runs never collide (tasks/works
 
 Prefect shows each stage's output lines in its task's log (rate-limited), a failed stage's own
 error line as the task's message, and per-stage artifacts (`dare-<stage>-report`: the metrics and
-plots that stage wrote in this run; nothing for a stage that was up to date).
+plots that stage wrote in this run; nothing for a stage that was up to date or restored: it
+computed nothing in this run).
 
 Prefect server: with `PREFECT_API_URL` unset, Prefect runs in ephemeral mode (a temporary local
 API server inside this process; nothing to start). `main()` then keeps Prefect's state in
@@ -88,8 +91,13 @@ class PipelineResult:
         return [r.stage for r in self.stages if r.ran]
 
     @property
+    def restored(self) -> list[str]:
+        """Stages DVC checked out of its cache: their outputs are this run's, computed by an earlier one."""
+        return [r.stage for r in self.stages if r.status == "restored"]
+
+    @property
     def skipped(self) -> list[str]:
-        return [r.stage for r in self.stages if not r.ran]
+        return [r.stage for r in self.stages if r.status == "skipped"]
 
     def stage_table(self) -> str:
         rows = ["| stage | status | attempts | wall time | why |", "|---|---|---|---|---|"]
@@ -159,18 +167,20 @@ def _check_stages(stages: list[str], repo: Path) -> None:
         raise ValueError(f"stages not in {repo / 'dvc.yaml'}: {unknown} (defined: {sorted(defined)})")
 
 
-def _check_config(root: Path) -> None:
+def _check_config(root: Path) -> bool:
     """Load params.yaml as every stage will, before the first `dvc repro`: DVC removes a stage's
     outputs before the stage's own checks run, so an output folder set over the user's data or
     another output (dare_core/output_paths.py) must fail the flow here, with nothing deleted. A
-    pipeline whose stages are not `dare stage` commands has no DARE config to check."""
+    pipeline whose stages are not `dare stage` commands has no DARE config to check.
+    Returns whether run.artifact_root is set (the stages then publish copies there)."""
     import yaml
 
     from dare_core.config import load_config
 
     stages = (yaml.safe_load((root / "dvc.yaml").read_text()) or {}).get("stages") or {}
     if any(str((stage or {}).get("cmd", "")).startswith("dare ") for stage in stages.values() if isinstance(stage, dict)):
-        load_config(root / "params.yaml", root=root)
+        return bool(load_config(root / "params.yaml", root=root).run.artifact_root)
+    return False
 
 
 @flow(name="dare-pipeline")
@@ -195,7 +205,7 @@ def dare_pipeline(
     isolated run ends, its outcome is recorded in its workspace and old workspaces are pruned
     (`DARE_KEEP_WORKSPACES`, default 10; `off`: none; dare_core/workspaces.py has the rule).
 
-    Returns a PipelineResult (per-stage ran/skipped, attempts, wall time; eval metrics and table).
+    Returns a PipelineResult (per-stage ran/restored/skipped, attempts, wall time; eval metrics and table).
     A failing stage raises StageFailed (the worker's error line, the stage and its exit code).
     """
     logger = get_run_logger()
@@ -239,21 +249,21 @@ def _run_in(root: Path, stages: list[str], overrides: list[str], run_info: dict,
         markdown=run_markdown(workdir=root, overrides=overrides, stages=stages, **run_info),
         description="where this run worked, its commit and params.yaml overrides",
     )
-    _check_config(root)
+    publish = _check_config(root)
     run = dvc_stage.with_options(retries=retries, retry_delay_seconds=retry_delay_seconds)
     result = PipelineResult(repo=str(root))
 
     for stage in stages:
         t0, started = time.perf_counter(), time.time()
         try:
-            r = run(stage, repo=str(root), force=force)
+            r = run(stage, repo=str(root), force=force, publish=publish)
         except BaseException:
             result.failed = stage
             print(f"\nDARE pipeline FAILED at stage {stage!r} ({root})\n{result.stage_table()}", flush=True)
             raise
         result.stages.append(replace(r, seconds=time.perf_counter() - t0))
         report = stage_markdown(stage.split("@")[0], root, started) if r.ran else None
-        if report:  # only what this run wrote: a skipped stage's files belong to an earlier run
+        if report:  # only what this run wrote: a skipped or restored stage's files come from an earlier run
             create_markdown_artifact(key=f"dare-{_artifact_key(stage)}-report", markdown=report,
                                      description=f"{stage}: metrics and plots written by this run")
 
@@ -287,7 +297,8 @@ def _run_in(root: Path, stages: list[str], overrides: list[str], run_info: dict,
 
     out = [f"\nDARE pipeline ({root})", summary]
     if result.table:
-        out += ["", "Evaluation (accuracy %)" + ("" if eval_ran else ", from an earlier run (eval was up to date)"),
+        how = "restored from DVC's cache" if "eval" in result.restored else "up to date"
+        out += ["", "Evaluation (accuracy %)" + ("" if eval_ran else f", from an earlier run (eval was {how})"),
                 result.table]
     print("\n".join(out), flush=True)
     return result

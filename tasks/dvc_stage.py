@@ -10,9 +10,15 @@ The task is thin on purpose. Everything a stage does lives in `dvc.yaml` (its cm
    task's Prefect log, rate-limited (tasks/stage_output.py).
 
 An unchanged stage is reported as skipped without calling `dvc repro` (DVC would only print
-"Stage '<name>' didn't change, skipping"). A failed stage raises `StageFailed`, whose message is
-the worker's own error line (`error: unknown config key ...`) followed by the stage and its exit
-code; the task's retries rerun it, and the worker resumes from its checkpoints.
+"Stage '<name>' didn't change, skipping"). A changed stage whose outputs DVC finds in its cache
+(dvc.lock's, or the run cache's for these deps, params and cmd) is checked out without running its
+cmd ("Stage '<name>' is cached - skipping run, checking out outputs"): reported as restored. Such a
+stage never ran `dare stage`, which copies the outputs to `run.artifact_root`, so with `publish`
+(the flow sets it when the root is set) the task runs `dare upload` for it: for a `dare stage`
+cmd, the same upload the stage does; for a stage found up to date, `dare upload --missing`, which
+sends only what the root lacks. A failed stage raises `StageFailed`, whose message is the worker's
+own error line (`error: unknown config key ...`) followed by the stage and its exit code; the
+task's retries rerun it, and the worker resumes from its checkpoints.
 """
 
 from __future__ import annotations
@@ -38,6 +44,9 @@ from dare_core.exits import killed_by, signal_of
 from tasks.stage_output import WORKER_ERROR, LineForwarder, dvc_error, error_line
 
 __all__ = ["StageFailed", "StageResult", "dvc_stage", "run_stage", "stage_changes"]
+
+# DVC 3's line (dvc/stage/cache.py) for a stage it checks out of its cache instead of running
+RESTORED = re.compile(r"^Stage '[^']+' is cached - skipping run, checking out outputs", re.M)
 
 
 class StageFailed(RuntimeError):
@@ -81,7 +90,9 @@ class StageFailed(RuntimeError):
 @dataclass(frozen=True)
 class StageResult:
     stage: str
-    status: str  # "ran" | "skipped"
+    # ran: the cmd ran; restored: DVC checked the outputs out of its cache (nothing computed);
+    # skipped: up to date
+    status: str
     seconds: float  # wall time of the last attempt (the flow overwrites it with the total)
     attempts: int = 1
     reason: str = ""  # what DVC saw changed, e.g. "changed deps, changed outs"; "forced"
@@ -186,24 +197,43 @@ def _run_streaming(cmd: list[str], repo: str | Path, forward: LineForwarder | No
             forward.close()
 
 
+def upload_command(stage: str, repo: str | Path, missing_only: bool) -> list[str] | None:
+    """`dare upload` for a dvc.yaml stage whose cmd is `dare stage ...` (None for any other stage),
+    run by this Python on the project's own dare_core (stage_env)."""
+    import yaml
+
+    from dare_core.cli import upload_argv
+
+    stages = (yaml.safe_load((Path(repo) / "dvc.yaml").read_text()) or {}).get("stages") or {}
+    cmd = (stages.get(stage) or {}).get("cmd") if isinstance(stages.get(stage), dict) else None
+    argv = upload_argv(cmd) if isinstance(cmd, str) else None
+    return None if argv is None else [sys.executable, "-m", "dare_core.cli", *argv, *(["--missing"] if missing_only else [])]
+
+
 def run_stage(stage: str, repo: str | Path = ".", force: bool = False, attempt: int = 1,
-              log_line: Callable[[str], None] | None = None, env: dict[str, str] | None = None) -> StageResult:
+              log_line: Callable[[str], None] | None = None, env: dict[str, str] | None = None,
+              publish: bool = False) -> StageResult:
     """Run one DVC stage if it changed (or if forced). Plain function: no Prefect needed.
-    `log_line` receives the stage's output lines (rate-limited; see tasks/stage_output.py)."""
+    `log_line` receives the stage's output lines (rate-limited; see tasks/stage_output.py).
+    `publish`: run.artifact_root is set, so a stage restored or up to date gets its copies there
+    (module docstring)."""
     t0 = time.perf_counter()
-    if force:
-        reason = "forced"
-    else:
-        changes = stage_changes(stage, repo)
-        if not changes:
-            return StageResult(stage, "skipped", time.perf_counter() - t0, attempt, "up to date")
-        reason = _describe(changes)
-    cmd = dvc_command("repro", "--single-item", *(["--force"] if force else []), stage)
-    forward = LineForwarder(log_line) if log_line else None
-    returncode, tail = _run_streaming(cmd, repo, forward, env)
-    if returncode != 0:
-        raise StageFailed(stage, returncode, cmd, repo, dvc_error(tail), error_line(tail))
-    return StageResult(stage, "ran", time.perf_counter() - t0, attempt, reason)
+    changes = [] if force else stage_changes(stage, repo)
+    reason = "forced" if force else _describe(changes) if changes else "up to date"
+    status = "skipped"
+    if force or changes:
+        cmd = dvc_command("repro", "--single-item", *(["--force"] if force else []), stage)
+        returncode, tail = _run_streaming(cmd, repo, LineForwarder(log_line) if log_line else None, env)
+        if returncode != 0:
+            raise StageFailed(stage, returncode, cmd, repo, dvc_error(tail), error_line(tail))
+        status = "restored" if RESTORED.search(tail) and "Running stage '" not in tail else "ran"
+    upload = upload_command(stage, repo, missing_only=status == "skipped") if publish and status != "ran" else None
+    if upload:
+        returncode, tail = _run_streaming(upload, repo, LineForwarder(log_line) if log_line else None, env)
+        if returncode != 0:
+            why = error_line(tail) or f"dare upload exited with {returncode}"
+            raise StageFailed(stage, returncode, upload, repo, cause=f"{why} (copying the {status} outputs to run.artifact_root)")
+    return StageResult(stage, status, time.perf_counter() - t0, attempt, reason)
 
 
 @task(
@@ -214,15 +244,16 @@ def run_stage(stage: str, repo: str | Path = ".", force: bool = False, attempt: 
     cache_policy=NO_CACHE,  # DVC is the cache
     persist_result=False,
 )
-def dvc_stage(stage: str, repo: str = ".", force: bool = False) -> StageResult:
+def dvc_stage(stage: str, repo: str = ".", force: bool = False, publish: bool = False) -> StageResult:
     """Prefect task: `dvc repro --single-item <stage>` when DVC says the stage changed. The stage's
     output lines go to this task's Prefect log; a failure's message is the worker's error line.
+    `publish`: copy the outputs of a stage restored or up to date to run.artifact_root.
 
     Retries are set per call from the flow with `dvc_stage.with_options(retries=..., ...)`.
     """
     logger = get_run_logger()
     attempt = int(task_run.run_count or 1)
     logger.info("stage %s: attempt %d in %s", stage, attempt, repo)
-    result = run_stage(stage, repo, force=force, attempt=attempt, log_line=logger.info)
+    result = run_stage(stage, repo, force=force, attempt=attempt, log_line=logger.info, publish=publish)
     logger.info("stage %s: %s in %.1f s (%s)", stage, result.status, result.seconds, result.reason)
     return result

@@ -28,3 +28,20 @@ def test_every_stage_param_is_in_params_yaml_and_it_loads():
         for p in stage.get("params", []):
             assert _has(params, p), f"dvc.yaml stage '{name}' tracks '{p}', which params.yaml lacks"
     load_config(REPO / "params.yaml")
+
+
+def test_every_input_setting_is_a_params_key_at_its_default_tracked_by_prepare():
+    """Overrides (the flow's, `dvc exp run -S`) set only keys params.yaml has, so every input a
+    stage reads (dare_core/inputs.py, and model.path) is there, at the config's default: the
+    shipped pipeline runs as without the key. prepare reads them all, so DVC reruns it on a change."""
+    from dare_core.config import DareConfig
+    from dare_core.inputs import FILES
+
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    tracked = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]["prepare"]["params"]
+    defaults = DareConfig()
+    for key in (*FILES, "model.path"):
+        section, name = key.split(".")
+        assert _has(params, key), f"params.yaml lacks {key}: an override cannot set it"
+        assert params[section][name] == getattr(getattr(defaults, section), name), key
+        assert any(key == p or key.startswith(p + ".") for p in tracked), f"prepare does not track {key}"

@@ -63,3 +63,20 @@ def test_flow_overrides_change_only_their_lines(tmp_path):
                                                            "-  num_steps: 100", "-  - base"]
     assert len(added) == 2 and added[1] == "+  num_steps: 200"
     assert added[0].startswith("+recipe: d1 ") and added[0].endswith("# empty: none (an empty value is null; DVC's -S writes nulls this way too)")
+
+
+def test_an_override_points_the_inputs_at_object_storage(tmp_path):
+    sys.path.insert(0, str(REPO))
+    from dare_core.config import load_config
+    from tasks.workspace import apply_overrides
+
+    params = tmp_path / "params.yaml"
+    shutil.copy(REPO / "params.yaml", params)
+    before = params.read_text()
+    apply_overrides(params, ["data.source=s3://bucket/key.jsonl", "data.eval_source=s3://bucket/test.jsonl",
+                             "model.path=s3://bucket/models/llada"])
+    cfg = load_config(params)
+    assert (cfg.data.source, cfg.data.eval_source, cfg.model.path) == \
+        ("s3://bucket/key.jsonl", "s3://bucket/test.jsonl", "s3://bucket/models/llada")
+    changes = changed_lines(before, params.read_text())
+    assert len(changes) == 6 and "+  source: s3://bucket/key.jsonl " in "\n".join(changes), "\n".join(changes)

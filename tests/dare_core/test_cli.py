@@ -26,8 +26,20 @@ def test_help_lists_every_command(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     out = capsys.readouterr().out
-    for cmd in ("stage", "run", "generate", "eval", "workspaces"):
+    for cmd in ("stage", "upload", "run", "generate", "eval", "workspaces"):
         assert cmd in out
+
+
+def test_a_stage_cmd_maps_to_the_upload_of_the_same_config():
+    """The flow copies a restored stage's outputs with `dare upload`: same stage, params file, -S
+    keys and recipe (applied first, as `dare stage` does); no upload for a cmd that is not a stage."""
+    from dare_core.cli import upload_argv
+
+    assert upload_argv("dare stage sft --restart-if-changed") == ["upload", "sft", "--params", "params.yaml"]
+    assert upload_argv("dare stage rl -S rl.num_steps=3 --recipe d1 --params p.yaml --restart") == \
+        ["upload", "rl", "--params", "p.yaml", "--set=recipe=d1", "--set=rl.num_steps=3"]
+    for other in ("python eval.py", "dare stage nope", "dare eval --model m", "echo 'unclosed"):
+        assert upload_argv(other) is None
 
 
 def test_generate_and_eval_use_the_folders_sampler(folder, tmp_path, capsys):

@@ -6,6 +6,7 @@ per process; every flow run after that costs about a second.
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 import sys
@@ -264,10 +265,14 @@ def test_prefect_sees_stage_output_errors_overrides_and_isolated_runs(tmp_path, 
     subprocess.run(["git", "add", "-A"], cwd=tmp_path, check=True)
     subprocess.run([*git, "commit", "-qm", "project"], cwd=tmp_path, check=True)
     before = subprocess.run(["git", "status", "--porcelain"], cwd=tmp_path, capture_output=True, text=True).stdout
-    res = dare_pipeline(stages=["prepare", "sft", "rl"], repo=str(tmp_path), overrides=["rl.lr=0.5"], isolated=True)
+    res = dare_pipeline(stages=["prepare", "sft", "rl"], repo=str(tmp_path), overrides=["rl.lr=0.1"], isolated=True)
     work = Path(res.repo)
     assert work.parent == tmp_path / ".cache" / "workspaces" and (work / "rl.out").exists()
-    assert "lr: 0.5" in (work / "params.yaml").read_text() and "lr: 0.3" in (tmp_path / "params.yaml").read_text()
+    assert "lr: 0.1" in (work / "params.yaml").read_text() and "lr: 0.3" in (tmp_path / "params.yaml").read_text()
     assert subprocess.run(["git", "status", "--porcelain"], cwd=tmp_path, capture_output=True, text=True).stdout == before
     assert "isolated git worktree" in Artifact.get("dare-run").data
     assert '"status": "ran"' in (work / ".dare-run.json").read_text()  # its outcome, for the prune
+    # the workspace has no outputs: DVC checks them out of the shared cache (prepare and sft as in
+    # the committed dvc.lock, rl from its run cache: lr 0.1 ran earlier) and runs no cmd (no log.txt)
+    assert res.restored == ["prepare", "sft", "rl"] and res.ran == res.skipped == [] and not (work / "log.txt").exists()
+    assert [row["status"] for row in json.loads(Artifact.get("dare-stages").data)] == ["restored"] * 3

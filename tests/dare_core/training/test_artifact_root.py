@@ -125,3 +125,37 @@ def test_a_local_folder_as_artifact_root_mirrors_the_outputs(tmp_path, monkeypat
     (copy / "prepared" / "stale.parquet").write_text("old")  # no longer an output: removed by the next copy
     publish_stage(cfg, "prepare")
     assert not (copy / "prepared" / "stale.parquet").exists()
+
+
+def test_dare_upload_copies_a_stage_that_did_not_run_and_missing_sends_only_what_the_root_lacks(tmp_path, monkeypatch,
+                                                                                                 capsys):
+    """`dare upload` is what the flow runs for a stage DVC restored from its cache (the stage's own
+    upload) or found up to date (`--missing`: checked by name and size, so an edit of the same size
+    goes unnoticed, as documented; a plain `dare upload` sends everything)."""
+    from dare_core.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(_project(tmp_path, str(tmp_path / "copies")))
+    assert main(["upload", "prepare"]) == 2
+    assert "error: stage prepare has no outputs here" in capsys.readouterr().err
+    prepare(cfg)
+    assert main(["upload", "prepare"]) == 0
+    copy, local = tmp_path / "copies" / "t" / "data", tmp_path / "data"
+    gone, longer, same_size = copy / "prepared/sft.parquet", copy / "prepared/summary.json", copy / "tokenizer/tokenizer_config.json"
+    gone.unlink()
+    longer.write_text(longer.read_text() + " ")
+    same_size.write_bytes(b"x" * same_size.stat().st_size)
+    (copy / "prepared" / "stale.parquet").write_text("old")
+    capsys.readouterr()
+    assert main(["upload", "prepare", "--missing"]) == 0
+    told = capsys.readouterr().out
+    assert "uploaded data/prepared -> " in told and "(2 files," in told and "already uploaded: data/tokenizer -> " in told
+    assert gone.read_bytes() == (local / "prepared/sft.parquet").read_bytes()
+    assert longer.read_bytes() == (local / "prepared/summary.json").read_bytes()
+    assert not (copy / "prepared" / "stale.parquet").exists() and same_size.read_bytes().strip(b"x") == b""
+    assert main(["upload", "prepare"]) == 0
+    assert same_size.read_bytes() == (local / "tokenizer/tokenizer_config.json").read_bytes()
+    # nowhere to upload to: one line saying so
+    assert main(["upload", "prepare", "-S", "run.artifact_root=null"]) == 2
+    assert capsys.readouterr().err.strip() == ("error: params.yaml: run.artifact_root is not set, so there is nowhere to "
+                                               "upload to (set it to s3://bucket/prefix or a folder)")
