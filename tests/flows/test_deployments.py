@@ -21,8 +21,9 @@ import psutil
 import pytest
 import yaml
 
-from pipeline_helpers import REPO, make_project, tiny_params
+from pipeline_helpers import REPO, make_project, tiny_params, worker_env
 from prefect_server import PrefectServer, api_get, api_post, flow_runs, free_port, wait_for
+from s3_server import REGION, s3_bucket, s3_server  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.slow
 POOL = "dare-test"
@@ -142,8 +143,25 @@ def flow_run_env(worker: subprocess.Popen, run_id: str) -> dict:
     return {}
 
 
-def test_a_run_whose_worker_host_dies_is_crashed_and_a_retry_resumes_from_its_checkpoints(deployed):
+def warm_run_cache(project: Path, stage: str) -> None:
+    """DVC's run cache holds `stage` at the project's params (what an earlier run leaves; here made
+    sure of also when this test runs alone): a run in a fresh workspace then restores it."""
+    from tasks.workspace import create_workspace
+
+    work, _ = create_workspace(project, "warm-run-cache")
+    subprocess.run(["dvc", "repro", stage], cwd=work, check=True, capture_output=True, env=worker_env())
+
+
+def bucket_keys(endpoint: str, bucket: str) -> list[str]:
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=endpoint, region_name=REGION)
+    return [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket) for o in page.get("Contents", [])]
+
+
+def test_a_run_whose_worker_host_dies_is_crashed_and_a_retry_resumes_from_its_checkpoints(deployed, s3_server, s3_bucket):
     server, project = deployed
+    warm_run_cache(project, "prepare")
     automations = yaml.safe_load((REPO / "automations.yaml").read_text())
     for automation in automations["automations"]:
         automation["trigger"]["within"] = WINDOWS[automation["name"]]
@@ -162,8 +180,10 @@ def test_a_run_whose_worker_host_dies_is_crashed_and_a_retry_resumes_from_its_ch
     cancelled = api_post(server, "flow_runs/", {"flow_id": api_get(server, f"deployments/{dep}")["flow_id"],
                                                 "state": {"type": "RUNNING"}})["id"]
     api_post(server, f"flow_runs/{cancelled}/set_state", {"state": {"type": "CANCELLING"}})
+    # copies to the local S3 server: prepare, restored from DVC's run cache, must reach the bucket too
     run_id = run_deployment(server, dep, {"stages": ["prepare", "sft"],
-                                          "overrides": ["sft.max_steps=100", "sft.save_every=10", "sft.log_every=50"]})
+                                          "overrides": ["sft.max_steps=100", "sft.save_every=10", "sft.log_every=50",
+                                                        f"run.artifact_root=s3://{s3_bucket}/runs"]})
     name = api_get(server, f"flow_runs/{run_id}")["name"]
     checkpoints = project / ".cache" / "workspaces" / f"{name}-{run_id[:8]}" / "runs" / "t" / "sft" / "checkpoints"
     wait_for(lambda: (checkpoints / "latest").exists(), 240, "an SFT checkpoint", interval=0.2)
@@ -197,3 +217,10 @@ def test_a_run_whose_worker_host_dies_is_crashed_and_a_retry_resumes_from_its_ch
                                                {"logs": {"task_run_id": {"any_": [sft[2]["id"]]}}})]
     assert [line for line in logs if "resuming SFT from" in line and tag in line], (tag, logs)
     assert api_get(server, f"flow_runs/{cancelled}")["state"]["message"].startswith("still Cancelling after 90 s")
+    # the restored stage's outputs are in the bucket beside the trained one's
+    prepare = next(t for t in tasks if t["name"] == "prepare" and t["flow_run_run_count"] == 1)
+    prepare_logs = [log["message"] for log in api_post(server, "logs/filter", {"logs": {"task_run_id": {"any_": [prepare["id"]]}}})]
+    assert [line for line in prepare_logs if "stage prepare: restored" in line], prepare_logs
+    keys = bucket_keys(s3_server, s3_bucket)
+    assert [k for k in keys if k.startswith("runs/t/data/prepared/")], keys[:20]
+    assert [k for k in keys if k.startswith("runs/t/runs/t/sft/")], keys[:20]
