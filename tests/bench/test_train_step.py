@@ -1,6 +1,7 @@
-"""bench/train_step.py --tiny runs the real stage loops (LoRA SFT packed, padded and packed + compiled, one DARE
-RL step and one public-recipe RL step) on CPU and writes a results file whose every section holds
-numbers read from the loops' phase times."""
+"""bench/train_step.py --tiny runs the real stage loops (LoRA SFT packed and padded, one DARE RL step and one
+public-recipe RL step) on CPU and writes a results file whose every section holds numbers read from the
+loops' phase times. The compiled SFT variant is left out here: Inductor's CPU build took most of this
+test's three minutes in CI, and compiled training is pinned to eager by tests/dare_core/models/test_compile.py."""
 import json
 import re
 import subprocess
@@ -23,7 +24,7 @@ def _number(cell: str) -> float:
 def test_tiny_run_writes_every_section(tmp_path):
     out = tmp_path / "train_step.md"
     cmd = [sys.executable, str(REPO / "bench" / "train_step.py"), "--tiny", "--workdir", str(tmp_path / "work"),
-           "--out", str(out), "--shapes", "llada", "--parts", "sft", "rl", "rl-public"]
+           "--out", str(out), "--shapes", "llada", "--parts", "sft", "rl", "rl-public", "--compile-shapes"]
     r = subprocess.run(cmd, env=worker_env(), cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     text = out.read_text()
@@ -33,13 +34,13 @@ def test_tiny_run_writes_every_section(tmp_path):
     assert re.search(r"^Hardware: .*\d+ CPU cores.*torch", text, re.M)
 
     sft = _table(text, "## SFT")
-    assert [(row[1], row[2]) for row in sft] == [("LoRA", "on"), ("LoRA", "off"), ("LoRA", "on + compile")]
+    assert [(row[1], row[2]) for row in sft] == [("LoRA", "on"), ("LoRA", "off")]
     for row in sft:
         sequences, real, padded, step_s, fwd_bwd, optimizer, tokens_per_s = map(_number, row[3:10])
         assert sequences == 8 and 0 < real <= padded  # padding is counted apart from the real tokens
         assert 0 < fwd_bwd + optimizer <= step_s
         assert abs(tokens_per_s - real / step_s) <= 0.05 * tokens_per_s  # real tokens, not padding
-    assert sft[0][3:5] == sft[1][3:5] == sft[2][3:5]  # every variant trains on the same batches
+    assert sft[0][3:5] == sft[1][3:5]  # every variant trains on the same batches
     assert _number(sft[0][12]) > 0  # the packed speed-up, computed against the padded row
 
     rl = _table(text, "## RL")
@@ -53,7 +54,7 @@ def test_tiny_run_writes_every_section(tmp_path):
     assert _number(rl[0][12]) > 0  # DARE's speed-up over the public recipe
 
     startup = _table(text, "## Start-up and export")
-    assert len(startup) == 5  # the three SFT runs and both RL runs
+    assert len(startup) == 4  # the two SFT runs and both RL runs
     assert all(_number(row[2]) > 0 and _number(row[3]) > 0 for row in startup)  # process start, stage start-up
     assert _number(startup[0][7]) >= 0  # the packed LoRA run exported its merged model
     assert "## Targets" in text
