@@ -154,7 +154,7 @@ def test_dare_stage_passes_the_counts_to_the_launcher(tmp_path, monkeypatch):
     params = tmp_path / "params.yaml"
     params.write_text("launch: {launcher: torchrun, nproc: 2, threads: 5}\n")
     seen = {}
-    monkeypatch.setattr(cli, "_launch", lambda cmd, env: seen.update(cmd=cmd, env=env) or 0)
+    monkeypatch.setattr(cli, "_launch", lambda cmd, env, *_: seen.update(cmd=cmd, env=env) or 0)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert cli.main(["stage", "sft", "--params", str(params)]) == 0
     assert "--nproc_per_node=2" in seen["cmd"] and seen["env"]["OMP_NUM_THREADS"] == "5"
