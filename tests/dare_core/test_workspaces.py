@@ -14,7 +14,6 @@ from dare_core.errors import UserError
 from dare_core.workspaces import RECORD, WORKSPACES, claim, keep_setting, prune, release
 from git_repos import committed_repo, git
 
-NOW = time.time()
 HOUR = 3600.0
 
 
@@ -28,7 +27,8 @@ def workspace(repo, name, status=None, hours_ago=0.0):
     path = repo / WORKSPACES / name
     git(repo, "worktree", "add", "-q", "--detach", str(path))
     if status is not None:
-        when = dt.datetime.fromtimestamp(NOW - hours_ago * HOUR, dt.timezone.utc).isoformat()
+        # from the clock of this call: the dry run below reads ages against the clock as it runs
+        when = dt.datetime.fromtimestamp(time.time() - hours_ago * HOUR, dt.timezone.utc).isoformat()
         (path / RECORD).write_text(json.dumps({"status": status, "started" if status == "running" else "ended": when}))
     return path
 
@@ -51,7 +51,7 @@ def test_the_rule_keeps_the_newest_the_recently_failed_and_the_running(repo):
     (stranger / "sub" / "keep.txt").write_text("mine")
     lines: list[str] = []
     try:
-        assert prune(repo, keep=2, failed_for_h=24, say=lines.append, now=NOW) == 3
+        assert prune(repo, keep=2, failed_for_h=24, say=lines.append, now=time.time()) == 3
     finally:
         release(running)
     gone = {ran[2], failed_long_ago, died}
