@@ -44,11 +44,7 @@ def checkout_state(repo: Path) -> tuple[str | None, list[str]]:
 def changed_files(repo: Path) -> list[str]:
     """Tracked files with uncommitted changes. `-z` output: unquoted names, and no stripping that
     could eat the leading space of a status (` M prefect.yaml`, a change not yet staged)."""
-    proc = subprocess.run(["git", "status", "--porcelain", "-z", "--untracked-files=no"], cwd=repo,
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise WorkspaceError(f"git status failed in {repo}: {proc.stderr.strip()}")
-    entries = iter(proc.stdout.split("\0"))
+    entries = iter(git("status", "--porcelain", "-z", "--untracked-files=no", cwd=repo).split("\0"))
     files = []
     for entry in entries:
         if len(entry) < 4:
