@@ -287,6 +287,8 @@ def report(data: dict, s: ts.Settings) -> str:
     rows = data["rows"]
     lines = header("The stage loops on several GPUs at the 8B shapes", run["command"], run["hardware"], run["commit"])
     lines += [f"Runs began: {run['date']}. Settings (bench/train_step.py's Settings): `{json.dumps(run['settings'])}`", ""]
+    if data.get("rendered_by") and data["rendered_by"] != run["commit"]:
+        lines += [f"Laid out by commit {data['rendered_by']} (`--render`) from the measurements of the commit above.", ""]
     earlier = [r for r in data["runs"][:-1]]
     if earlier:
         lines += ["Rows of earlier invocations at this commit are kept (--add): " + "; ".join(f"`{r['command']}` ({r['date']})" for r in earlier), ""]
@@ -305,7 +307,8 @@ def report(data: dict, s: ts.Settings) -> str:
 def scaling_lines(rows: list[dict]) -> list[str]:
     """Per-GPU efficiency from 1 GPU to each larger count, and for RL where a shortfall comes from."""
     ok = [r for r in rows if "error" not in r and "step_s" in r]
-    out = []
+    out: list[str] = []
+    shortfalls = []
     for part in ("sft-lora", "rl-lora", "rl-full"):
         base = next((r for r in ok if r["part"] == part and r["gpus"] == 1), None)
         for r in (r for r in ok if r["part"] == part and r["gpus"] > 1 and base):
@@ -319,7 +322,37 @@ def scaling_lines(rows: list[dict]) -> list[str]:
             where = ", ".join(f"{p}: {fmt(base.get(p))} / {fmt(r['gpus'] * (r.get(p) or 0))}" for _, p in lost[:3])
             verdict = "meets it" if eff and eff >= 0.9 else "short"
             out.append(f"| {part} | {r['gpus']} | {fmt(base['step_s'])} | {fmt(r['step_s'])} | {fmt(eff and 100 * eff, '.1f')}% | {verdict} | {where} |")
+            if verdict == "short":
+                shortfalls.append((part, r, [p for extra, p in lost[:2] if extra > 0]))
+    if shortfalls:
+        out += ["", "Why a part falls short: what its losing phases do on several GPUs of one host that one GPU does not.", ""]
+        out += [f"- {part} on {r['gpus']} GPUs, {p}: {why_lost(p, r)}" for part, r, phases in shortfalls for p in phases]
     return out + [""] if out else out
+
+
+def why_lost(phase: str, row: dict) -> str:
+    """The mechanism that makes `phase` cost more GPU-seconds on several GPUs, from the run's settings."""
+    zero3, offload = row["zero"] >= 3, row["offload"] != "none"
+    if phase in ("optimizer", "optimizer_s"):
+        if offload:
+            return ("the optimizer steps on the host's CPUs (launch.offload_optimizer: cpu); the ranks of one host share its "
+                    "cores and memory bandwidth (each rank gets 1/N of the threads), so the CPU side does not grow with the GPUs "
+                    "as it would with more nodes")
+        return ("every rank steps all the trainable weights (ZeRO-0 keeps a whole optimizer per rank), a fixed cost per "
+                "step that more GPUs do not divide")
+    if phase in ("forward_backward", "fwd_bwd_s"):
+        if zero3:
+            return ("under ZeRO-3 each layer's weights are gathered from the other ranks before its forward and backward, "
+                    "and the gradients are reduce-scattered; one GPU holds everything and does neither")
+        return ("the gradients are all-reduced across the ranks at the end of each step (DeepSpeed runs it after the last "
+                "backward at ZeRO-0, not overlapped with it); each rank also runs fewer micro-batches, over which its fixed "
+                "per-step costs spread")
+    if phase == "rollout":
+        if zero3:
+            return ("under ZeRO-3 the rollout begins by gathering the whole weights on every rank and ends by partitioning "
+                    "them again (launch.rollout_weights: whole); one GPU has nothing to gather")
+        return "each rank decodes its own groups; the step waits for the rank whose rows take longest"
+    return "waits for the slowest rank, and the step's metrics reduced across the ranks"
 
 
 def multinode_lines(rows: list[dict]) -> list[str]:
@@ -338,6 +371,17 @@ def multinode_lines(rows: list[dict]) -> list[str]:
     return out + [""]
 
 
+def render(out: Path) -> int:
+    """The report of measured rows, laid out by this commit's code: the measurements keep their commit,
+    and the file says which commit laid them out."""
+    data = json.loads(out.with_suffix(".json").read_text())
+    data["rendered_by"] = git_commit()
+    ts.write_atomic(out, report(data, ts.Settings(**data["runs"][-1]["settings"])))
+    ts.write_atomic(out.with_suffix(".json"), json.dumps(data, indent=1))
+    print(out.read_text())
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--task", type=Path, help=argparse.SUPPRESS)  # a rank of one run
@@ -347,6 +391,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--workdir", default="/tmp/dare-multi-gpu", help="model folders, data and runs (kept between runs)")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "multi_gpu.md"))
     p.add_argument("--add", action="store_true", help="keep the rows of earlier runs of this commit (the JSON beside --out)")
+    p.add_argument("--render", action="store_true", help="no run: write --out again from the JSON beside it (a new report layout)")
     p.add_argument("--task-timeout", type=float, default=0, help="seconds one run may take (0: no limit)")
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: the same code paths, two tiny layers")
     p.add_argument("--set", nargs="+", default=[], metavar="NAME=VALUE", help="change a batch shape or step count (train_step's Settings)")
@@ -355,6 +400,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.task is not None:
         return rank_main(args.task)
     s = (ts.Settings.tiny() if args.tiny else ts.Settings()).with_overrides(args.set)
+    if args.render:
+        return render(Path(args.out))
     available = torch.cuda.device_count()
     if not available and not args.tiny:
         p.error("no GPU here: use --tiny for the CPU smoke run")

@@ -21,7 +21,8 @@ def test_every_gpu_count_trains_the_one_gpu_global_batch(gpus):
 
 
 def _rl(gpus: int, step: float, **phases) -> dict:
-    row = {"part": "rl-lora", "name": f"rl-{gpus}", "gpus": gpus, "step_s": step, "other": 0.0}
+    row = {"part": "rl-lora", "name": f"rl-{gpus}", "gpus": gpus, "step_s": step, "other": 0.0, "zero": phases.pop("zero", 0),
+           "offload": "none"}
     row.update({p: phases.get(p, 0.0) for p in train_step.RL_PHASES})
     return row
 
@@ -34,4 +35,23 @@ def test_scaling_names_the_phase_that_loses_efficiency():
     row = next(line for line in lines if line.startswith("| rl-lora | 2 |"))
     assert "83.3%" in row and "| short |" in row  # 50 / (2 x 30)
     assert row.split("| ")[-1].startswith("forward_backward: 20.00 / 30.00")
+    # and why: the one losing phase's mechanism under the run's ZeRO stage, and no line for a phase that scaled
+    why = [line for line in lines if line.startswith("- rl-lora on 2 GPUs")]
+    assert len(why) == 1 and why[0].startswith("- rl-lora on 2 GPUs, forward_backward:") and "all-reduced" in why[0]
+    zero3 = multi_gpu.scaling_lines([one, _rl(2, 30.0, rollout=15.0, forward_backward=15.0, zero=3)])
+    assert "reduce-scattered" in next(line for line in zero3 if line.startswith("- rl-lora on 2 GPUs"))
     assert "| meets it |" in multi_gpu.scaling_lines([one, _rl(2, 26.0, rollout=15.0, forward_backward=11.0)])[-2]
+
+
+def test_render_lays_out_measured_rows_again_and_says_by_which_commit(tmp_path, monkeypatch):
+    s = train_step.Settings()
+    run = {"commit": "a" * 40, "command": "python3 bench/multi_gpu.py", "hardware": "2 GPUs", "date": "then",
+           "settings": __import__("dataclasses").asdict(s)}
+    rows = [_rl(1, 50.0, rollout=30.0, forward_backward=20.0), _rl(2, 30.0, rollout=15.0, forward_backward=15.0)]
+    for r in rows:
+        r.update(unmasking="topk", peak_gib=1.0, rewards=[0.5], noise_lines=0)
+    (tmp_path / "multi_gpu.json").write_text(__import__("json").dumps({"runs": [run], "rows": rows}))
+    monkeypatch.setenv("DARE_COMMIT", "b" * 40)
+    assert multi_gpu.main(["--render", "--out", str(tmp_path / "multi_gpu.md")]) == 0
+    text = (tmp_path / "multi_gpu.md").read_text()
+    assert "a" * 40 in text and f"Laid out by commit {'b' * 40}" in text and "- rl-lora on 2 GPUs, forward_backward:" in text
