@@ -46,7 +46,7 @@ sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
 import torch  # noqa: E402
 import train_step as ts  # noqa: E402
-from stamp import git_commit, library_versions  # noqa: E402
+from stamp import git_commit, library_versions, utc_now  # noqa: E402
 
 PARTS = ("sft-lora", "sft-full", "rl-lora", "rl-full", "rl-threshold", "multinode")
 OFFLOAD = {"launch.zero_stage": 3, "launch.offload_optimizer": "cpu"}
@@ -285,7 +285,9 @@ def report(data: dict, s: ts.Settings) -> str:
 
     run = data["runs"][-1]
     rows = data["rows"]
-    lines = header("The stage loops on several GPUs at the 8B shapes", run["command"], run["hardware"], run["commit"])
+    # a --render keeps what the measuring machine had and when it wrote the rows
+    lines = header("The stage loops on several GPUs at the 8B shapes", run["command"], run["hardware"], run["commit"],
+                   run.get("libraries"), data.get("written"))
     lines += [f"Runs began: {run['date']}. Settings (bench/train_step.py's Settings): `{json.dumps(run['settings'])}`", ""]
     if data.get("rendered_by") and data["rendered_by"] != run["commit"]:
         lines += [f"Laid out by commit {data['rendered_by']} (`--render`) from the measurements of the commit above.", ""]
@@ -376,6 +378,8 @@ def render(out: Path) -> int:
     and the file says which commit laid them out."""
     data = json.loads(out.with_suffix(".json").read_text())
     data["rendered_by"] = git_commit()
+    if "written" not in data and out.exists():  # a file from before the JSON kept the time: its own Date line
+        data["written"] = next((line.removeprefix("Date: ") for line in out.read_text().splitlines() if line.startswith("Date: ")), None)
     ts.write_atomic(out, report(data, ts.Settings(**data["runs"][-1]["settings"])))
     ts.write_atomic(out.with_suffix(".json"), json.dumps(data, indent=1))
     print(out.read_text())
@@ -422,7 +426,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         def append(self, row: dict) -> None:
             super().append(row)
             names = {r["name"] for r in self}
-            data = {"runs": previous["runs"] + [run], "rows": [r for r in previous["rows"] if r["name"] not in names] + list(self)}
+            data = {"runs": previous["runs"] + [run], "rows": [r for r in previous["rows"] if r["name"] not in names] + list(self),
+                    "written": utc_now()}
             out.parent.mkdir(parents=True, exist_ok=True)
             ts.write_atomic(out, report(data, s))
             ts.write_atomic(out.with_suffix(".json"), json.dumps(data, indent=1))

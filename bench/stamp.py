@@ -68,8 +68,9 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def header(title: str, command: str, hardware: str, commit: Optional[str] = None) -> list[str]:
+def header(title: str, command: str, hardware: str, commit: Optional[str] = None, libraries: Optional[str] = None,
+           date: Optional[str] = None) -> list[str]:
     """The top of a results file: what ran, at which commit (`commit`: as read when the run began;
-    default: now), where, with what, when."""
+    default: now), where, with what (default: installed here), when (default: now)."""
     return [f"# {title}", "", f"Git commit: {commit or git_commit()}  ", f"Command: `{command}`  ", f"Hardware: {hardware}  ",
-            f"Libraries: {library_versions()}  ", f"Date: {utc_now()}", ""]
+            f"Libraries: {libraries or library_versions()}  ", f"Date: {date or utc_now()}", ""]
