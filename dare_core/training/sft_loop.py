@@ -20,6 +20,7 @@ from dare_core.data.lengths import resolve as resolve_lengths
 from dare_core.data.schema import DataError, read_rows, table_row
 from dare_core.devices import resolve_dtype
 from dare_core.diffusion.seeding import sample_generators
+from dare_core.inputs import tokenizer_folder
 from dare_core.models.hf_folder import save_model
 from dare_core.storage import atomic_write_json
 from dare_core.timing import PhaseTimer, phase_times_requested
@@ -29,7 +30,7 @@ from dare_core.training.engine import whole_weights
 from dare_core.training.metrics import MetricsLogger, last_logged
 from dare_core.training.plots import sft_plots
 from dare_core.training.preflight import check_outputs, checkpoint_bytes, model_bytes, stage_writes, training_need
-from dare_core.training.setup import initial_model, initial_spec, sampler_dict, stage_tokenizer, tokenizer_folder
+from dare_core.training.setup import initial_model, initial_spec, stage_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +168,7 @@ def run_sft(cfg: DareConfig, progress: bool = True, save_checkpoints: bool = Tru
                 export_metrics: dict = {}
                 export_stats: dict = {}
                 with timer.export(export_metrics):
-                    save_model(engine.module, out_dir / "model", extra_files={"tokenizer": tokenizer_folder(cfg)}, sampler=sampler_dict(cfg),
+                    save_model(engine.module, out_dir / "model", extra_files={"tokenizer": tokenizer_folder(cfg)}, sampler=cfg.eval.sampler.decoding_settings(),
                                stats=export_stats)
                 if export_metrics:
                     export_metrics.update({f"time/export_{k}": v for k, v in export_stats.items()})
