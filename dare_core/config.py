@@ -16,21 +16,13 @@ from typing import Any, Optional, Union
 
 import yaml
 
-from dare_core.errors import ConfigError
+from dare_core.errors import ConfigError, FieldError
 from dare_core.output_paths import output_conflict
 from dare_core.recipes import all_auto, apply_recipe
 from dare_core.remote import cache_path, redact
+from dare_core.rl_rules import check_reference_sync
 from dare_core.sampling.params import SamplingParams
 from dare_core.storage import is_remote, read_yaml_mapping
-
-
-class FieldError(ValueError):
-    """One field's value is out of range; raised by a section's `__post_init__`, turned by `from_dict`
-    into a ConfigError naming the full key (a section does not know where it sits in the tree)."""
-
-    def __init__(self, key: str, problem: str):
-        super().__init__(f"{key} {problem}")
-        self.key, self.problem = key, problem
 
 
 def _at_least(section: Any, minimum: float, *names: str) -> None:
@@ -375,10 +367,7 @@ class RLConfig:
                   "rows_per_forward", "log_every", "save_every", "keep_last")
         _at_least(self, 2, "group_size")  # group advantages need a group
         _at_least(self, 0, "clip_eps_low", "clip_eps_high", "kl_beta", "ref_sync_steps", "entropy_coeff")
-        if self.ref_sync_steps > 0 and self.kl_beta == 0:
-            raise FieldError("ref_sync_steps", f"needs rl.kl_beta > 0 (got ref_sync_steps {self.ref_sync_steps} with "
-                                               f"kl_beta 0): only the KL term reads the reference policy, so there is "
-                                               f"nothing to sync; set rl.ref_sync_steps: 0 or a kl_beta")
+        check_reference_sync(self)
         if self.dual_clip < 0 or 0 < self.dual_clip <= 1:
             raise FieldError("dual_clip", f"must be > 1 (or 0: off), got {self.dual_clip}")
         if not self.reward:

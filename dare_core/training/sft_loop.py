@@ -12,7 +12,7 @@ import torch
 from tqdm.auto import tqdm
 
 from dare_core import devices
-from dare_core.algorithms.registry import build_options, get_algorithm
+from dare_core.algorithms.registry import build_options, get_sft_objective
 from dare_core.artifacts import artifact_root
 from dare_core.config import DareConfig
 from dare_core.data.batching import balanced_micro_batches, global_batch_indices, row_tokens, sft_batch
@@ -75,7 +75,7 @@ def check_sft(cfg: DareConfig, save_checkpoints: bool = True, export: bool = Tru
         i = too_long[0]
         raise DataError(f"{table_row(data_path, i)}: prompt of {len(prompts[i])} tokens + sft.pad_to {scfg.pad_to} "
                         f"exceeds the model maximum {spec.max_sequence_length}")
-    algo_cls = get_algorithm("sft")
+    algo_cls = get_sft_objective("sft")
     algo = algo_cls(build_options(algo_cls, {"loss_norm": scfg.loss_norm, "mask_law": scfg.mask_law}, "sft"), spec.mask_token_id)
 
     dtype = resolve_dtype(cfg.model.dtype)
