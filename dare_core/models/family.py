@@ -1,6 +1,9 @@
 """Model families by `model_type`: what differs between LLaDA, Dream, SDAR and LLaDA2 (config
-mapping, parameter names, attention pattern, logit alignment); everything else is the shared
-transformer. Each family file registers itself; importing `dare_core.models` imports them all."""
+mapping, parameter names, attention pattern, logit alignment, and the facts other layers ask of a
+family: evaluation sampler defaults and label, rollout engines, tokenizer class names); everything
+else is the shared transformer. Each family file registers itself; importing `dare_core.models`
+imports them all, and evaluation, engines and the tokenizer loader read the registry, so a new
+family is its model file alone."""
 from __future__ import annotations
 
 import difflib
