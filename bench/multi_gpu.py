@@ -106,7 +106,7 @@ def rank_env(gpus: int) -> dict:
     """The ranks' environment, with the CPU thread counts `dare stage` exports (torchrun alone would
     give each rank OMP_NUM_THREADS=1, and the offloaded optimizer steps on the CPU)."""
     from dare_core.config import LaunchConfig
-    from dare_core.training.threads import launcher_env
+    from dare_core.threads import launcher_env
 
     return launcher_env(LaunchConfig().threads, gpus, ts.child_env())
 

@@ -350,7 +350,7 @@ def full_canvas_logprobs(model, batch, corruption) -> torch.Tensor:
 def register_rl_pieces() -> None:
     """The synthetic reward, and the public recipe's sampler and estimator, by name (once)."""
     from dare_core.algorithms.d1 import D1
-    from dare_core.algorithms.registry import ALGORITHMS, register
+    from dare_core.algorithms.registry import RL_ALGORITHMS, register_rl
     from dare_core.rewards import REWARDS, register_reward
     from dare_core.sampling.engines import ENGINES
 
@@ -358,14 +358,14 @@ def register_rl_pieces() -> None:
         register_reward(REWARD)(token_hash_reward)
     if PUBLIC not in ENGINES:
         ENGINES.register(PUBLIC)(PublicRecipeSampler)
-    if PUBLIC not in ALGORITHMS:
+    if PUBLIC not in RL_ALGORITHMS:
         class PublicD1(D1):
             """d1 with the public recipe's scoring (logits over the whole canvas)."""
 
             def score(self, model, batch, corruption) -> torch.Tensor:
                 return full_canvas_logprobs(model, batch, corruption)
 
-        register(PUBLIC)(PublicD1)
+        register_rl(PUBLIC)(PublicD1)
 
 
 # --------------------------------------------------------------------------- full-parameter training

@@ -146,7 +146,7 @@ def _launch(cmd: list[str], env: dict, what: str = "the worker") -> int:
 
 def launch_env(launch: LaunchConfig, environ: Mapping[str, str]) -> dict:
     """`environ` for the launcher and its ranks (what the user set wins)."""
-    from dare_core.training.threads import launcher_env
+    from dare_core.threads import launcher_env
 
     # each rank starts with its share of the cores (torchrun would otherwise give every rank one)
     env = launcher_env(launch.threads, launch.nproc, environ)

@@ -16,21 +16,13 @@ from typing import Any, Optional, Union
 
 import yaml
 
-from dare_core.errors import ConfigError
+from dare_core.errors import ConfigError, FieldError
 from dare_core.output_paths import output_conflict
 from dare_core.recipes import all_auto, apply_recipe
-from dare_core.remote import cache_path, local_copy, redact
+from dare_core.remote import cache_path, redact
+from dare_core.rl_rules import check_reference_sync
 from dare_core.sampling.params import SamplingParams
 from dare_core.storage import is_remote, read_yaml_mapping
-
-
-class FieldError(ValueError):
-    """One field's value is out of range; raised by a section's `__post_init__`, turned by `from_dict`
-    into a ConfigError naming the full key (a section does not know where it sits in the tree)."""
-
-    def __init__(self, key: str, problem: str):
-        super().__init__(f"{key} {problem}")
-        self.key, self.problem = key, problem
 
 
 def _at_least(section: Any, minimum: float, *names: str) -> None:
@@ -127,7 +119,7 @@ DTYPES = ("auto", "float32", "bfloat16", "fp32", "bf16")
 class ModelConfig:
     family: str = "llada"
     # a Hugging Face folder to start from, or a URL of one (s3://bucket/prefix: fetched into the
-    # download cache, `model_folder()`); null means initialise from `init` with run.seed
+    # download cache, `inputs.model_folder`); null means initialise from `init` with run.seed
     path: Optional[str] = None
     init: dict = field(default_factory=dict)
     dtype: str = "auto"  # auto | float32 | bfloat16
@@ -195,7 +187,7 @@ class LaunchConfig:
     rollout_weights: str = "whole"  # whole | partitioned
     # torch CPU threads per rank: auto = (physical cores available - those other processes keep
     # busy) / local ranks (an explicit OMP_NUM_THREADS wins over auto); an int wins over both
-    # (dare_core/training/threads.py)
+    # (dare_core/threads.py)
     threads: Union[str, int] = "auto"
     # seconds a rank waits for the others (rendezvous, every collective) before it fails with an
     # error instead of hanging: must exceed the longest time one rank works alone while the others
@@ -289,6 +281,11 @@ class SamplerConfig(SamplingParams):
             super().__post_init__()
         _at_least(self, 1, "batch_size")
 
+    def decoding_settings(self) -> dict:
+        """The sampler's own settings, without how many prompts decode at once or which engine runs
+        them: what an exported checkpoint stores as its generation defaults."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("batch_size", "engine", "engine_args")}
+
 
 @dataclass
 class SFTConfig:
@@ -370,10 +367,7 @@ class RLConfig:
                   "rows_per_forward", "log_every", "save_every", "keep_last")
         _at_least(self, 2, "group_size")  # group advantages need a group
         _at_least(self, 0, "clip_eps_low", "clip_eps_high", "kl_beta", "ref_sync_steps", "entropy_coeff")
-        if self.ref_sync_steps > 0 and self.kl_beta == 0:
-            raise FieldError("ref_sync_steps", f"needs rl.kl_beta > 0 (got ref_sync_steps {self.ref_sync_steps} with "
-                                               f"kl_beta 0): only the KL term reads the reference policy, so there is "
-                                               f"nothing to sync; set rl.ref_sync_steps: 0 or a kl_beta")
+        check_reference_sync(self)
         if self.dual_clip < 0 or 0 < self.dual_clip <= 1:
             raise FieldError("dual_clip", f"must be > 1 (or 0: off), got {self.dual_clip}")
         if not self.reward:
@@ -494,17 +488,10 @@ class DareConfig:
     def final_model_dir(self) -> Path:
         return Path(self.run.models_dir) / self.run.name
 
-    def model_folder(self) -> Optional[Path]:
-        """`model.path` as a local folder: itself, or for a URL its verified copy in the download
-        cache, fetched (or refreshed) here; None for a from-scratch model."""
-        if not self.model.path:
-            return None
-        return local_copy(self.model.path, "model folder", folder=True)
-
     @property
     def checkpoint_dirs(self) -> dict[str, Path]:
         """The pipeline's checkpoints, in pipeline order: base (untrained or the given model; for a
-        URL, where `model_folder()` puts its copy), SFT, preference (the side branch), RL."""
+        URL, where `inputs.model_folder` puts its copy), SFT, preference (the side branch), RL."""
         given = self.model.path
         return {
             "base": (cache_path(given) if is_remote(given) else Path(given)) if given else self.base_model_dir,

@@ -19,6 +19,16 @@ class ConfigError(ValueError):
     """A configuration problem, always naming the file and the key (dare_core.config raises most)."""
 
 
+class FieldError(ValueError):
+    """One field's value is out of range; raised by a config section's `__post_init__`, turned by
+    `config.from_dict` into a ConfigError naming the full key (a section does not know where it sits
+    in the tree)."""
+
+    def __init__(self, key: str, problem: str):
+        super().__init__(f"{key} {problem}")
+        self.key, self.problem = key, problem
+
+
 def clip(text: str, limit: int = 200) -> str:
     """`text` cut to `limit` characters for an error message (a value may be a 20 MB row)."""
     return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"

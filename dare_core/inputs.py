@@ -18,10 +18,23 @@ from typing import Any, Optional
 
 from dare_core.config import DareConfig
 from dare_core.errors import UserError
-from dare_core.remote import file_digest, listing
+from dare_core.remote import file_digest, listing, local_copy
 from dare_core.storage import is_remote
 
 FILES = ("data.source", "data.eval_source", "data.val_source", "data.preference_source")
+
+
+def model_folder(cfg: DareConfig) -> Optional[Path]:
+    """`model.path` as a local folder: itself, or for a URL its verified copy in the download
+    cache, fetched (or refreshed) here; None for a from-scratch model."""
+    if not cfg.model.path:
+        return None
+    return local_copy(cfg.model.path, "model folder", folder=True)
+
+
+def tokenizer_folder(cfg: DareConfig) -> Path:
+    """Where a stage's tokenizer is: the given model's folder, else the one the prepare stage wrote."""
+    return model_folder(cfg) or Path(cfg.data.tokenizer_dir)
 
 
 def inputs_file(cfg: DareConfig) -> Path:

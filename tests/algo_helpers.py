@@ -4,12 +4,12 @@ from typing import Optional
 
 import torch
 
-from dare_core.algorithms.registry import build_options, get_algorithm
+from dare_core.algorithms.registry import build_options, get_rl_algorithm
 from dare_core.config import RLConfig
 
 
 def make_algo(name: str, model, rl: Optional[RLConfig] = None, **opts):
-    cls = get_algorithm(name)
+    cls = get_rl_algorithm(name)
     return cls(build_options(cls, opts, f"rl.algorithm_args.{name}"), rl or RLConfig(), model)
 
 

@@ -45,3 +45,31 @@ def test_every_input_setting_is_a_params_key_at_its_default_tracked_by_prepare()
         assert _has(params, key), f"params.yaml lacks {key}: an override cannot set it"
         assert params[section][name] == getattr(getattr(defaults, section), name), key
         assert any(key == p or key.startswith(p + ".") for p in tracked), f"prepare does not track {key}"
+
+
+# settings a stage's config gets before it is fingerprinted (a recipe, `lengths: auto`): the
+# fingerprint sees their effect, DVC must see the keys themselves
+APPLIED_BEFORE_FINGERPRINT = ("recipe", "lengths")
+# fingerprint entries computed from settings rather than copied: the params.yaml keys they come from
+FINGERPRINT_SOURCES = {"world_size": "launch"}
+
+
+def test_training_stage_params_agree_with_the_checkpoint_fingerprint():
+    """DVC reruns a training stage on a change of its `params`; the stage resumes or restarts by its
+    checkpoint fingerprint (training/checkpoint.py). Every fingerprint key must be a tracked param, or
+    a change that restarts training would leave DVC's record stale; every tracked param must shape the
+    fingerprint, or be applied before it."""
+    from dare_core.config import DareConfig
+    from dare_core.training.checkpoint import stage_fingerprint
+
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    cfg = DareConfig()
+    cfg.launch.zero_stage, cfg.launch.offload_optimizer = 2, "cpu"  # keys recorded only when on
+    for stage in ("sft", "preference", "rl"):
+        tracked = stages[stage]["params"]
+        keys = [FINGERPRINT_SOURCES.get(k, k) for k in stage_fingerprint(cfg, stage, {}).settings]
+        untracked = [k for k in keys if not any(k == p or k.startswith(p + ".") for p in tracked)]
+        assert not untracked, f"dvc.yaml stage '{stage}' does not track {untracked}, which its checkpoint fingerprint holds"
+        unused = [p for p in tracked if p not in APPLIED_BEFORE_FINGERPRINT
+                  and not any(k == p or k.startswith(p + ".") for k in keys)]
+        assert not unused, f"dvc.yaml stage '{stage}' tracks {unused}, which its checkpoint fingerprint does not hold"

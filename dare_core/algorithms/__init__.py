@@ -1,5 +1,5 @@
 """Objectives: SFT, preference optimisation and the RL algorithms, one module each, registered by
-name (`rl.algorithm: <name>`)."""
+name in the registry of their kind (algorithms/registry.py)."""
 from dare_core.algorithms import (  # noqa: F401  (registration)
     bgpo,
     cj_grpo,
@@ -10,6 +10,7 @@ from dare_core.algorithms import (  # noqa: F401  (registration)
     espo,
     just_grpo,
     mdpo,
+    preference,
     sft,
     spg,
 )

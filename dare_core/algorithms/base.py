@@ -12,12 +12,15 @@ from typing import ClassVar, Optional
 import torch
 
 from dare_core.algorithms.common import LossOutput
+from dare_core.algorithms.registry import RL_ALGORITHMS
 from dare_core.algorithms.rollout import rollout
 from dare_core.batch import Batch
+from dare_core.rl_rules import check_algorithm_fits
 
 
 class Algorithm(ABC):
-    """Base of every objective. `Options` is a dataclass of the algorithm's own config keys."""
+    """Base of every objective: its name and its `Options`, a dataclass of its own config keys.
+    Each kind is built from other things and has its own registry (algorithms/registry.py)."""
 
     name: ClassVar[str]
     Options: ClassVar[type]
@@ -49,21 +52,7 @@ class RLAlgorithm(Algorithm):
         self.mask_id = model.mask_token_id
         self.eos_id = model.eos_token_id
         self.block_size = model.block_size
-        kind = "block" if model.block_size is not None else "masked"
-        if kind not in self.families:
-            raise ValueError(f"rl.algorithm '{self.name}' is not defined for {kind}-diffusion models "
-                             f"(it supports: {', '.join(sorted(self.families))})")
-        if rl_cfg.kl_beta > 0 and not self.allows_kl:
-            raise ValueError(f"rl.algorithm '{self.name}' has no KL term: set rl.kl_beta: 0")
-        if getattr(rl_cfg, "entropy_coeff", 0.0) > 0 and not self.token_level:
-            # ALGORITHMS.md 5.1.6: an entropy is a property of the per-token distributions p(.|z, i);
-            # a sequence score (an ELBO estimate) has none, and -e^l * l of it is not an entropy
-            from dare_core.algorithms.registry import ALGORITHMS
-
-            token = sorted(n for n, c in ALGORITHMS.items() if isinstance(c, type) and issubclass(c, RLAlgorithm) and c.token_level)
-            raise ValueError(f"rl.entropy_coeff = {rl_cfg.entropy_coeff}: rl.algorithm '{self.name}' is a sequence-level "
-                             f"estimator, and the entropy bonus is defined only for token-level ones ({', '.join(token)}); "
-                             f"set rl.entropy_coeff: 0")
+        check_algorithm_fits(type(self), rl_cfg, model.block_size, RL_ALGORITHMS)
         self.check_sampler(rl_cfg.sampler)
 
     def check_sampler(self, sampler) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from dare_core.algorithms.base import RLAlgorithm
 from dare_core.algorithms.common import LossOutput, ppo_clip_ratio, sequence_kl, weighted_mean_metrics
-from dare_core.algorithms.registry import register
+from dare_core.algorithms.registry import register_rl
 from dare_core.batch import Batch
 from dare_core.diffusion.likelihood import elbo_rows, proxy_backward, separable_backward
 from dare_core.diffusion.masking import CorruptionSet
@@ -40,7 +40,7 @@ def elbo_normaliser(norm: str, batch: Batch, gen_length: int, block: bool) -> to
     raise ValueError(f"elbo_norm must be one of {ELBO_NORMS}, got '{norm}'")
 
 
-@register("bgpo")
+@register_rl("bgpo")
 class BGPO(RLAlgorithm):
     token_level = False
 

@@ -18,7 +18,7 @@ import torch
 
 from dare_core.algorithms.base import RLAlgorithm
 from dare_core.algorithms.common import LossOutput, replay_temperature, replayed_token_update
-from dare_core.algorithms.registry import register
+from dare_core.algorithms.registry import register_rl
 from dare_core.batch import Batch
 from dare_core.diffusion.likelihood import rows_logprobs
 from dare_core.diffusion.masking import CorruptionSet
@@ -28,7 +28,7 @@ from dare_core.diffusion.replay import block_local, replay_canvas, replay_rows
 log = logging.getLogger(__name__)
 
 
-@register("cj_grpo")
+@register_rl("cj_grpo")
 class CJGRPO(RLAlgorithm):
     requires = frozenset({"step_map", "decoded"})
 

@@ -10,7 +10,7 @@ import torch
 
 from dare_core.algorithms.base import RLAlgorithm
 from dare_core.algorithms.common import LossOutput, token_policy_loss, wants_entropy
-from dare_core.algorithms.registry import register
+from dare_core.algorithms.registry import register_rl
 from dare_core.batch import Batch
 from dare_core.diffusion.likelihood import rows_logprobs
 from dare_core.diffusion.masking import CorruptionSet
@@ -18,7 +18,7 @@ from dare_core.diffusion.mc_laws import coupled_rows
 from dare_core.diffusion.seeding import sample_generators
 
 
-@register("coupled_grpo")
+@register_rl("coupled_grpo")
 class CoupledGRPO(RLAlgorithm):
     @dataclass
     class Options:

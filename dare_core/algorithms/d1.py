@@ -9,14 +9,14 @@ import torch
 
 from dare_core.algorithms.base import RLAlgorithm
 from dare_core.algorithms.common import LossOutput, token_policy_loss, wants_entropy
-from dare_core.algorithms.registry import register
+from dare_core.algorithms.registry import register_rl
 from dare_core.batch import Batch
 from dare_core.diffusion.likelihood import token_logprobs
 from dare_core.diffusion.masking import Corruption, full_response_corruption
 from dare_core.diffusion.seeding import sample_generators
 
 
-@register("d1")
+@register_rl("d1")
 class D1(RLAlgorithm):
     """Masked families as in the paper; on block diffusion the same estimator is the per-block
     mean field (every noisy block fully masked, given the clean earlier blocks)."""

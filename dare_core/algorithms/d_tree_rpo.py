@@ -43,7 +43,7 @@ import torch
 
 from dare_core.algorithms.base import RLAlgorithm
 from dare_core.algorithms.common import LossOutput, token_policy_loss, wants_entropy
-from dare_core.algorithms.registry import register
+from dare_core.algorithms.registry import register_rl
 from dare_core.batch import Batch
 from dare_core.diffusion.likelihood import entropy_of_logprobs, token_logprobs
 from dare_core.diffusion.masking import Corruption, valid_region
@@ -139,7 +139,7 @@ def distill_targets(shape: TreeShape, states: torch.Tensor, adv: torch.Tensor, t
 # --------------------------------------------------------------------------- the algorithm
 
 
-@register("d_tree_rpo")
+@register_rl("d_tree_rpo")
 class DTreeRPO(RLAlgorithm):
     families = frozenset({"masked"})
     requires = frozenset({"tree"})

@@ -15,14 +15,14 @@ import torch
 
 from dare_core.algorithms.base import RLAlgorithm
 from dare_core.algorithms.common import SequenceELBOMixin
-from dare_core.algorithms.registry import register
+from dare_core.algorithms.registry import register_rl
 from dare_core.batch import Batch
 from dare_core.diffusion.masking import CorruptionSet
 from dare_core.diffusion.mc_laws import per_block_rows, response_blocks
 from dare_core.diffusion.seeding import sample_generators
 
 
-@register("ebpo")
+@register_rl("ebpo")
 class EBPO(SequenceELBOMixin, RLAlgorithm):
     @dataclass
     class Options:

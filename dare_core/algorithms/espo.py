@@ -10,14 +10,14 @@ from dataclasses import dataclass
 
 from dare_core.algorithms.base import RLAlgorithm
 from dare_core.algorithms.common import SequenceELBOMixin
-from dare_core.algorithms.registry import register
+from dare_core.algorithms.registry import register_rl
 from dare_core.batch import Batch
 from dare_core.diffusion.masking import CorruptionSet
 from dare_core.diffusion.mc_laws import count_rows
 from dare_core.diffusion.seeding import sample_generators
 
 
-@register("espo")
+@register_rl("espo")
 class ESPO(SequenceELBOMixin, RLAlgorithm):
     @dataclass
     class Options:

@@ -15,7 +15,7 @@ import torch
 
 from dare_core.algorithms.base import RLAlgorithm
 from dare_core.algorithms.common import LossOutput, replayed_token_update
-from dare_core.algorithms.registry import register
+from dare_core.algorithms.registry import register_rl
 from dare_core.algorithms.rollout import rollout
 from dare_core.batch import Batch
 from dare_core.diffusion.likelihood import rows_logprobs
@@ -23,7 +23,7 @@ from dare_core.diffusion.masking import CorruptionSet
 from dare_core.diffusion.replay import ar_rows
 
 
-@register("just_grpo")
+@register_rl("just_grpo")
 class JustGRPO(RLAlgorithm):
     families = frozenset({"masked"})
 

@@ -22,7 +22,7 @@ from dare_core.algorithms.common import LossOutput
 from dare_core.batch import Batch
 from dare_core.algorithms.common import (ADVANTAGES, kl_estimate, ppo_clip, replay_temperature, wants_entropy,
                                         weighted_mean_metrics)
-from dare_core.algorithms.registry import register
+from dare_core.algorithms.registry import register_rl
 from dare_core.diffusion.likelihood import rows_logprobs, separable_backward
 from dare_core.diffusion.masking import Corruption, CorruptionSet
 
@@ -57,7 +57,7 @@ def select_steps(adv: torch.Tensor, k: int) -> torch.Tensor:
     return score.topk(k).indices.sort().values
 
 
-@register("mdpo")
+@register_rl("mdpo")
 class MDPO(RLAlgorithm):
     families = frozenset({"masked"})
     requires = frozenset({"step_map", "decoded", "x0_hat", "confidence"})

@@ -49,21 +49,14 @@ import torch.nn.functional as F
 
 from dare_core.algorithms.base import Algorithm
 from dare_core.algorithms.common import LossOutput
+from dare_core.algorithms.registry import get_preference, register_preference
 from dare_core.batch import Batch
 from dare_core.diffusion.likelihood import chunks, elbo_rows, proxy_backward
 from dare_core.diffusion.masking import CorruptionSet, valid_region
 from dare_core.diffusion.mc_laws import TAIL_POLICIES, count_rows
 from dare_core.diffusion.seeding import generator
-from dare_core.registry import Registry
-
-#: preference objectives by name (`preference.algorithm`); kept apart from the RL `ALGORITHMS`
-PREFERENCE = Registry("preference algorithm")
 ELBO_NORMS = ("fixed", "none")
 ROLES = ("chosen", "rejected")
-
-
-def register_preference(name: str):
-    return PREFERENCE.register(name, set_name=True)
 
 
 @dataclass
@@ -216,10 +209,6 @@ class VRPO(ElboDPO):
 
     shared_masks = True
     stratified = True
-
-
-def get_preference(name: str) -> type:
-    return PREFERENCE.lookup(name, "preference.algorithm")
 
 
 def build_preference(pcfg, model) -> ElboDPO:

@@ -1,4 +1,6 @@
-"""Algorithms by name: `@register("d1")`; the config selects one with `rl.algorithm: d1`."""
+"""The objectives by name, one registry per kind, since each kind is built from other things:
+SFT objectives (`@register_sft`; the SFT stage uses `sft`), preference objectives
+(`@register_preference`; `preference.algorithm`) and RL algorithms (`@register_rl`; `rl.algorithm`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,16 +9,34 @@ from typing import Callable
 from dare_core.config import from_dict
 from dare_core.registry import Registry
 
-# filled as `dare_core.algorithms` (imported before this module, as its package) imports each algorithm
-ALGORITHMS = Registry("algorithm")
+# filled as `dare_core.algorithms` (imported before this module, as its package) imports each objective
+SFT_OBJECTIVES = Registry("SFT objective")  # built from (options, mask id)
+PREFERENCE_OBJECTIVES = Registry("preference algorithm")  # built from (options, model, pad_to)
+RL_ALGORITHMS = Registry("algorithm")  # built from (options, rl section, model)
 
 
-def register(name: str) -> Callable[[type], type]:
-    return ALGORITHMS.register(name, set_name=True)
+def register_sft(name: str) -> Callable[[type], type]:
+    return SFT_OBJECTIVES.register(name, set_name=True)
 
 
-def get_algorithm(name: str) -> type:
-    return ALGORITHMS.lookup(name)
+def register_preference(name: str) -> Callable[[type], type]:
+    return PREFERENCE_OBJECTIVES.register(name, set_name=True)
+
+
+def register_rl(name: str) -> Callable[[type], type]:
+    return RL_ALGORITHMS.register(name, set_name=True)
+
+
+def get_sft_objective(name: str) -> type:
+    return SFT_OBJECTIVES.lookup(name)
+
+
+def get_preference(name: str) -> type:
+    return PREFERENCE_OBJECTIVES.lookup(name, "preference.algorithm")
+
+
+def get_rl_algorithm(name: str) -> type:
+    return RL_ALGORITHMS.lookup(name)
 
 
 def build_algorithm(rl_cfg, model):
@@ -26,17 +46,17 @@ def build_algorithm(rl_cfg, model):
     args = rl_cfg.algorithm_args or {}
     options = None
     for name, opts in args.items():
-        cls = get_algorithm(name)
+        cls = get_rl_algorithm(name)
         built = build_options(cls, opts, f"rl.algorithm_args.{name}")
         if name == rl_cfg.algorithm:
             options = built
-    cls = get_algorithm(rl_cfg.algorithm)
+    cls = get_rl_algorithm(rl_cfg.algorithm)
     if options is None:
         options = build_options(cls, {}, f"rl.algorithm_args.{rl_cfg.algorithm}")
     return cls(options, rl_cfg, model)
 
 
 def build_options(cls: type, args: dict, where: str):
-    """Validate algorithm-specific keys against the algorithm's Options dataclass (unknown key = error)."""
+    """Validate an objective's own keys against its Options dataclass (unknown key = error)."""
     assert dataclasses.is_dataclass(cls.Options)
     return from_dict(cls.Options, args or {}, where)

@@ -12,7 +12,7 @@ import torch
 
 from dare_core.algorithms.base import Algorithm
 from dare_core.algorithms.common import LossOutput
-from dare_core.algorithms.registry import register
+from dare_core.algorithms.registry import register_sft
 from dare_core.batch import Batch
 from dare_core.diffusion.likelihood import weighted_masked_nll
 from dare_core.diffusion.masking import EPS, count_mask, masked_corruption, response_corruption, sample_mask_prob
@@ -21,7 +21,7 @@ LOSS_NORMS = ("answer_length", "token", "batch")
 MASK_LAWS = ("bernoulli", "count")
 
 
-@register("sft")
+@register_sft("sft")
 class MaskedDiffusionSFT(Algorithm):
     @dataclass
     class Options:

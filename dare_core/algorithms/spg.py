@@ -14,7 +14,7 @@ import torch
 
 from dare_core.algorithms.base import RLAlgorithm
 from dare_core.algorithms.common import LossOutput
-from dare_core.algorithms.registry import register
+from dare_core.algorithms.registry import register_rl
 from dare_core.batch import Batch
 from dare_core.diffusion.likelihood import proxy_backward, rows_logprobs
 from dare_core.diffusion.masking import CorruptionSet
@@ -40,7 +40,7 @@ def spg_bounds(logp: torch.Tensor, scored: torch.Tensor, mask_fraction: torch.Te
     return lower, upper
 
 
-@register("spg")
+@register_rl("spg")
 class SPG(RLAlgorithm):
     families = frozenset({"masked"})
     token_level = False

@@ -26,6 +26,7 @@ from dare_core.data.sources import (attach_reward, check_distinct_uids, check_si
                                    task_label)
 from dare_core.data.synthetic import get_task
 from dare_core.data.synthetic.registry import check_task_args
+from dare_core.inputs import model_folder
 from dare_core.models.tokenizer import TOKENIZER_FILES, Tokenizer, char_tokenizer, load_tokenizer
 from dare_core.ownership import check_replaceable
 from dare_core.rewards.instructions import add_instruction, check_rows
@@ -62,7 +63,7 @@ def _max_length(cfg: DareConfig, length_key: Optional[str] = None) -> int:
         except (KeyError, TypeError, ValueError, ArithmeticError) as exc:  # checked here too: prepare writes first
             raise ConfigError(f"model.init: {exc}") from None
         return _UNSIZED_LIMIT if length_key else length
-    path = cfg.model_folder() / "config.json"
+    path = model_folder(cfg) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"model config not found: {path}")
     model_config = read_json(path)
@@ -311,7 +312,7 @@ def prepare(cfg: DareConfig) -> dict[str, Any]:
     for output in outputs:
         check_writable(output)
         check_replaceable(output, WRITES)  # a folder of the user's is never replaced
-    tokenizer = char_tokenizer() if from_scratch else load_tokenizer(cfg.model_folder())
+    tokenizer = char_tokenizer() if from_scratch else load_tokenizer(model_folder(cfg))
     length_key = derived.model_length_key(cfg)  # a from-scratch model sized by the data
     limit = _max_length(cfg, length_key)
     counts = (cfg.data.num_sft, cfg.data.num_rl, cfg.data.num_eval, cfg.data.num_val)

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from dare_core.diffusion.likelihood import elbo_rows
 from dare_core.diffusion.mc_laws import count_rows, per_block_rows, response_blocks
 from dare_core.diffusion.seeding import generator
+from dare_core.models.family import FAMILIES
 from dare_core.sampling.cache import check_cache_fits
 from dare_core.sampling.params import SamplingParams
 from dare_core.storage import read_json
@@ -44,16 +45,11 @@ def sampler_settings(*layers: Optional[dict]) -> SamplingParams:
         raise ValueError(f"sampler settings: {exc}") from None
 
 
-# sampler defaults per family (config.json's model_type), below the checkpoint's own settings: what
-# each family's papers evaluate with (the OpenCompass model classes use them; plain data here, so
-# settings are checked before OpenCompass starts)
-FAMILY_SAMPLERS = {
-    "llada": {"remasking": "low_confidence"},
-    "Dream": {"schedule": "dream", "remasking": "entropy"},
-    "sdar": {"remasking": "low_confidence"},
-    "sdar_moe": {"remasking": "low_confidence"},
-    "llada2_moe": {"remasking": "low_confidence"},
-}
+def family_sampler_defaults(model_type: Optional[str]) -> dict:
+    """The sampler defaults of the family config.json's `model_type` names (`Family.sampler_defaults`),
+    below the checkpoint's own settings; none for a model_type no family has."""
+    family = FAMILIES.get(model_type)
+    return family.sampler_defaults if family is not None and family.model_type == model_type else {}
 
 
 def folder_sampler(path: Union[str, Path], block_size: Optional[int], defaults: Optional[dict] = None,
@@ -104,7 +100,7 @@ def check_model_folder(path: Union[str, Path], sampler: Optional[dict] = None, b
     model = inspect_model(path)
     tokenizer = load_tokenizer(path)
     if defaults is None:
-        defaults = FAMILY_SAMPLERS.get(model.hf_config.get("model_type"), {})
+        defaults = family_sampler_defaults(model.hf_config.get("model_type"))
     base = folder_sampler(path, model.block_size, defaults, sampler)
     settings = {}
     for name, overrides in {None: None, **(benchmarks or {})}.items():

@@ -33,7 +33,8 @@ from opencompass.openicl.icl_inferencer.icl_base_inferencer import BaseInference
 from opencompass.registry import ICL_EVALUATORS, ICL_INFERENCERS, LOAD_DATASET, MODELS
 
 from dare_core.eval.configs import get_benchmark
-from dare_core.eval.lm import FAMILY_SAMPLERS, load_eval_model
+from dare_core.eval.lm import load_eval_model
+from dare_core.models.family import own_families
 from dare_core.registry import Registry
 from dare_core.storage import atomic_write_text, read_json
 
@@ -116,37 +117,28 @@ class DareModel(BaseModel):
         raise NotImplementedError("diffusion models have no left-to-right perplexity: use mode 'll' (ELBOChoiceInferencer)")
 
 
-def register_family(*model_types: str):
-    def decorator(cls):
-        MODELS.register_module(name=cls.__name__, module=cls)
-        for t in model_types:
-            FAMILY_CLASSES.register(t)(cls)
-        return cls
-    return decorator
+def _family_classes() -> list[str]:
+    """One OpenCompass model class per family label (`Family.eval_label`), `Dare<label>`, made here
+    from the family registry and registered with OpenCompass under its name and with FAMILY_CLASSES
+    under each model_type it serves; a new family needs no edit in this file. Returns the names."""
+    names = []
+    for family in own_families():
+        if family.eval_label is None:
+            raise TypeError(f"model family '{family.model_type}' has no eval_label: it cannot be evaluated")
+        name = f"Dare{family.eval_label}"
+        cls = globals().get(name)
+        if cls is None:
+            cls = type(name, (DareModel,), {
+                "__doc__": f"{family.eval_label} under OpenCompass, with its family's sampler defaults.",
+                "__module__": __name__, "__qualname__": name, "family_sampler": family.sampler_defaults})
+            MODELS.register_module(name=name, module=cls)
+            globals()[name] = cls
+            names.append(name)
+        FAMILY_CLASSES.register(family.model_type)(cls)
+    return names
 
 
-@register_family("llada")
-class DareLLaDA(DareModel):
-    """LLaDA / LLaDA-1.5 / LLaDA-MoE: low-confidence remasking, semi-autoregressive blocks."""
-    family_sampler = FAMILY_SAMPLERS["llada"]
-
-
-@register_family("Dream")
-class DareDream(DareModel):
-    """Dream: Dream's timestep schedule and entropy confidence."""
-    family_sampler = FAMILY_SAMPLERS["Dream"]
-
-
-@register_family("sdar", "sdar_moe")
-class DareSDAR(DareModel):
-    """SDAR: block diffusion in the model's own blocks (4), low-confidence within a block."""
-    family_sampler = FAMILY_SAMPLERS["sdar"]
-
-
-@register_family("llada2_moe")
-class DareLLaDA2(DareModel):
-    """LLaDA2.x: block diffusion in blocks of 32."""
-    family_sampler = FAMILY_SAMPLERS["llada2_moe"]
+FAMILY_CLASS_NAMES = _family_classes()
 
 
 def model_class_for(folder: str | Path) -> type:
@@ -244,5 +236,5 @@ class DareEvaluator(BaseEvaluator):
         return {"accuracy": 100.0 * total / n, "details": details}
 
 
-__all__ = ["DareModel", "DareLLaDA", "DareDream", "DareSDAR", "DareLLaDA2", "DiffusionGenInferencer", "ELBOChoiceInferencer",
+__all__ = ["DareModel", *FAMILY_CLASS_NAMES, "DiffusionGenInferencer", "ELBOChoiceInferencer",
            "DareDataset", "DareEvaluator", "model_class_for"]

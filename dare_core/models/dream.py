@@ -36,5 +36,9 @@ DREAM = register_family(
         tiny_config=tiny_config,
         # Dream-v0's config.json: <|mask|>, <|endoftext|>
         default_token_ids={"mask": 151666, "eos": 151643},
+        # evaluated with Dream's timestep schedule and entropy confidence
+        sampler_defaults={"schedule": "dream", "remasking": "entropy"},
+        eval_label="Dream",
+        tokenizer_class_words=("Dream",),
     )
 )

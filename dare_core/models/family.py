@@ -1,6 +1,9 @@
 """Model families by `model_type`: what differs between LLaDA, Dream, SDAR and LLaDA2 (config
-mapping, parameter names, attention pattern, logit alignment); everything else is the shared
-transformer. Each family file registers itself; importing `dare_core.models` imports them all."""
+mapping, parameter names, attention pattern, logit alignment, and the facts other layers ask of a
+family: evaluation sampler defaults and label, rollout engines, tokenizer class names); everything
+else is the shared transformer. Each family file registers itself; importing `dare_core.models`
+imports them all, and evaluation, engines and the tokenizer loader read the registry, so a new
+family is its model file alone."""
 from __future__ import annotations
 
 import difflib
@@ -38,6 +41,15 @@ class Family:
     # folder whose tokenizer files do not name them (SDAR-30B-A3B's and LLaDA2's config.json carry
     # no mask id; LLaDA2's no eos id either)
     default_token_ids: dict[str, int] = field(default_factory=dict)
+    # evaluation: the sampler settings the family's papers evaluate with (below a checkpoint's own),
+    # and the label of its OpenCompass model class (`Dare<label>`; families sharing a label share it)
+    sampler_defaults: dict = field(default_factory=dict)
+    eval_label: Optional[str] = None
+    # rollout engines besides the native sampler that decode this family, each with the mask id it
+    # assumes (lmdeploy's SDAR builder hard-codes the released checkpoints' id, ignoring config.json)
+    engine_mask_ids: dict[str, int] = field(default_factory=dict)
+    # words of a `tokenizer_class` whose vocab.json + merges.txt are Qwen2's byte-level BPE
+    tokenizer_class_words: tuple[str, ...] = ()
 
     def with_default_token_ids(self, hf_config: dict) -> dict:
         """A copy of `hf_config` with each special id it lacks (absent or null) set to the family's."""
@@ -86,6 +98,12 @@ def register_family(family: Family) -> Family:
 
 def get_family(model_type: str) -> Family:
     return FAMILIES.lookup(model_type)
+
+
+def own_families() -> list[Family]:
+    """Each family registered under its own model_type (not under an alias such as `llada_moe`,
+    which config.json never names), in registration order."""
+    return [f for name, f in FAMILIES.items() if name == f.model_type]
 
 
 def family_of(hf_config: dict) -> Family:

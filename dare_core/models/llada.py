@@ -93,6 +93,9 @@ LLADA = register_family(
         tiny_config=tiny_config,
         # LLaDA-8B's config.json and tokenizer: <|mdm_mask|>, <|endoftext|>
         default_token_ids={"mask": 126336, "eos": 126081},
+        # LLaDA / LLaDA-1.5 / LLaDA-MoE are evaluated with low-confidence remasking in semi-autoregressive blocks
+        sampler_defaults={"remasking": "low_confidence"},
+        eval_label="LLaDA",
         name_map=[
             ("embed.weight", "model.transformer.wte.weight"),
             ("layers.{i}.attn_norm.weight", "model.transformer.blocks.{i}.attn_norm.weight"),

@@ -88,5 +88,8 @@ LLADA2 = register_family(
         tiny_config=tiny_config,
         # config.json has neither (docs/families/llada2.md §5)
         default_token_ids=LING_TOKEN_IDS,
+        # evaluated with low-confidence remasking in its blocks of 32
+        sampler_defaults={"remasking": "low_confidence"},
+        eval_label="LLaDA2",
     )
 )

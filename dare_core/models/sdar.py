@@ -50,8 +50,12 @@ def tiny_config(vocab_size: int, mask_token_id: int, eos_token_id: int, pad_toke
 # <|MASK|> and <|endoftext|> of the SDAR tokenizer (added_tokens.json); SDAR-30B-A3B's config.json
 # has no mask_token_id (docs/families/sdar.md)
 TOKEN_IDS = {"mask": 151669, "eos": 151643}
+# what both layouts share beyond the weights: evaluated with low-confidence remasking in the model's
+# own blocks (4), decodable by lmdeploy (whose SDAR builder assumes the released mask id), and a
+# Qwen2 byte-level BPE tokenizer whose class says SDAR
+SHARED = dict(block_size=4, default_token_ids=TOKEN_IDS, sampler_defaults={"remasking": "low_confidence"}, eval_label="SDAR",
+              engine_mask_ids={"lmdeploy": TOKEN_IDS["mask"]}, tokenizer_class_words=("SDAR",))
 SDAR = register_family(Family(model_type="sdar", config_from_hf=dense_config, name_map=qwen_name_map(qk_norm=True),
-                              block_size=4, tiny_config=tiny_config, default_token_ids=TOKEN_IDS))
+                              tiny_config=tiny_config, **SHARED))
 SDAR_MOE = register_family(Family(model_type="sdar_moe", config_from_hf=moe_config, name_map=qwen_name_map(qk_norm=True, moe=True),
-                                  block_size=4, tiny_config=lambda *a, **k: tiny_config(*a, moe=True, **k),
-                                  default_token_ids=TOKEN_IDS))
+                                  tiny_config=lambda *a, **k: tiny_config(*a, moe=True, **k), **SHARED))

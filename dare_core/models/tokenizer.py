@@ -24,6 +24,7 @@ import jinja2.sandbox
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
+from dare_core.models.family import FAMILIES
 from dare_core.storage import atomic_dir, read_json
 
 PathLike = Union[str, Path]
@@ -352,7 +353,9 @@ def _qwen2_byte_level_bpe(folder: Path, config: dict) -> _HFTokenizer:
     """The `tokenizers` pipeline of transformers' `Qwen2Tokenizer`, from vocab.json + merges.txt, plus
     the added tokens of the config, each at the id the config records."""
     cls = config.get("tokenizer_class")
-    if cls is not None and not any(k in cls for k in ("Qwen2", "Dream", "SDAR")):
+    # Qwen2's own class, or one of a family that ships Qwen2's vocabulary under its own name
+    words = ("Qwen2", *(w for family in FAMILIES.values() for w in family.tokenizer_class_words))
+    if cls is not None and not any(k in cls for k in words):
         raise ValueError(f"{folder}: vocab.json + merges.txt are read as Qwen2 byte-level BPE, but "
                          f"tokenizer_class is {cls!r}; provide tokenizer.json")
     try:

@@ -10,7 +10,7 @@ import torch
 
 from dare_core.config import LaunchConfig, OptimConfig
 from dare_core.training.process_group import ensure_dist_env, init_distributed
-from dare_core.training.threads import log_threads
+from dare_core.threads import log_threads
 
 
 def lr_lambda(cfg: OptimConfig, total_steps: int):

@@ -29,6 +29,7 @@ from dare_core.data.lengths import resolve as resolve_lengths
 from dare_core.data.pairs import why_no_pairs
 from dare_core.data.schema import DataError, read_rows, table_row
 from dare_core.devices import resolve_dtype
+from dare_core.inputs import tokenizer_folder
 from dare_core.models.hf_folder import inspect_model, load_model, save_model
 from dare_core.storage import atomic_write_json
 from dare_core.timing import PhaseTimer, phase_times_requested
@@ -39,7 +40,7 @@ from dare_core.training.metrics import MetricsLogger, last_logged
 from dare_core.training.plots import STAGE_PLOTS
 from dare_core.training.preference_off import off_reason, write_off_stage
 from dare_core.training.preflight import check_outputs, checkpoint_bytes, model_bytes, stage_writes, training_need
-from dare_core.training.setup import prepare_for_training, sampler_dict, stage_tokenizer, tokenizer_folder
+from dare_core.training.setup import prepare_for_training, stage_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +224,7 @@ def run_preference(cfg: DareConfig, progress: bool = True, save_checkpoints: boo
             if export:
                 export_metrics: dict = {}
                 with timer.export(export_metrics):
-                    save_model(engine.module, out_dir / "model", extra_files={"tokenizer": tokenizer_folder(cfg)}, sampler=sampler_dict(cfg))
+                    save_model(engine.module, out_dir / "model", extra_files={"tokenizer": tokenizer_folder(cfg)}, sampler=cfg.eval.sampler.decoding_settings())
                 if export_metrics:
                     logger.log(pcfg.max_steps, export_metrics)
             atomic_write_json(Path(cfg.run.metrics_dir) / "preference.json", summary)

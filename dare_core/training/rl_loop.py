@@ -23,6 +23,7 @@ from dare_core.data.lengths import resolve as resolve_lengths
 from dare_core.data.schema import DataError, check_ground_truths, read_rows, table_row
 from dare_core.devices import resolve_dtype
 from dare_core.models.hf_folder import inspect_model, load_model
+from dare_core.rl_rules import check_rl_config
 from dare_core.sampling.cache import check_cache_fits
 from dare_core.sampling.engines import build_engine
 from dare_core.storage import atomic_write_json
@@ -42,35 +43,6 @@ log = logging.getLogger(__name__)
 def rl_start_folder(cfg: DareConfig) -> Path:
     """RL starts from the SFT stage's exported model."""
     return cfg.stage_dir("sft") / "model"
-
-
-def check_rl_config(cfg: DareConfig, rows_per_prompt: Optional[int] = None) -> None:
-    """`rows_per_prompt`: training rows the algorithm makes of one prompt (`RLAlgorithm.rows_per_prompt`;
-    rl.group_size unless, like d-TreeRPO's transitions, they are not the rollouts)."""
-    rl = cfg.rl
-    if float((cfg.model.lora or {}).get("dropout", 0.0)) > 0:
-        # every algorithm compares forwards of one set of weights: the clipped ratio is 1 at the old
-        # policy only if scoring is deterministic, and the proxy-gradient replay (SPG, ESPO, EBPO,
-        # BGPO) recomputes its rows exactly; dropout draws a different mask each time
-        raise ValueError(f"rl needs model.lora.dropout: 0 (got {cfg.model.lora['dropout']}): {rl.algorithm}'s ratios and "
-                         f"replayed forwards must score the same weights identically")
-    if rl.ref_sync_steps > 0 and cfg.model.lora is not None:
-        # with LoRA the reference is the base model with the adapter disabled (no second copy of the
-        # weights): making it the current policy would mean merging the adapter into the base, i.e.
-        # changing the weights the adapter trains on, which is not a reference sync
-        raise ValueError(f"rl.ref_sync_steps = {rl.ref_sync_steps} needs full fine-tuning: with model.lora the KL reference "
-                         f"is the adapter-disabled base model, which cannot be synced to the policy without merging the "
-                         f"adapter into it; set rl.ref_sync_steps: 0 (the reference stays the base model) or model.lora: null")
-    per_prompt = rows_per_prompt or rl.group_size
-    rollouts = rl.prompts_per_step * per_prompt
-    if rl.group_size < 2:  # also a config check; kept for configs built in code
-        raise ValueError("rl.group_size must be >= 2 (group advantages need a group)")
-    if rollouts % rl.mini_batches:
-        what = "rl.group_size" if per_prompt == rl.group_size else f"{per_prompt} rows per prompt ({rl.algorithm})"
-        raise ValueError(f"rl.prompts_per_step * {what} = {rollouts} must be divisible by rl.mini_batches = {rl.mini_batches}")
-    mini = rollouts // rl.mini_batches
-    if rl.micro_batch_size < mini and mini % rl.micro_batch_size:
-        raise ValueError(f"rl.micro_batch_size = {rl.micro_batch_size} must divide the mini-batch size {mini}")
 
 
 def chunked_scores(algo, model, batch: Batch, corruption, rows: int) -> torch.Tensor:

@@ -1,7 +1,6 @@
 """Model and tokenizer for a stage: a checkpoint folder, or a from-scratch model of a family."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Optional
 
 import torch
@@ -9,6 +8,7 @@ import torch
 from dare_core.config import ConfigError, DareConfig
 from dare_core.devices import resolve_dtype
 from dare_core.diffusion.seeding import generator
+from dare_core.inputs import model_folder, tokenizer_folder
 from dare_core.models.family import get_family
 from dare_core.models.hf_folder import inspect_model, load_model
 from dare_core.models.lm import DiffusionLM, build_model, empty_model
@@ -17,17 +17,6 @@ from dare_core.models.tokenizer import Tokenizer, load_tokenizer
 
 def stage_tokenizer(cfg: DareConfig) -> Tokenizer:
     return load_tokenizer(tokenizer_folder(cfg))
-
-
-def tokenizer_folder(cfg: DareConfig) -> Path:
-    return cfg.model_folder() or Path(cfg.data.tokenizer_dir)
-
-
-def sampler_dict(cfg: DareConfig) -> dict:
-    """The eval sampler settings, stored with exported checkpoints."""
-    from dataclasses import asdict
-
-    return {k: v for k, v in asdict(cfg.eval.sampler).items() if k not in ("batch_size", "engine", "engine_args")}
 
 
 def _scratch_config(cfg: DareConfig, tokenizer: Tokenizer) -> dict:
@@ -51,7 +40,7 @@ def initial_spec(cfg: DareConfig, tokenizer: Tokenizer) -> DiffusionLM:
     as configured: its sizes, family and parameter count for the checks made before anything is
     loaded or written. `model.path`'s folder is checked as far as possible without its weights."""
     if cfg.model.path:
-        model = inspect_model(cfg.model_folder())
+        model = inspect_model(model_folder(cfg))
     else:
         hf_config = _scratch_config(cfg, tokenizer)
         try:
@@ -66,7 +55,7 @@ def initial_model(cfg: DareConfig, tokenizer: Tokenizer, device: Optional[torch.
     dtype = resolve_dtype(cfg.model.dtype)
     device = torch.device(device or "cpu")
     if cfg.model.path:
-        model = load_model(cfg.model_folder(), dtype=dtype, device=device)
+        model = load_model(model_folder(cfg), dtype=dtype, device=device)
     else:
         # allocated on the device in the training dtype and drawn there: a CPU init is the same
         # tensors as ever (float32 draws, cast); a GPU's generator is seeded from the same seed

@@ -12,7 +12,7 @@ import torch
 from tqdm.auto import tqdm
 
 from dare_core import devices
-from dare_core.algorithms.registry import build_options, get_algorithm
+from dare_core.algorithms.registry import build_options, get_sft_objective
 from dare_core.artifacts import artifact_root
 from dare_core.config import DareConfig
 from dare_core.data.batching import balanced_micro_batches, global_batch_indices, row_tokens, sft_batch
@@ -20,6 +20,7 @@ from dare_core.data.lengths import resolve as resolve_lengths
 from dare_core.data.schema import DataError, read_rows, table_row
 from dare_core.devices import resolve_dtype
 from dare_core.diffusion.seeding import sample_generators
+from dare_core.inputs import tokenizer_folder
 from dare_core.models.hf_folder import save_model
 from dare_core.storage import atomic_write_json
 from dare_core.timing import PhaseTimer, phase_times_requested
@@ -29,7 +30,7 @@ from dare_core.training.engine import whole_weights
 from dare_core.training.metrics import MetricsLogger, last_logged
 from dare_core.training.plots import sft_plots
 from dare_core.training.preflight import check_outputs, checkpoint_bytes, model_bytes, stage_writes, training_need
-from dare_core.training.setup import initial_model, initial_spec, sampler_dict, stage_tokenizer, tokenizer_folder
+from dare_core.training.setup import initial_model, initial_spec, stage_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ def check_sft(cfg: DareConfig, save_checkpoints: bool = True, export: bool = Tru
         i = too_long[0]
         raise DataError(f"{table_row(data_path, i)}: prompt of {len(prompts[i])} tokens + sft.pad_to {scfg.pad_to} "
                         f"exceeds the model maximum {spec.max_sequence_length}")
-    algo_cls = get_algorithm("sft")
+    algo_cls = get_sft_objective("sft")
     algo = algo_cls(build_options(algo_cls, {"loss_norm": scfg.loss_norm, "mask_law": scfg.mask_law}, "sft"), spec.mask_token_id)
 
     dtype = resolve_dtype(cfg.model.dtype)
@@ -167,7 +168,7 @@ def run_sft(cfg: DareConfig, progress: bool = True, save_checkpoints: bool = Tru
                 export_metrics: dict = {}
                 export_stats: dict = {}
                 with timer.export(export_metrics):
-                    save_model(engine.module, out_dir / "model", extra_files={"tokenizer": tokenizer_folder(cfg)}, sampler=sampler_dict(cfg),
+                    save_model(engine.module, out_dir / "model", extra_files={"tokenizer": tokenizer_folder(cfg)}, sampler=cfg.eval.sampler.decoding_settings(),
                                stats=export_stats)
                 if export_metrics:
                     export_metrics.update({f"time/export_{k}": v for k, v in export_stats.items()})

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 from dare_core.config import ConfigError, DareConfig, load_config
 from dare_core.exits import killed_by
-from dare_core.training.threads import configure_threads, log_threads
+from dare_core.threads import configure_threads, log_threads
 from dare_core.workers.rank_output import NativeNoiseFilter, lost_contact, native_error_message, parse_collective
 
 # failures a user can act on from the message alone: ValueError covers ConfigError, UserError,

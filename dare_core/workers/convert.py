@@ -11,8 +11,8 @@ from dare_core.ownership import check_replaceable
 from dare_core.storage import check_free_space, check_writable
 from dare_core.training.checkpoint import convert_checkpoint, latest_checkpoint
 from dare_core.training.preflight import model_bytes
-from dare_core.training.setup import sampler_dict, tokenizer_folder
-from dare_core.training.threads import log_threads
+from dare_core.inputs import tokenizer_folder
+from dare_core.threads import log_threads
 from dare_core.workers.common import run_worker
 
 
@@ -34,7 +34,7 @@ def run_convert(cfg: DareConfig) -> None:
     cfg = resolve_lengths(cfg)  # the exported sampler settings hold the derived lengths
     check_convert(cfg)
     log_threads()
-    out = convert_checkpoint(cfg.stage_dir("rl") / "checkpoints", cfg.final_model_dir, tokenizer_folder(cfg), sampler=sampler_dict(cfg))
+    out = convert_checkpoint(cfg.stage_dir("rl") / "checkpoints", cfg.final_model_dir, tokenizer_folder(cfg), sampler=cfg.eval.sampler.decoding_settings())
     print(f"wrote {out}")
 
 

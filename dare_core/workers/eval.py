@@ -16,10 +16,10 @@ from pathlib import Path
 from dare_core.config import DareConfig
 from dare_core.data.lengths import resolve as resolve_lengths
 from dare_core.errors import UserError
+from dare_core.inputs import model_folder
 from dare_core.ownership import stage_off_note
 from dare_core.storage import atomic_write_json, atomic_write_text
-from dare_core.training.setup import sampler_dict
-from dare_core.training.threads import log_threads
+from dare_core.threads import log_threads
 from dare_core.workers.common import run_worker
 
 # what this stage writes into runs/<name>/eval (an unmarked folder holding only these is an earlier
@@ -28,7 +28,7 @@ EVAL_WRITES = ("opencompass/*", "summary.md", "opencompass_summary.md", "manifes
 
 
 def model_options(cfg: DareConfig) -> dict:
-    return {"sampler": sampler_dict(cfg), "seed": cfg.run.seed, "dtype": cfg.model.dtype, "chat": cfg.eval.chat,
+    return {"sampler": cfg.eval.sampler.decoding_settings(), "seed": cfg.run.seed, "dtype": cfg.model.dtype, "chat": cfg.eval.chat,
             "ll_mc_num": cfg.eval.ll_mc_num, "engine": cfg.eval.sampler.engine, "engine_args": cfg.eval.sampler.engine_args}
 
 
@@ -40,7 +40,7 @@ def run_eval(cfg: DareConfig) -> dict:
     everything = cfg.checkpoint_dirs
     folders = {name: everything[name] for name in cfg.eval.checkpoints}
     if "base" in folders and cfg.model.path:
-        folders["base"] = cfg.model_folder()  # a URL: fetched (verified) into the download cache
+        folders["base"] = model_folder(cfg)  # a URL: fetched (verified) into the download cache
     for name, folder in folders.items():
         note = stage_off_note(folder)
         if note:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from dare_core.algorithms.registry import build_options, get_algorithm
+from dare_core.algorithms.registry import build_options, get_rl_algorithm
 from dare_core.cli import build_parser, cmd_stage
 from dare_core.config import load_config
 from dare_core.recipes import RecipeError
@@ -76,7 +76,7 @@ def test_errors(project):
 def test_every_recipe_loads_and_names_its_sources(path):
     cfg = load_config(REPO / "params.yaml", [f"recipe={path}"])
     if cfg.rl.algorithm == path.stem:
-        build_options(get_algorithm(cfg.rl.algorithm), cfg.rl.algorithm_args.get(cfg.rl.algorithm, {}), path.stem)
+        build_options(get_rl_algorithm(cfg.rl.algorithm), cfg.rl.algorithm_args.get(cfg.rl.algorithm, {}), path.stem)
     text = path.read_text()
     assert "arXiv" in text or "github.com" in text, f"{path.name}: the header names no source"
     # every value line carries a comment saying where it comes from
@@ -96,7 +96,7 @@ def test_algorithm_defaults_are_the_recipes(path):
     name = (tree.get("rl") or {}).get("algorithm")
     if name != path.stem:
         pytest.skip("not an RL recipe")
-    defaults = {f.name: f.default for f in dataclasses.fields(get_algorithm(name).Options)}
+    defaults = {f.name: f.default for f in dataclasses.fields(get_rl_algorithm(name).Options)}
     written = ((tree["rl"].get("algorithm_args") or {}).get(name)) or {}
     differ = {k: (v, defaults[k]) for k, v in written.items() if defaults[k] not in (None, "auto") and v != defaults[k]}
     assert not differ, f"{name}: recipe value vs Options default: {differ}"

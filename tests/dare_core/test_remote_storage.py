@@ -14,6 +14,7 @@ import torch
 
 from dare_core import remote
 from dare_core.config import ConfigError, DareConfig, load_config
+from dare_core.inputs import model_folder
 from dare_core.data.prepare import prepare
 from dare_core.data.schema import DataError
 from dare_core.diffusion.seeding import generator
@@ -92,7 +93,7 @@ def test_s3_model_folder_loads_the_same_weights_and_is_cached(tmp_path, s3_bucke
         want = load_model(folder)(x)
         got = initial_model(cfg, tokenizer=None).eval()(x)
     assert torch.equal(got, want)  # bit for bit
-    copy = cfg.model_folder()
+    copy = model_folder(cfg)
     assert copy == cache / "s3" / s3_bucket / "models" / "tiny" and copy == cfg.checkpoint_dirs["base"]
     names = sorted(p.name for p in folder.iterdir())
     assert sorted(p.name for p in copy.iterdir()) == names and len(names) > 3
@@ -101,14 +102,14 @@ def test_s3_model_folder_loads_the_same_weights_and_is_cached(tmp_path, s3_bucke
     fetched = len(s3_server.requests("GET", f"/{s3_bucket}/models/tiny/"))
     assert fetched == len(names)
     inodes = {n: (copy / n).stat().st_ino for n in names}
-    assert cfg.model_folder() == copy
+    assert model_folder(cfg) == copy
     assert len(s3_server.requests("GET", f"/{s3_bucket}/models/tiny/")) == fetched
 
     # one object changed remotely: only it is fetched; the others are kept (hard links, same inodes)
     changed = json.loads((folder / "config.json").read_text())
     changed["dare_note"] = "v2"
     s3().pipe(f"{s3_bucket}/models/tiny/config.json", json.dumps(changed).encode())
-    assert json.loads((cfg.model_folder() / "config.json").read_text())["dare_note"] == "v2"
+    assert json.loads((model_folder(cfg) / "config.json").read_text())["dare_note"] == "v2"
     assert len(s3_server.requests("GET", f"/{s3_bucket}/models/tiny/")) == fetched + 1
     assert all((copy / n).stat().st_ino == inodes[n] for n in names if n != "config.json")
 
@@ -117,11 +118,11 @@ def test_s3_model_folder_loads_the_same_weights_and_is_cached(tmp_path, s3_bucke
     data = bytearray((copy / shard).read_bytes())
     data[-1] ^= 0xFF
     (copy / shard).write_bytes(bytes(data))
-    assert (cfg.model_folder() / shard).read_bytes() == (folder / shard).read_bytes()
+    assert (model_folder(cfg) / shard).read_bytes() == (folder / shard).read_bytes()
     assert len(s3_server.requests("GET", f"/{s3_bucket}/models/tiny/")) == fetched + 2
     # a file added to the cached copy is removed: the copy is exactly the prefix
     (copy / "stray.txt").write_text("x")
-    assert not (cfg.model_folder() / "stray.txt").exists()
+    assert not (model_folder(cfg) / "stray.txt").exists()
 
 
 def test_a_download_that_fails_verification_is_not_kept(tmp_path, s3_bucket, cache, monkeypatch):
@@ -138,11 +139,11 @@ def test_model_folder_errors_name_the_url_and_no_secret(tmp_path, s3_bucket, mon
     cfg = DareConfig()
     cfg.model.path = f"s3://{s3_bucket}/models/absent"
     with pytest.raises(RemoteError, match=rf"^model folder not found: s3://{s3_bucket}/models/absent"):
-        cfg.model_folder()
+        model_folder(cfg)
     s3().pipe(f"{s3_bucket}/models/one.bin", b"x")
     cfg.model.path = f"s3://{s3_bucket}/models/one.bin"
     with pytest.raises(RemoteError, match="is a single object, not a folder"):
-        cfg.model_folder()
+        model_folder(cfg)
 
     # a server that knows no key: access denied, naming the URL and the variables to check
     endpoint, stop = start_moto(auth=True)

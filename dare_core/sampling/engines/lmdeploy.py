@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from dare_core.models.family import own_families
 from dare_core.sampling.decode import GenerationOutput, response_output
 from dare_core.sampling.engines import ENGINES
 from dare_core.sampling.params import SamplingParams
@@ -27,10 +28,7 @@ from dare_core.sampling.params import SamplingParams
 MIN_VERSION = (0, 10, 2)  # SDAR landed in 0.10.1; from 0.10.2 the engine streams token-id increments
 INSTALL_HINT = ("the lmdeploy rollout engine needs lmdeploy >= 0.10.2 and a CUDA GPU: "
                 "pip install 'dare[lmdeploy]'")
-# lmdeploy's SDAR config builder hard-codes the released checkpoints' mask id instead of reading it
-# from config.json, so a checkpoint with another mask id would denoise with the wrong token
-SDAR_MASK_TOKEN = 151669
-SDAR_MODEL_TYPES = ("sdar", "sdar_moe")
+ENGINE = "lmdeploy"
 # our unmasking name -> lmdeploy's `dllm_unmasking_strategy`. lmdeploy's `low_confidence_dynamic`
 # commits every masked position with confidence >= threshold and at least the top-1, which is our
 # `threshold`; our `dynamic` (falls back to the top k_j, so a block ends within `steps`) has no
@@ -191,10 +189,17 @@ def weight_chunks(state: dict[str, torch.Tensor], max_bytes: int) -> list[list[t
 def check_model(model) -> None:
     """The checkpoint families and mask id lmdeploy's dLLM path decodes correctly."""
     model_type = model.family.model_type
-    if model.block_size is None or model_type not in SDAR_MODEL_TYPES:
-        raise ValueError(f"the lmdeploy engine decodes SDAR models ({SDAR_MODEL_TYPES}), not '{model_type}'")
-    if model.mask_token_id != SDAR_MASK_TOKEN:
-        raise ValueError(f"lmdeploy assumes SDAR's mask token id {SDAR_MASK_TOKEN}; this model's is {model.mask_token_id}")
+    # the families that say lmdeploy decodes them (`Family.engine_mask_ids`)
+    served = [f for f in own_families() if ENGINE in f.engine_mask_ids]
+    family = next((f for f in served if f.model_type == model_type), None)
+    if model.block_size is None or family is None:
+        labels = "/".join(dict.fromkeys(f.eval_label for f in served))
+        raise ValueError(f"the lmdeploy engine decodes {labels} models ({tuple(f.model_type for f in served)}), not '{model_type}'")
+    # lmdeploy's config builder hard-codes the released checkpoints' mask id instead of reading it
+    # from config.json, so a checkpoint with another mask id would denoise with the wrong token
+    mask_id = family.engine_mask_ids[ENGINE]
+    if model.mask_token_id != mask_id:
+        raise ValueError(f"lmdeploy assumes {family.eval_label}'s mask token id {mask_id}; this model's is {model.mask_token_id}")
 
 
 def _import_lmdeploy():

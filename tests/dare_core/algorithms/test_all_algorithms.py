@@ -12,7 +12,7 @@ import torch
 
 from algo_helpers import make_algo, run_update
 from dare_core.algorithms.base import RLAlgorithm
-from dare_core.algorithms.registry import ALGORITHMS, get_algorithm
+from dare_core.algorithms.registry import RL_ALGORITHMS, get_rl_algorithm
 from dare_core.config import RLConfig, SamplerConfig
 from dare_core.diffusion.masking import valid_region
 from rl_reference import grads
@@ -20,10 +20,10 @@ from rollout_helpers import rollout_batch, sampler_for
 from single_thread import one_intra_op_thread  # noqa: F401
 from tiny_models import tiny
 
-get_algorithm("d1")  # imports every algorithm module
+get_rl_algorithm("d1")  # imports every algorithm module
 # covered elsewhere: SFT is not RL; MDPO and d-TreeRPO need their own rollout records
 SKIP = {"sft", "mdpo", "d_tree_rpo"}
-RL_ALGOS = sorted(n for n, c in ALGORITHMS.items()
+RL_ALGOS = sorted(n for n, c in RL_ALGORITHMS.items()
                   if isinstance(c, type) and issubclass(c, RLAlgorithm) and n not in SKIP and c.requires <= {"step_map", "decoded"})
 FAMILIES = {"llada": "masked", "Dream": "masked", "sdar": "block"}
 RATIO_ALGOS = ["d1", "coupled_grpo", "bgpo", "espo", "ebpo", "cj_grpo", "just_grpo"]
@@ -58,7 +58,7 @@ def _batch(family, n=4):
 
 
 def _supported(name, family):
-    return FAMILIES[family] in get_algorithm(name).families
+    return FAMILIES[family] in get_rl_algorithm(name).families
 
 
 CASES = [(n, f) for n in RL_ALGOS for f in FAMILIES]

@@ -14,7 +14,7 @@ from algo_helpers import make_algo, run_update
 from conftest import make_tiny_llada
 from dare_core.algorithms.base import RLAlgorithm
 from dare_core.algorithms.common import token_policy_loss
-from dare_core.algorithms.registry import ALGORITHMS, build_algorithm, get_algorithm
+from dare_core.algorithms.registry import RL_ALGORITHMS, build_algorithm, get_rl_algorithm
 from dare_core.batch import Batch
 from dare_core.config import ConfigError, FieldError, RLConfig, SamplerConfig, from_dict
 from dare_core.diffusion import likelihood
@@ -24,7 +24,7 @@ from rollout_helpers import rollout_batch, sampler_for
 from single_thread import one_intra_op_thread  # noqa: F401
 from tiny_models import tiny
 
-get_algorithm("d1")  # imports every algorithm module
+get_rl_algorithm("d1")  # imports every algorithm module
 COEFF = 0.3
 
 
@@ -334,7 +334,7 @@ def test_d_tree_rpo_entropy_term_by_hand():
 
 def test_token_level_flags():
     """The estimators that score whole sequences are exactly the ELBO ones."""
-    rl_algos = {n: c for n, c in ALGORITHMS.items() if isinstance(c, type) and issubclass(c, RLAlgorithm)}
+    rl_algos = {n: c for n, c in RL_ALGORITHMS.items() if isinstance(c, type) and issubclass(c, RLAlgorithm)}
     assert {n for n, c in rl_algos.items() if not c.token_level} == {"spg", "bgpo", "espo", "ebpo"}
 
 

@@ -10,7 +10,7 @@ import torch
 
 from algo_helpers import make_algo, run_update
 from dare_core.algorithms.preference import build_preference
-from dare_core.algorithms.registry import build_options, get_algorithm
+from dare_core.algorithms.registry import build_options, get_rl_algorithm, get_sft_objective
 from dare_core.batch import Batch
 from dare_core.config import PreferenceConfig, RLConfig, SamplerConfig
 from dare_core.data.batching import pair_batch, sft_batch
@@ -119,7 +119,7 @@ def test_sft_loss_and_gradients(family):
     def run(model):
         batch = sft_batch(_prompts(), responses, uids, 8, model.eos_token_id, model.pad_token_id,
                           eos_padding=model.block_size is None)
-        cls = get_algorithm("sft")
+        cls = get_sft_objective("sft")
         algo = cls(build_options(cls, {"mask_law": "count"}, "sft"), model.mask_token_id)
         out = algo.loss(model, batch, sample_generators((0, "sft", 0), uids), len(uids))
         out.loss.backward()
@@ -169,7 +169,7 @@ def test_rl_loss_and_gradients(name, family):
     assert len(set(batch.attention_mask[:, :batch.prompt_len].sum(-1).tolist())) > 3, "prompts must differ in length"
 
     def run(model):
-        rl = RLConfig(rows_per_forward=2, sampler=sampler, kl_beta=0.1 if get_algorithm(name).allows_kl else 0.0)
+        rl = RLConfig(rows_per_forward=2, sampler=sampler, kl_beta=0.1 if get_rl_algorithm(name).allows_kl else 0.0)
         algo = make_algo(name, model, rl, **OPTIONS.get(name, {}))
         b = copy.deepcopy(batch)
         cs = algo.corrupt(b, (0, 0, 0))
@@ -189,7 +189,7 @@ def test_packed_training_on_gpu_matches_padded(family):
     (each a new packed shape: FlexAttention must not recompile per shape or fall back to eager)."""
     responses = [[3, 4, 5], [6], [7, 8, 9, 10, 11], [12, 13], [14, 15, 16], []]
     uids = [f"u{i}" for i in range(len(responses))]
-    cls = get_algorithm("sft")
+    cls = get_sft_objective("sft")
     for shift in range(4):  # four different packed lengths
         prompts = [p + [1] * shift * (i % 3) for i, p in enumerate(_prompts())]
         results = []

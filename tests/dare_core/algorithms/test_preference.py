@@ -12,13 +12,13 @@ import torch.nn.functional as F
 
 from conftest import make_tiny_llada
 from dare_core.algorithms.preference import (
-    PREFERENCE,
     VRPO,
     ElboDPO,
     build_preference,
     get_preference,
     reference_model,
 )
+from dare_core.algorithms.registry import PREFERENCE_OBJECTIVES
 from dare_core.config import ConfigError, PreferenceConfig
 from dare_core.data.batching import pair_batch
 from dare_core.diffusion.likelihood import elbo_rows
@@ -67,11 +67,12 @@ def _grads(model) -> dict:
 
 
 def test_objectives_are_registered_apart_from_rl_and_configured_by_name():
-    from dare_core.algorithms.registry import ALGORITHMS, get_algorithm
+    from dare_core.algorithms.registry import RL_ALGORITHMS, SFT_OBJECTIVES
 
-    get_algorithm("sft")  # imports every RL algorithm
+    # one registry per kind: SFT is no RL algorithm, neither is a preference objective
     assert get_preference("vrpo") is VRPO and get_preference("elbo_dpo") is ElboDPO
-    assert set(PREFERENCE) == {"vrpo", "elbo_dpo"} and not set(PREFERENCE) & set(ALGORITHMS)
+    assert set(PREFERENCE_OBJECTIVES) == {"vrpo", "elbo_dpo"} and set(SFT_OBJECTIVES) == {"sft"}
+    assert not (set(PREFERENCE_OBJECTIVES) | set(SFT_OBJECTIVES)) & set(RL_ALGORITHMS)
     with pytest.raises(ValueError, match=r"unknown preference algorithm 'dpo'; known: \['elbo_dpo', 'vrpo'\]"):
         get_preference("dpo")
     model = make_tiny_llada()

@@ -5,11 +5,11 @@ import pytest
 
 from conftest import make_tiny_llada
 from tiny_models import tiny
-from dare_core.algorithms.registry import ALGORITHMS, build_algorithm, get_algorithm
+from dare_core.algorithms.registry import RL_ALGORITHMS as REGISTERED_RL, build_algorithm, get_rl_algorithm
 from dare_core.config import ConfigError, load_config
 
-get_algorithm("d1")  # imports every algorithm module
-RL_ALGORITHMS = sorted(n for n in ALGORITHMS if n != "sft")
+get_rl_algorithm("d1")  # imports every algorithm module
+RL_ALGORITHMS = sorted(REGISTERED_RL)
 
 
 # what the embedded sampler (gen 6, block 6, one token per step) lacks for the two special rollouts

@@ -2,7 +2,7 @@
 import torch
 
 from conftest import make_tiny_llada
-from dare_core.algorithms.registry import build_options, get_algorithm
+from dare_core.algorithms.registry import build_options, get_sft_objective
 from dare_core.data.batching import sft_batch
 from dare_core.diffusion.masking import response_corruption, sample_mask_prob
 from dare_core.diffusion.seeding import sample_generators
@@ -10,7 +10,7 @@ from dare_core.diffusion.seeding import sample_generators
 
 def _setup(loss_norm="answer_length"):
     model = make_tiny_llada()
-    cls = get_algorithm("sft")
+    cls = get_sft_objective("sft")
     algo = cls(build_options(cls, {"loss_norm": loss_norm}, "sft"), model.mask_token_id)
     batch = sft_batch([[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]], [[11, 12], [13], [14, 15, 16], [17, 18, 19]], ["a", "b", "c", "d"], 5, model.eos_token_id, model.pad_token_id)
     return model, algo, batch

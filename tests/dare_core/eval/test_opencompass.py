@@ -60,6 +60,19 @@ def test_reference_answers_score_100_and_garbage_scores_0(data, tmp_path):
     assert "gsm8k" in summary and "oracle" in summary
 
 
+def test_an_opencompass_class_per_family_label():
+    """The model classes are made from the family registry, under the names configs and docs use."""
+    from dare_core.eval import opencompass as oc
+    from dare_core.models.family import own_families
+
+    for family in own_families():
+        cls = oc.FAMILY_CLASSES[family.model_type]
+        assert cls.__name__ == f"Dare{family.eval_label}" and getattr(oc, cls.__name__) is cls
+        assert issubclass(cls, oc.DareModel) and cls.family_sampler == family.sampler_defaults
+    assert set(oc.FAMILY_CLASS_NAMES) == {"DareLLaDA", "DareDream", "DareSDAR", "DareLLaDA2"}
+    assert oc.FAMILY_CLASSES["sdar"] is oc.FAMILY_CLASSES["sdar_moe"]
+
+
 @pytest.mark.parametrize("family", ["llada", "sdar"])
 def test_every_config_runs_with_a_tiny_model(data, tmp_path, family):
     folder = tiny_folder(tmp_path, family)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from dare_core.algorithms.registry import build_options, get_algorithm
+from dare_core.algorithms.registry import build_options, get_sft_objective
 from dare_core.data.batching import sft_batch
 from dare_core.diffusion.seeding import generator, sample_generators
 from dare_core.models.lora import LoraSettings, apply_lora
@@ -35,7 +35,7 @@ def _loss_and_grads(family: str, compiled: bool, checkpointing: bool, packing: s
     model.set_gradient_checkpointing(checkpointing)
     batch = sft_batch(PROMPTS, RESPONSES, UIDS, 6, model.eos_token_id, model.pad_token_id,
                       eos_padding=model.block_size is None)
-    cls = get_algorithm("sft")
+    cls = get_sft_objective("sft")
     algo = cls(build_options(cls, {"mask_law": "count"}, "sft"), model.mask_token_id)
     out = algo.loss(model, batch, sample_generators((0, "sft", 0), UIDS), len(UIDS))
     out.loss.backward()
@@ -85,7 +85,7 @@ def _gpu_loss_and_grads(family: str, shift: int, dtype: torch.dtype, compiled: b
                       eos_padding=model.block_size is None)
     batch = dataclasses.replace(batch, input_ids=batch.input_ids.cuda(), attention_mask=batch.attention_mask.cuda(),
                                 response_mask=batch.response_mask.cuda())
-    cls = get_algorithm("sft")
+    cls = get_sft_objective("sft")
     algo = cls(build_options(cls, {"mask_law": "count"}, "sft"), model.mask_token_id)
     out = algo.loss(model, batch, sample_generators((0, "sft", shift), UIDS), len(UIDS))
     out.loss.backward()

@@ -114,3 +114,22 @@ def test_gradient_checkpointing_gives_the_same_gradients(model_type):
     for n, p in model.named_parameters():
         if n in grads:
             torch.testing.assert_close(p.grad, grads[n], atol=1e-5, rtol=1e-5)
+
+
+def test_every_family_carries_its_own_facts():
+    """Adding a family touches its model file (and its tiny fixture) only: the sampler defaults it is
+    evaluated with, its OpenCompass class label, the engines that decode it and its tokenizer's class
+    names are fields of its Family, which evaluation, the engines and the tokenizer loader read."""
+    from dataclasses import fields
+
+    from dare_core.eval.lm import family_sampler_defaults
+    from dare_core.models.family import own_families
+    from dare_core.sampling.params import SamplingParams
+
+    settings = {f.name for f in fields(SamplingParams)}
+    for family in own_families():
+        assert family.eval_label, f"{family.model_type}: no eval_label"
+        assert set(family.sampler_defaults) <= settings, family.model_type
+        assert family_sampler_defaults(family.model_type) == family.sampler_defaults
+        assert all(isinstance(i, int) for i in family.engine_mask_ids.values()), family.model_type
+    assert family_sampler_defaults("llada_moe") == {} and family_sampler_defaults(None) == {}  # an alias is no model_type

@@ -9,9 +9,12 @@ import torch
 from dare_core.diffusion.seeding import generator, sample_generators
 from dare_core.sampling.decode import generate
 from dare_core.sampling.engines import build_engine
-from dare_core.sampling.engines.lmdeploy import (SDAR_MASK_TOKEN, assemble_output, check_model, map_params, request_seeds,
-                                                 required_length, session_length, weight_chunks)
+from dare_core.models.family import get_family
+from dare_core.sampling.engines.lmdeploy import (assemble_output, check_model, map_params, request_seeds, required_length,
+                                                 session_length, weight_chunks)
 from dare_core.sampling.params import SamplingParams
+
+SDAR_MASK_TOKEN = get_family("sdar").engine_mask_ids["lmdeploy"]  # the mask id lmdeploy's SDAR builder assumes
 
 sys.path.insert(0, "tests")
 from tiny_models import tiny  # noqa: E402
@@ -176,7 +179,6 @@ def test_build_engine_without_lmdeploy_says_how_to_install(monkeypatch):
 def test_tiny_sdar_through_lmdeploy(tmp_path):
     pytest.importorskip("lmdeploy")
     from dare_core.models.lm import build_model
-    from dare_core.models.family import get_family
     from dare_core.models.hf_folder import save_model
 
     # lmdeploy hard-codes SDAR's mask id, so the tiny model needs a vocabulary that holds it

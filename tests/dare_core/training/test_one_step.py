@@ -12,13 +12,13 @@ import pytest
 import yaml
 
 from dare_core.algorithms.base import RLAlgorithm
-from dare_core.algorithms.registry import ALGORITHMS
+from dare_core.algorithms.registry import RL_ALGORITHMS as REGISTERED_RL
 from dare_core.config import load_config
 from dare_core.data.prepare import prepare
 from pipeline_helpers import REPO, dare, tiny_params, worker_env, write_params
 
 RECIPES = REPO / "configs" / "recipes"
-RL_ALGORITHMS = sorted(name for name in ALGORITHMS if issubclass(ALGORITHMS[name], RLAlgorithm))
+RL_ALGORITHMS = sorted(name for name in REGISTERED_RL if issubclass(REGISTERED_RL[name], RLAlgorithm))
 
 # the tiny stand-ins for what a recipe takes from the real world (a model folder, a dataset, a
 # reward for it, long generations); everything else comes from the recipe as written

@@ -1,0 +1,77 @@
+"""The rules an RL setup must satisfy beyond one field's own range, in one place: which settings go
+together (reference sync, LoRA, batch shapes) and which algorithms suit which models and settings.
+
+Each rule runs where its facts are first known: the reference-sync rule when the config loads
+(`RLConfig` calls `check_reference_sync`), an algorithm's fit to the model when the algorithm is
+built (`RLAlgorithm` calls `check_algorithm_fits`), the shapes once the algorithm says how many
+training rows a prompt makes (`check_rl_config`, from the RL stage's checks). What one algorithm
+alone asks of the rollout sampler stays with it (`RLAlgorithm.check_sampler`).
+
+This module sits beside the config schema (which calls it), below the algorithms: it names their
+classes' facts (`families`, `allows_kl`, `token_level`) and imports neither.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Mapping, Optional
+
+from dare_core.errors import FieldError
+
+if TYPE_CHECKING:
+    from dare_core.config import DareConfig, RLConfig
+
+
+def check_reference_sync(rl: RLConfig) -> None:
+    """rl.ref_sync_steps needs a KL term: nothing else reads the reference policy (FieldError, as a
+    config section's own check)."""
+    if rl.ref_sync_steps > 0 and rl.kl_beta == 0:
+        raise FieldError("ref_sync_steps", f"needs rl.kl_beta > 0 (got ref_sync_steps {rl.ref_sync_steps} with "
+                                           f"kl_beta 0): only the KL term reads the reference policy, so there is "
+                                           f"nothing to sync; set rl.ref_sync_steps: 0 or a kl_beta")
+
+
+def check_algorithm_fits(algorithm: type, rl: RLConfig, block_size: Optional[int], registry: Mapping[str, type]) -> None:
+    """ValueError unless RL algorithm class `algorithm` is defined for the model (masked or block
+    diffusion, by `block_size`) and for rl's KL and entropy settings; `registry` (the RL algorithms
+    by name) names the alternatives."""
+    kind = "block" if block_size is not None else "masked"
+    if kind not in algorithm.families:
+        raise ValueError(f"rl.algorithm '{algorithm.name}' is not defined for {kind}-diffusion models "
+                         f"(it supports: {', '.join(sorted(algorithm.families))})")
+    if rl.kl_beta > 0 and not algorithm.allows_kl:
+        raise ValueError(f"rl.algorithm '{algorithm.name}' has no KL term: set rl.kl_beta: 0")
+    if getattr(rl, "entropy_coeff", 0.0) > 0 and not algorithm.token_level:
+        # ALGORITHMS.md 5.1.6: an entropy is a property of the per-token distributions p(.|z, i);
+        # a sequence score (an ELBO estimate) has none, and -e^l * l of it is not an entropy
+        token = sorted(n for n, c in registry.items() if c.token_level)
+        raise ValueError(f"rl.entropy_coeff = {rl.entropy_coeff}: rl.algorithm '{algorithm.name}' is a sequence-level "
+                         f"estimator, and the entropy bonus is defined only for token-level ones ({', '.join(token)}); "
+                         f"set rl.entropy_coeff: 0")
+
+
+def check_rl_config(cfg: DareConfig, rows_per_prompt: Optional[int] = None) -> None:
+    """`rows_per_prompt`: training rows the algorithm makes of one prompt (`RLAlgorithm.rows_per_prompt`;
+    rl.group_size unless, like d-TreeRPO's transitions, they are not the rollouts)."""
+    rl = cfg.rl
+    if float((cfg.model.lora or {}).get("dropout", 0.0)) > 0:
+        # every algorithm compares forwards of one set of weights: the clipped ratio is 1 at the old
+        # policy only if scoring is deterministic, and the proxy-gradient replay (SPG, ESPO, EBPO,
+        # BGPO) recomputes its rows exactly; dropout draws a different mask each time
+        raise ValueError(f"rl needs model.lora.dropout: 0 (got {cfg.model.lora['dropout']}): {rl.algorithm}'s ratios and "
+                         f"replayed forwards must score the same weights identically")
+    if rl.ref_sync_steps > 0 and cfg.model.lora is not None:
+        # with LoRA the reference is the base model with the adapter disabled (no second copy of the
+        # weights): making it the current policy would mean merging the adapter into the base, i.e.
+        # changing the weights the adapter trains on, which is not a reference sync
+        raise ValueError(f"rl.ref_sync_steps = {rl.ref_sync_steps} needs full fine-tuning: with model.lora the KL reference "
+                         f"is the adapter-disabled base model, which cannot be synced to the policy without merging the "
+                         f"adapter into it; set rl.ref_sync_steps: 0 (the reference stays the base model) or model.lora: null")
+    per_prompt = rows_per_prompt or rl.group_size
+    rollouts = rl.prompts_per_step * per_prompt
+    if rl.group_size < 2:  # also a config check; kept for configs built in code
+        raise ValueError("rl.group_size must be >= 2 (group advantages need a group)")
+    if rollouts % rl.mini_batches:
+        what = "rl.group_size" if per_prompt == rl.group_size else f"{per_prompt} rows per prompt ({rl.algorithm})"
+        raise ValueError(f"rl.prompts_per_step * {what} = {rollouts} must be divisible by rl.mini_batches = {rl.mini_batches}")
+    mini = rollouts // rl.mini_batches
+    if rl.micro_batch_size < mini and mini % rl.micro_batch_size:
+        raise ValueError(f"rl.micro_batch_size = {rl.micro_batch_size} must divide the mini-batch size {mini}")
