@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
 
-from stamp import git_commit, library_versions, utc_now  # noqa: E402
+from stamp import git_commit, hardware, library_versions, utc_now  # noqa: E402
 
 SETTINGS = {
     "none": {"cache": "none"},
@@ -46,7 +46,7 @@ def run(args) -> list[dict]:
     from dare_core.models.tokenizer import char_tokenizer
     from dare_core.sampling.decode import generate
     from eval_fixtures import gsm8k_item, _gsm8k
-    from rollout import hardware, random_model, sync
+    from rollout import random_model, sync
 
     with tempfile.TemporaryDirectory() as tmp:
         _gsm8k(Path(tmp), args.n)

@@ -11,20 +11,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-from stamp import REPO, git_commit, library_versions
-
-
-def hardware() -> str:
-    import torch
-
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    return f"{gpu}, {os.cpu_count()} CPU cores, torch {torch.__version__}, CUDA {torch.version.cuda}, Python {platform.python_version()}"
+from stamp import REPO, git_commit, hardware, library_versions
 
 
 def main(argv: list[str] | None = None) -> int:

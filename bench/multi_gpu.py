@@ -38,6 +38,7 @@ import shutil
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -46,7 +47,7 @@ sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
 import torch  # noqa: E402
 import train_step as ts  # noqa: E402
-from stamp import git_commit, library_versions  # noqa: E402
+from stamp import fmt as stamp_fmt, git_commit, library_versions, markdown_table  # noqa: E402
 
 PARTS = ("sft-lora", "sft-full", "rl-lora", "rl-full", "rl-threshold", "multinode")
 OFFLOAD = {"launch.zero_stage": 3, "launch.offload_optimizer": "cpu"}
@@ -237,8 +238,7 @@ def measure(parts: list[str], gpu_counts: list[int], shapes: list[str], s: ts.Se
 # --------------------------------------------------------------------------- the report
 
 
-def fmt(value, spec: str = ".2f") -> str:
-    return "–" if value is None else format(value, spec)
+fmt = partial(stamp_fmt, missing="–")  # a cell not measured
 
 
 def efficiency(one: Optional[float], many: Optional[float], gpus: int) -> Optional[float]:
@@ -270,14 +270,9 @@ RL_COLUMNS = SETUP + [("unmasking", lambda r: r["unmasking"]), ("denoising steps
 
 def table(title: str, columns: list, rows: list[dict]) -> list[str]:
     """A markdown table, a row per run; a run that failed shows what ran and its error."""
-    out = [title, "", "| " + " | ".join(h for h, _ in columns) + " |", "|" + "---|" * len(columns)]
-    for r in rows:
-        if "error" in r:
-            cells = [cell(r) for _, cell in columns[:IDENT]] + [f"not run: {r['error']}"] + [""] * (len(columns) - IDENT - 1)
-        else:
-            cells = [cell(r) for _, cell in columns]
-        out.append("| " + " | ".join(cells) + " |")
-    return out + [""]
+    cells = [[cell(r) for _, cell in columns[:IDENT]] + [f"not run: {r['error']}"] + [""] * (len(columns) - IDENT - 1)
+             if "error" in r else [cell(r) for _, cell in columns] for r in rows]
+    return [title, ""] + markdown_table([h for h, _ in columns], cells) + [""]
 
 
 def report(data: dict, s: ts.Settings) -> str:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import subprocess
 import sys
@@ -38,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
 from dare_core.training.threads import REASON_VAR, launcher_env  # noqa: E402
-from stamp import cpu_model, git_commit, header, usable_cores  # noqa: E402
+from stamp import git_commit, hardware, header  # noqa: E402
 
 OUT = REPO / "bench" / "results" / "threads.md"
 WORKLOADS = ("sft", "rollout")
@@ -162,13 +161,6 @@ def burners(n: int) -> Iterator[None]:
             p.wait()
 
 
-def hardware() -> str:
-    import torch
-
-    return (f"CPU {cpu_model()}, {usable_cores()} usable cores, torch {torch.__version__} "
-            f"(parallel backend: OpenMP), Python {platform.python_version()}")
-
-
 def run_load(burner_count: int, counts: list[int], seconds: float) -> dict:
     """Every cell of one load: {(threads, policy) or "auto": {workload: result}}."""
     base = clean_env()
@@ -229,7 +221,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     from dare_core.config import load_config
 
     cfg = load_config(REPO / "params.yaml")
-    lines = header("torch CPU threads on an idle and a busy machine", command, hardware(), commit)
+    lines = header("torch CPU threads on an idle and a busy machine", command, hardware(gpu=False, cpu_detail=True) + " (torch's CPU parallel backend: OpenMP)", commit)
     lines += [f"Samples/s of the embedded default model (params.yaml), each cell a fresh interpreter measured for "
               f"{args.seconds:g} s per workload after a warm-up step. sft: a {cfg.sft.micro_batch_size}-row "
               f"micro-batch step (masked loss, backward, clipping, AdamW); rollout: a {cfg.rl.sampler.batch_size}-prompt "
