@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stamp import git_commit, hardware, header  # noqa: E402
+from stamp import git_commit, hardware, header, markdown_table  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -106,12 +106,10 @@ def run_algorithm(algo: str, kind: str, sft_run: str, base_sets: list[str], para
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| family | algorithm | RL steps | SFT accuracy | RL accuracy | change | s per step (rollout) | RL stage wall (s) |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['kind']} | {r['algorithm']} | {r.get('steps', len(r['reward']))} | {r['sft']:.3f} | {r['rl']:.3f} | "
-                     f"{r['rl'] - r['sft']:+.3f} | {r['step_s']:.2f} ({r['rollout_s']:.2f}) | {r['wall_s']:.0f} |")
-    return "\n".join(lines)
+    columns = ["family", "algorithm", "RL steps", "SFT accuracy", "RL accuracy", "change", "s per step (rollout)", "RL stage wall (s)"]
+    return "\n".join(markdown_table(columns, [
+        [r["kind"], r["algorithm"], r.get("steps", len(r["reward"])), f"{r['sft']:.3f}", f"{r['rl']:.3f}", f"{r['rl'] - r['sft']:+.3f}",
+         f"{r['step_s']:.2f} ({r['rollout_s']:.2f})", f"{r['wall_s']:.0f}"] for r in rows]))
 
 
 def plot(rows: list[dict], path: Path) -> None:

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from stamp import REPO, hardware, header
+from stamp import REPO, hardware, header, markdown_table
 STAGES = ["prepare", "sft", "rl", "convert", "eval"]
 
 
@@ -35,14 +35,12 @@ def run_seed(seed: int, params: str) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| run seed | base | SFT | RL | wall time (s): prepare / sft / rl / convert / eval |", "|---|---|---|---|---|"]
-    for r in rows:
-        t = r["timings"]
-        lines.append(f"| {r['seed']} | {r['base']:.3f} | {r['sft']:.3f} | {r['rl']:.3f} | " + " / ".join(str(t[s]) for s in STAGES) + " |")
+    cells = [[r["seed"], f"{r['base']:.3f}", f"{r['sft']:.3f}", f"{r['rl']:.3f}", " / ".join(str(r["timings"][s]) for s in STAGES)]
+             for r in rows]
     if len(rows) > 1:
         stats = {k: (statistics.mean(r[k] for r in rows), statistics.stdev(r[k] for r in rows)) for k in ("base", "sft", "rl")}
-        lines.append("| mean ± std | " + " | ".join(f"{m:.3f} ± {s:.3f}" for m, s in stats.values()) + " | |")
-    return "\n".join(lines)
+        cells.append(["mean ± std"] + [f"{m:.3f} ± {s:.3f}" for m, s in stats.values()] + [""])
+    return "\n".join(markdown_table(["run seed", "base", "SFT", "RL", "wall time (s): prepare / sft / rl / convert / eval"], cells))
 
 
 def main() -> None:

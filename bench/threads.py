@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
 from dare_core.training.threads import REASON_VAR, launcher_env  # noqa: E402
-from stamp import git_commit, hardware, header  # noqa: E402
+from stamp import git_commit, hardware, header, markdown_table  # noqa: E402
 
 OUT = REPO / "bench" / "results" / "threads.md"
 WORKLOADS = ("sft", "rollout")
@@ -187,19 +187,18 @@ def fmt(result: dict) -> str:
 def table(loads: dict, counts: list[int]) -> list[str]:
     """Samples/s of every fixed cell, the best of them, and auto beside it; a row per load and workload."""
     fixed_keys = [(n, p) for n in counts for p in POLICIES]
-    lines = ["| load | workload | " + " | ".join(f"{n} thr {p}" for n, p in fixed_keys)
-             + " | best fixed | auto (threads, wait policy) | auto / best |",
-             "|---|---|" + "---|" * (len(fixed_keys) + 3)]
+    columns = ["load", "workload"] + [f"{n} thr {p}" for n, p in fixed_keys] + ["best fixed", "auto (threads, wait policy)", "auto / best"]
+    cells = []
     for label, results in loads.items():
         auto = results["auto"]
         for w in WORKLOADS:
             fixed = {key: results[key]["samples_per_s"][w] for key in fixed_keys}
             best = max(fixed, key=fixed.get)
             ours = auto["samples_per_s"][w]
-            lines.append(f"| {label} | {w} | " + " | ".join(f"{fixed[k]:.0f}" for k in fixed_keys)
-                         + f" | {fixed[best]:.0f} ({best[0]} thr {best[1]}) | {ours:.0f} ({auto['threads']}, "
-                         f"{auto['wait_policy']}) | {ours / fixed[best]:.2f} |")
-    return lines
+            cells.append([label, w] + [f"{fixed[k]:.0f}" for k in fixed_keys] + [
+                f"{fixed[best]:.0f} ({best[0]} thr {best[1]})", f"{ours:.0f} ({auto['threads']}, {auto['wait_policy']})",
+                f"{ours / fixed[best]:.2f}"])
+    return markdown_table(columns, cells)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
