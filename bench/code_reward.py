@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dare_core.rewards.sandbox import check_available  # noqa: E402
 from dare_core.rewards.scoring import default_workers, score_texts  # noqa: E402
-from stamp import hardware, header  # noqa: E402
+from stamp import hardware, header, markdown_table  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "code_reward.md"
 WORK = "def work(n):\n    s = 0\n    for i in range(n):\n        s += i * i % 7\n    return s\n"
@@ -81,10 +81,11 @@ def main(argv: list[str] | None = None) -> None:
     lines = header("Code reward: one batch scored serially and concurrently", command, hardware(gpu=False, cpu_detail=True))
     lines += [f"{args.n} code completions in one `score_texts` call: {dict(Counter(r['uid'].split('-')[0] for r in rows))}"
               f" (half assertion tests, half stdin/stdout). Every program first runs a {args.work:g}M-iteration Python "
-              "loop (slow ones twice that). Sandbox defaults (10 s wall clock per run).", "",
-              "| mode | workers | wall s | s per completion | speed-up |", "|---|---|---|---|---|",
-              f"| serial | 1 | {serial_s:.1f} | {serial_s / args.n:.2f} | 1.00x |",
-              f"| parallel | {workers} | {parallel_s:.1f} | {parallel_s / args.n:.2f} | {serial_s / parallel_s:.2f}x |", "",
+              "loop (slow ones twice that). Sandbox defaults (10 s wall clock per run).", ""]
+    lines += markdown_table(["mode", "workers", "wall s", "s per completion", "speed-up"], [
+        ["serial", 1, f"{serial_s:.1f}", f"{serial_s / args.n:.2f}", "1.00x"],
+        ["parallel", workers, f"{parallel_s:.1f}", f"{parallel_s / args.n:.2f}", f"{serial_s / parallel_s:.2f}x"]])
+    lines += ["",
               f"Sandbox statuses (serial run): {dict(statuses)}; mean score {sum(r.score for r in serial) / args.n:.3f}.  ",
               f"Parallel results identical to serial (score and status of every completion, in order): {'yes' if same else 'NO'}.  ",
               f"1-minute load average {load_before:.1f} before the serial run, {load_after:.1f} after the parallel one "

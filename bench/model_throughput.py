@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dare_core.models.lm import build_model  # noqa: E402
-from stamp import git_commit, hardware, library_versions, utc_now  # noqa: E402
+from stamp import git_commit, hardware, library_versions, markdown_table, utc_now  # noqa: E402
 
 # the real config.json files of the checkpoints (copied from their public releases)
 CONFIGS = Path(__file__).resolve().parent / "configs"
@@ -167,14 +167,12 @@ def main() -> None:
         f"Batch: {args.batch} sequences, lengths uniform in [{args.min_len}, {args.max_len}] (seed {args.seed}); padded baseline in "
         f"micro-batches of {args.micro or args.batch}, every sequence padded to the batch's longest, gradients accumulated.",
         "",
-        "| model | mode | real tokens | padded tokens | ms / step | tokens/s | MFU | peak mem (GiB) |",
-        "|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['model']} | {r['mode']} | | | {r['error']} | | | |")
-        else:
-            lines.append(f"| {r['model']} | {r['mode']} | {r['tokens']} | {r['padded_tokens']} | {r['ms']:.1f} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | {r['max_mem_gb']:.1f} |")
+    columns = ["model", "mode", "real tokens", "padded tokens", "ms / step", "tokens/s", "MFU", "peak mem (GiB)"]
+    lines += markdown_table(columns, [
+        [r["model"], r["mode"], "", "", r["error"], "", "", ""] if "error" in r else
+        [r["model"], r["mode"], r["tokens"], r["padded_tokens"], f"{r['ms']:.1f}", f"{r['tokens_per_s']:,.0f}", f"{r['mfu']:.1%}",
+         f"{r['max_mem_gb']:.1f}"] for r in rows])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -300,37 +300,33 @@ def report(data: dict, s: ts.Settings) -> str:
 def scaling_lines(rows: list[dict]) -> list[str]:
     """Per-GPU efficiency from 1 GPU to each larger count, and for RL where a shortfall comes from."""
     ok = [r for r in rows if "error" not in r and "step_s" in r]
-    out = []
+    cells = []
     for part in ("sft-lora", "rl-lora", "rl-full"):
         base = next((r for r in ok if r["part"] == part and r["gpus"] == 1), None)
         for r in (r for r in ok if r["part"] == part and r["gpus"] > 1 and base):
-            if not out:
-                out += ["## Scaling from 1 GPU (target: at least 90 % per GPU)", "",
-                        "| part | GPUs | 1-GPU step (s) | N-GPU step (s) | efficiency per GPU | verdict | where it is lost (phase: 1-GPU s / N x N-GPU s) |",
-                        "|---|---|---|---|---|---|---|"]
             eff = efficiency(base["step_s"], r["step_s"], r["gpus"])
             phases = (*ts.RL_PHASES, "other") if part.startswith("rl") else ("fwd_bwd_s", "optimizer_s")
             lost = sorted(((r["gpus"] * (r.get(p) or 0) - (base.get(p) or 0), p) for p in phases), reverse=True)
             where = ", ".join(f"{p}: {fmt(base.get(p))} / {fmt(r['gpus'] * (r.get(p) or 0))}" for _, p in lost[:3])
             verdict = "meets it" if eff and eff >= 0.9 else "short"
-            out.append(f"| {part} | {r['gpus']} | {fmt(base['step_s'])} | {fmt(r['step_s'])} | {fmt(eff and 100 * eff, '.1f')}% | {verdict} | {where} |")
-    return out + [""] if out else out
+            cells.append([part, r["gpus"], fmt(base["step_s"]), fmt(r["step_s"]), fmt(eff and 100 * eff, ".1f") + "%", verdict, where])
+    if not cells:
+        return []
+    columns = ["part", "GPUs", "1-GPU step (s)", "N-GPU step (s)", "efficiency per GPU", "verdict",
+               "where it is lost (phase: 1-GPU s / N x N-GPU s)"]
+    return ["## Scaling from 1 GPU (target: at least 90 % per GPU)", ""] + markdown_table(columns, cells) + [""]
 
 
 def multinode_lines(rows: list[dict]) -> list[str]:
     mn = [r for r in rows if r["part"] == "multinode"]
     if not mn:
         return []
-    out = ["## Several nodes, rehearsed on one host (the embedded tiny model)", "",
-           "| stage | layout | wall (s) | logged values per step | equal to one node |", "|---|---|---|---|---|"]
     # (RL logs reward, then loss, at each step)
-    for r in mn:
-        if "error" in r:
-            out.append(f"| {r['stage']} | {r['layout']} | not run: {r['error']} |||")
-            continue
-        out.append(f"| {r['stage']} | {r['layout']} | {fmt(r['wall_s'], '.1f')} | {r.get('logged', '')}: {', '.join(fmt(v, '.5f') for v in r['values'])} | "
-                   f"{r.get('equal', '(reference)')} |")
-    return out + [""]
+    cells = [[r["stage"], r["layout"], f"not run: {r['error']}", "", ""] if "error" in r else
+             [r["stage"], r["layout"], fmt(r["wall_s"], ".1f"), f"{r.get('logged', '')}: {', '.join(fmt(v, '.5f') for v in r['values'])}",
+              r.get("equal", "(reference)")] for r in mn]
+    columns = ["stage", "layout", "wall (s)", "logged values per step", "equal to one node"]
+    return ["## Several nodes, rehearsed on one host (the embedded tiny model)", ""] + markdown_table(columns, cells) + [""]
 
 
 def main(argv: Optional[list[str]] = None) -> int:

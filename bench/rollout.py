@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dare_core.models.lm import build_model  # noqa: E402
 from rl_pieces import public_recipe_denoise  # noqa: E402
-from stamp import hardware, header  # noqa: E402
+from stamp import hardware, header, markdown_table  # noqa: E402
 from dare_core.sampling.decode import Canvas, generate  # noqa: E402
 from dare_core.sampling.params import SamplingParams  # noqa: E402
 
@@ -140,18 +140,19 @@ def speed_table(rows: list[dict], args) -> list[str]:
         f"Prompt {args.prompt} tokens, greedy; LLaDA: block 32, one token per step; SDAR: block 4, 4 steps per block (static). "
         f"Timed over the first {args.steps} denoising steps of each run, after one warm-up run.",
         "",
-        "| model | gen | batch | mode | steps | ms / step | tokens/s | speed-up vs none |",
-        "|---|---|---|---|---|---|---|---|",
     ]
     base = {(r["model"], r["gen"], r["batch"]): r["ms_per_step"] for r in rows if r.get("mode") == "none" and "error" not in r}
+    cells = []
     for r in rows:
+        what = [r["model"], r["gen"], r["batch"], r["mode"]]
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['gen']} | {r['batch']} | {r['mode']} | | {r['error']} | | |")
+            cells.append(what + ["", r["error"], "", ""])
             continue
         ref = base.get((r["model"], r["gen"], r["batch"]))
         up = f"{ref / r['ms_per_step']:.2f}x" if ref else ""
-        lines.append(f"| {r['model']} | {r['gen']} | {r['batch']} | {r['mode']} | {r['steps']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {up} |")
-    return lines
+        cells.append(what + [r["steps"], f"{r['ms_per_step']:.1f}", f"{r['tokens_per_s']:,.0f}", up])
+    columns = ["model", "gen", "batch", "mode", "steps", "ms / step", "tokens/s", "speed-up vs none"]
+    return lines + markdown_table(columns, cells)
 
 
 def threshold(args) -> list[str]:
@@ -169,9 +170,7 @@ def threshold(args) -> list[str]:
         "model's plain row.",
     ]
     for path in args.model:
-        lines += ["", f"### `{path}`", "", "| setting | accuracy | tokens / step | steps / sample | tokens/s | speed-up |",
-                  "|---|---|---|---|---|---|"]
-        lines += threshold_table(path, rows, args)
+        lines += ["", f"### `{path}`", ""] + threshold_table(path, rows, args)
     return lines
 
 
@@ -210,8 +209,9 @@ def threshold_table(path: str, rows: list[dict], args) -> list[str]:
                       "tokens_per_s": useful / sec})
         print(path, table[-1], flush=True)
     base = table[0]
-    return [f"| {r['setting']} | {r['accuracy']:.3f} | {r['tokens_per_step']:.2f} | {r['steps']:.1f} | "
-            f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base['tokens_per_s']:.1f}x |" for r in table]
+    columns = ["setting", "accuracy", "tokens / step", "steps / sample", "tokens/s", "speed-up"]
+    return markdown_table(columns, [[r["setting"], f"{r['accuracy']:.3f}", f"{r['tokens_per_step']:.2f}", f"{r['steps']:.1f}",
+                                     f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s'] / base['tokens_per_s']:.1f}x"] for r in table])
 
 
 def main() -> None:

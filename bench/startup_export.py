@@ -40,7 +40,7 @@ from dare_core.diffusion.seeding import generator  # noqa: E402
 from dare_core.models.lora import LoraSettings, apply_lora, lora_layers  # noqa: E402
 from dare_core.models.lm import empty_model  # noqa: E402
 from dare_core.models.hf_folder import load_model, save_model, verify_saved  # noqa: E402
-from stamp import git_commit, hardware, library_versions  # noqa: E402
+from stamp import fmt, git_commit, hardware, library_versions, markdown_table  # noqa: E402
 
 CONFIGS = REPO / "bench" / "configs"
 
@@ -209,13 +209,11 @@ def write_report(args, argv, device: torch.device, config_path: Path, facts: dic
         f"Model: {config_path.name} with {args.layers} layers: {facts['params'] / 1e9:.2f} B parameters, "
         f"{facts['bytes'] / 1e9:.2f} GB in bf16 ({facts['shards']} shard{'s' if facts['shards'] > 1 else ''})",
         "",
-        "| phase | seconds | GB/s | peak host RSS (GB) |" + (" peak GPU memory (GB) |" if device.type == "cuda" else ""),
-        "|---|---|---|---|" + ("---|" if device.type == "cuda" else ""),
     ]
-    for r in rows:
-        rate = f"{r['GB/s']:.2f}" if r["GB/s"] else ""
-        gpu = f" {r['gpu']:.1f} |" if r["gpu"] is not None else ""
-        lines.append(f"| {r['phase']} | {r['s']:.2f} | {rate} | {r['rss']:.1f} |{gpu}")
+    gpu = device.type == "cuda"
+    lines += markdown_table(["phase", "seconds", "GB/s", "peak host RSS (GB)"] + (["peak GPU memory (GB)"] if gpu else []), [
+        [r["phase"], f"{r['s']:.2f}", f"{r['GB/s']:.2f}" if r["GB/s"] else "", f"{r['rss']:.1f}"] + ([fmt(r["gpu"], ".1f")] if gpu else [])
+        for r in rows])
     lines += [
         "",
         "GB/s: the model's (or the files') bytes over the phase's time. \"write a file\" and \"read the shard "
