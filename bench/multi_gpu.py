@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import faulthandler
 import json
 import os
@@ -47,7 +46,7 @@ sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
 import torch  # noqa: E402
 import train_step as ts  # noqa: E402
-from stamp import fmt as stamp_fmt, git_commit, library_versions, markdown_table  # noqa: E402
+from stamp import fmt as stamp_fmt, git_commit, library_versions, markdown_table, utc_now  # noqa: E402
 
 PARTS = ("sft-lora", "sft-full", "rl-lora", "rl-full", "rl-threshold", "multinode")
 OFFLOAD = {"launch.zero_stage": 3, "launch.offload_optimizer": "cpu"}
@@ -354,7 +353,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     commit = git_commit()
     command = "python3 bench/multi_gpu.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     run = {"commit": commit, "command": command, "hardware": ts.hardware() + f", {available} GPU(s)",
-           "settings": dataclasses.asdict(s), "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+           "settings": dataclasses.asdict(s), "date": utc_now(),
            "libraries": library_versions()}
     previous = {"runs": [], "rows": []}
     if args.add and out.with_suffix(".json").exists():
