@@ -25,8 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from embedded_seeds import machine  # noqa: E402
-from stamp import git_commit, header  # noqa: E402
+from stamp import git_commit, hardware, header, markdown_table  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -107,12 +106,10 @@ def run_algorithm(algo: str, kind: str, sft_run: str, base_sets: list[str], para
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| family | algorithm | RL steps | SFT accuracy | RL accuracy | change | s per step (rollout) | RL stage wall (s) |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['kind']} | {r['algorithm']} | {r.get('steps', len(r['reward']))} | {r['sft']:.3f} | {r['rl']:.3f} | "
-                     f"{r['rl'] - r['sft']:+.3f} | {r['step_s']:.2f} ({r['rollout_s']:.2f}) | {r['wall_s']:.0f} |")
-    return "\n".join(lines)
+    columns = ["family", "algorithm", "RL steps", "SFT accuracy", "RL accuracy", "change", "s per step (rollout)", "RL stage wall (s)"]
+    return "\n".join(markdown_table(columns, [
+        [r["kind"], r["algorithm"], r.get("steps", len(r["reward"])), f"{r['sft']:.3f}", f"{r['rl']:.3f}", f"{r['rl'] - r['sft']:+.3f}",
+         f"{r['step_s']:.2f} ({r['rollout_s']:.2f})", f"{r['wall_s']:.0f}"] for r in rows]))
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -180,7 +177,7 @@ def main() -> None:
     plot(rows, png)
     command = "python3 bench/algorithms.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     text = (
-        "\n".join(header("Every RL algorithm on the embedded task", command.strip(), machine(), commit)) + "\n"
+        "\n".join(header("Every RL algorithm on the embedded task", command.strip(), hardware(gpu=False, cpu_detail=True), commit)) + "\n"
         f"Budget: {steps} RL steps (block family: see its rows' step counts) x {cfg.rl.prompts_per_step} prompts x {cfg.rl.group_size} rollouts for every algorithm, "
         f"{cfg.rl.num_iterations} inner iterations, the optimiser and sampler of params.yaml; per-algorithm settings: "
         "`ALGORITHM_SETTINGS` in bench/algorithms.py. Accuracy: the eval stage (500 held-out problems, the eval sampler "

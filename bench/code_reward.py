@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import sys
 import time
@@ -27,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dare_core.rewards.sandbox import check_available  # noqa: E402
 from dare_core.rewards.scoring import default_workers, score_texts  # noqa: E402
-from stamp import cpu_model, header, usable_cores  # noqa: E402
+from stamp import hardware, header, markdown_table  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "code_reward.md"
 WORK = "def work(n):\n    s = 0\n    for i in range(n):\n        s += i * i % 7\n    return s\n"
@@ -62,10 +61,6 @@ def timed(rows: list[dict], texts: list[str], workers: int) -> tuple[float, list
     return time.perf_counter() - started, results
 
 
-def hardware() -> str:
-    return f"CPU {cpu_model()}, {usable_cores()} usable cores, no GPU (the reward runs on the CPU only); Python {platform.python_version()}"
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=64, help="completions in the batch")
@@ -83,13 +78,14 @@ def main(argv: list[str] | None = None) -> None:
     load_after = os.getloadavg()[0]
     same = [(r.score, r.extra.get("status")) for r in serial] == [(r.score, r.extra.get("status")) for r in parallel]
     statuses = Counter(r.extra.get("status") for r in serial)
-    lines = header("Code reward: one batch scored serially and concurrently", command, hardware())
+    lines = header("Code reward: one batch scored serially and concurrently", command, hardware(gpu=False, cpu_detail=True))
     lines += [f"{args.n} code completions in one `score_texts` call: {dict(Counter(r['uid'].split('-')[0] for r in rows))}"
               f" (half assertion tests, half stdin/stdout). Every program first runs a {args.work:g}M-iteration Python "
-              "loop (slow ones twice that). Sandbox defaults (10 s wall clock per run).", "",
-              "| mode | workers | wall s | s per completion | speed-up |", "|---|---|---|---|---|",
-              f"| serial | 1 | {serial_s:.1f} | {serial_s / args.n:.2f} | 1.00x |",
-              f"| parallel | {workers} | {parallel_s:.1f} | {parallel_s / args.n:.2f} | {serial_s / parallel_s:.2f}x |", "",
+              "loop (slow ones twice that). Sandbox defaults (10 s wall clock per run).", ""]
+    lines += markdown_table(["mode", "workers", "wall s", "s per completion", "speed-up"], [
+        ["serial", 1, f"{serial_s:.1f}", f"{serial_s / args.n:.2f}", "1.00x"],
+        ["parallel", workers, f"{parallel_s:.1f}", f"{parallel_s / args.n:.2f}", f"{serial_s / parallel_s:.2f}x"]])
+    lines += ["",
               f"Sandbox statuses (serial run): {dict(statuses)}; mean score {sum(r.score for r in serial) / args.n:.3f}.  ",
               f"Parallel results identical to serial (score and status of every completion, in order): {'yes' if same else 'NO'}.  ",
               f"1-minute load average {load_before:.1f} before the serial run, {load_after:.1f} after the parallel one "

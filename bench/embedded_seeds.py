@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -19,22 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from stamp import REPO, header
+from stamp import REPO, hardware, header, markdown_table
 STAGES = ["prepare", "sft", "rl", "convert", "eval"]
-
-
-def machine() -> str:
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, Python {platform.python_version()}"
 
 
 def run_seed(seed: int, params: str) -> dict:
@@ -51,14 +35,12 @@ def run_seed(seed: int, params: str) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| run seed | base | SFT | RL | wall time (s): prepare / sft / rl / convert / eval |", "|---|---|---|---|---|"]
-    for r in rows:
-        t = r["timings"]
-        lines.append(f"| {r['seed']} | {r['base']:.3f} | {r['sft']:.3f} | {r['rl']:.3f} | " + " / ".join(str(t[s]) for s in STAGES) + " |")
+    cells = [[r["seed"], f"{r['base']:.3f}", f"{r['sft']:.3f}", f"{r['rl']:.3f}", " / ".join(str(r["timings"][s]) for s in STAGES)]
+             for r in rows]
     if len(rows) > 1:
         stats = {k: (statistics.mean(r[k] for r in rows), statistics.stdev(r[k] for r in rows)) for k in ("base", "sft", "rl")}
-        lines.append("| mean ± std | " + " | ".join(f"{m:.3f} ± {s:.3f}" for m, s in stats.values()) + " | |")
-    return "\n".join(lines)
+        cells.append(["mean ± std"] + [f"{m:.3f} ± {s:.3f}" for m, s in stats.values()] + [""])
+    return "\n".join(markdown_table(["run seed", "base", "SFT", "RL", "wall time (s): prepare / sft / rl / convert / eval"], cells))
 
 
 def main() -> None:
@@ -72,7 +54,7 @@ def main() -> None:
         rows.append(run_seed(seed, args.params))
         print(table(rows), flush=True)
     command = "python3 bench/embedded_seeds.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    text = "\n".join(header("Embedded default: held-out accuracy over run seeds", command, machine())) + (
+    text = "\n".join(header("Embedded default: held-out accuracy over run seeds", command, hardware(gpu=False, cpu_detail=True))) + (
         f"\nConfig: {args.params} at that commit (data seed fixed, so every run sees the same held-out problems; the run "
         "seed changes model init, data order, masks and rollouts). Accuracy: the eval stage's OpenCompass score of the "
         "task benchmark (exact answer), divided by 100, with the eval sampler of the params file.\n\n" + table(rows) + "\n"

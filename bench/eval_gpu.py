@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
 
-from stamp import git_commit, library_versions, utc_now  # noqa: E402
+from stamp import git_commit, hardware, library_versions, markdown_table, utc_now  # noqa: E402
 
 SETTINGS = {
     "none": {"cache": "none"},
@@ -46,7 +46,7 @@ def run(args) -> list[dict]:
     from dare_core.models.tokenizer import char_tokenizer
     from dare_core.sampling.decode import generate
     from eval_fixtures import gsm8k_item, _gsm8k
-    from rollout import hardware, random_model, sync
+    from rollout import random_model, sync
 
     with tempfile.TemporaryDirectory() as tmp:
         _gsm8k(Path(tmp), args.n)
@@ -103,11 +103,10 @@ def report(paths: list[str]) -> str:
                   f"Libraries: {rows[0].get('libraries', 'not recorded')}  ", f"Date: {rows[0].get('date', 'not recorded')}", "",
                   f"LLaDA-8B-Instruct config, random bf16 weights, {rows[0]['prompts']} GSM8K fixture prompts "
                   f"(mean {rows[0]['prompt_tokens_mean']:.0f} prompt tokens, char tokenizer), batch {rows[0]['batch_size']}, "
-                  "gen length 256, 256 steps, block 8, greedy.", "",
-                  "| setting | wall time (s) | output tokens/s | vs no cache (this run) |", "|---|---|---|---|"]
-        for r in rows:
-            speed = f"{base / r['wall_s']:.2f}x" if base else ""
-            lines.append(f"| {r['setting']} | {r['wall_s']:.1f} | {r['tokens_per_s']:.0f} | {speed} |")
+                  "gen length 256, 256 steps, block 8, greedy.", ""]
+        lines += markdown_table(["setting", "wall time (s)", "output tokens/s", "vs no cache (this run)"],
+                                [[r["setting"], f"{r['wall_s']:.1f}", f"{r['tokens_per_s']:.0f}", f"{base / r['wall_s']:.2f}x" if base else ""]
+                                 for r in rows])
         lines.append("")
     return "\n".join(lines)
 

@@ -9,22 +9,13 @@ per-test outcomes (`-v`, and the reasons of skips and failures), so what passed 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-from stamp import REPO, git_commit, library_versions
-
-
-def hardware() -> str:
-    import torch
-
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    return f"{gpu}, {os.cpu_count()} CPU cores, torch {torch.__version__}, CUDA {torch.version.cuda}, Python {platform.python_version()}"
+from stamp import REPO, git_commit, hardware, library_versions, utc_now
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     outcomes = [ln for ln in lines if re.search(r"::\S+ (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)", ln)
                 or re.match(r"(FAILED|ERROR|SKIPPED) ", ln)]
     failures = output.split("= FAILURES =", 1)[1][:6000] if "= FAILURES =" in output else ""
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    date = utc_now()
     shown = "python3 bench/gpu_tests.py " + " ".join(argv if argv is not None else sys.argv[1:])
     text = [
         "# GPU-marked tests on the device machine", "",

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from stamp import REPO, library_versions, utc_now
+from stamp import REPO, library_versions, markdown_table, utc_now
 
 
 def timed(cmd: list[str], cwd: Path, log: Path) -> float:
@@ -54,9 +54,9 @@ def main() -> int:
         f"Git commit: {commit}  ", f"Libraries: {library_versions()}  ",
         f"Command: `python3 bench/make_run.py` (git clone, then `make venv` and `make run`, each timed) ({utc_now()})  ",
         f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, no GPU needed, Python {platform.python_version()}, {env_note}", "",
-        "| phase | wall time (s) |", "|---|---|",
-        f"| `make venv` (torch CPU build, requirements, DeepSpeed, editable install) | {venv_s:.1f} |",
-        f"| `make run` (the whole pipeline, with Prefect's start) | {run_s:.1f} |",
+        *markdown_table(["phase", "wall time (s)"], [
+            ["`make venv` (torch CPU build, requirements, DeepSpeed, editable install)", f"{venv_s:.1f}"],
+            ["`make run` (the whole pipeline, with Prefect's start)", f"{run_s:.1f}"]]),
     ]
     lines += ["", "The summary `make run` printed at its end (stages, then held-out accuracy %):", ""]
     lines += [line if line.startswith("|") else f"\n{line}:\n" for line in pipeline_summary(log)] + [""]

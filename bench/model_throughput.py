@@ -13,21 +13,29 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dare_core.models.lm import build_model  # noqa: E402
-from stamp import git_commit, library_versions, utc_now  # noqa: E402
+from stamp import git_commit, hardware, library_versions, markdown_table, utc_now  # noqa: E402
 
 # the real config.json files of the checkpoints (copied from their public releases)
 CONFIGS = Path(__file__).resolve().parent / "configs"
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12}
+
+
+def peak_bf16() -> Optional[float]:
+    """Peak dense bf16 FLOP/s of this GPU (one not in PEAK_BF16 is taken as an H100); None on the CPU."""
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_BF16.items() if k in name), PEAK_BF16["H100"])
 
 
 def model_flops(model, lens: list[int], backward: bool) -> float:
@@ -88,8 +96,7 @@ def run(name: str, batch: int, min_len: int, max_len: int, seed: int, device: st
     packed = torch.cat(seqs).to(device)
     packed_backend = "sdpa" if device == "cpu" else "flex" if model.block_size else "varlen"
     rows = []
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    peak = next((v for k, v in PEAK_BF16.items() if k in gpu), 989e12)
+    peak = peak_bf16() or PEAK_BF16["H100"]
 
     def pad_fwd():
         with torch.no_grad():
@@ -156,18 +163,16 @@ def main() -> None:
         f"Git commit: {git_commit()}  ", f"Libraries: {library_versions()}  ",
         f"Date: {utc_now()}  ",
         f"Command: `python3 bench/model_throughput.py --batch {args.batch} --min-len {args.min_len} --max-len {args.max_len} --micro {args.micro}`  ",
-        f"Hardware: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU (smoke run)'} (peak bf16 dense taken as 989 TFLOP/s), torch {torch.__version__}, Python {platform.python_version()}  ",
+        f"Hardware: {hardware()} (peak bf16 dense taken as 989 TFLOP/s)  ",
         f"Batch: {args.batch} sequences, lengths uniform in [{args.min_len}, {args.max_len}] (seed {args.seed}); padded baseline in "
         f"micro-batches of {args.micro or args.batch}, every sequence padded to the batch's longest, gradients accumulated.",
         "",
-        "| model | mode | real tokens | padded tokens | ms / step | tokens/s | MFU | peak mem (GiB) |",
-        "|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['model']} | {r['mode']} | | | {r['error']} | | | |")
-        else:
-            lines.append(f"| {r['model']} | {r['mode']} | {r['tokens']} | {r['padded_tokens']} | {r['ms']:.1f} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | {r['max_mem_gb']:.1f} |")
+    columns = ["model", "mode", "real tokens", "padded tokens", "ms / step", "tokens/s", "MFU", "peak mem (GiB)"]
+    lines += markdown_table(columns, [
+        [r["model"], r["mode"], "", "", r["error"], "", "", ""] if "error" in r else
+        [r["model"], r["mode"], r["tokens"], r["padded_tokens"], f"{r['ms']:.1f}", f"{r['tokens_per_s']:,.0f}", f"{r['mfu']:.1%}",
+         f"{r['max_mem_gb']:.1f}"] for r in rows])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

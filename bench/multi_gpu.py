@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import faulthandler
 import json
 import os
@@ -38,6 +37,7 @@ import shutil
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -46,7 +46,7 @@ sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
 import torch  # noqa: E402
 import train_step as ts  # noqa: E402
-from stamp import git_commit, library_versions, utc_now  # noqa: E402
+from stamp import fmt as stamp_fmt, git_commit, library_versions, markdown_table, utc_now  # noqa: E402
 
 PARTS = ("sft-lora", "sft-full", "rl-lora", "rl-full", "rl-threshold", "multinode")
 OFFLOAD = {"launch.zero_stage": 3, "launch.offload_optimizer": "cpu"}
@@ -237,8 +237,7 @@ def measure(parts: list[str], gpu_counts: list[int], shapes: list[str], s: ts.Se
 # --------------------------------------------------------------------------- the report
 
 
-def fmt(value, spec: str = ".2f") -> str:
-    return "–" if value is None else format(value, spec)
+fmt = partial(stamp_fmt, missing="–")  # a cell not measured
 
 
 def efficiency(one: Optional[float], many: Optional[float], gpus: int) -> Optional[float]:
@@ -270,14 +269,9 @@ RL_COLUMNS = SETUP + [("unmasking", lambda r: r["unmasking"]), ("denoising steps
 
 def table(title: str, columns: list, rows: list[dict]) -> list[str]:
     """A markdown table, a row per run; a run that failed shows what ran and its error."""
-    out = [title, "", "| " + " | ".join(h for h, _ in columns) + " |", "|" + "---|" * len(columns)]
-    for r in rows:
-        if "error" in r:
-            cells = [cell(r) for _, cell in columns[:IDENT]] + [f"not run: {r['error']}"] + [""] * (len(columns) - IDENT - 1)
-        else:
-            cells = [cell(r) for _, cell in columns]
-        out.append("| " + " | ".join(cells) + " |")
-    return out + [""]
+    cells = [[cell(r) for _, cell in columns[:IDENT]] + [f"not run: {r['error']}"] + [""] * (len(columns) - IDENT - 1)
+             if "error" in r else [cell(r) for _, cell in columns] for r in rows]
+    return [title, ""] + markdown_table([h for h, _ in columns], cells) + [""]
 
 
 def report(data: dict, s: ts.Settings) -> str:
@@ -309,27 +303,28 @@ def report(data: dict, s: ts.Settings) -> str:
 def scaling_lines(rows: list[dict]) -> list[str]:
     """Per-GPU efficiency from 1 GPU to each larger count, and for RL where a shortfall comes from."""
     ok = [r for r in rows if "error" not in r and "step_s" in r]
-    out: list[str] = []
+    cells = []
     shortfalls = []
     for part in ("sft-lora", "rl-lora", "rl-full"):
         base = next((r for r in ok if r["part"] == part and r["gpus"] == 1), None)
         for r in (r for r in ok if r["part"] == part and r["gpus"] > 1 and base):
-            if not out:
-                out += ["## Scaling from 1 GPU (target: at least 90 % per GPU)", "",
-                        "| part | GPUs | 1-GPU step (s) | N-GPU step (s) | efficiency per GPU | verdict | where it is lost (phase: 1-GPU s / N x N-GPU s) |",
-                        "|---|---|---|---|---|---|---|"]
             eff = efficiency(base["step_s"], r["step_s"], r["gpus"])
             phases = (*ts.RL_PHASES, "other") if part.startswith("rl") else ("fwd_bwd_s", "optimizer_s")
             lost = sorted(((r["gpus"] * (r.get(p) or 0) - (base.get(p) or 0), p) for p in phases), reverse=True)
             where = ", ".join(f"{p}: {fmt(base.get(p))} / {fmt(r['gpus'] * (r.get(p) or 0))}" for _, p in lost[:3])
             verdict = "meets it" if eff and eff >= 0.9 else "short"
-            out.append(f"| {part} | {r['gpus']} | {fmt(base['step_s'])} | {fmt(r['step_s'])} | {fmt(eff and 100 * eff, '.1f')}% | {verdict} | {where} |")
+            cells.append([part, r["gpus"], fmt(base["step_s"]), fmt(r["step_s"]), fmt(eff and 100 * eff, ".1f") + "%", verdict, where])
             if verdict == "short":
                 shortfalls.append((part, r, [p for extra, p in lost[:2] if extra > 0]))
+    if not cells:
+        return []
+    columns = ["part", "GPUs", "1-GPU step (s)", "N-GPU step (s)", "efficiency per GPU", "verdict",
+               "where it is lost (phase: 1-GPU s / N x N-GPU s)"]
+    out = ["## Scaling from 1 GPU (target: at least 90 % per GPU)", ""] + markdown_table(columns, cells)
     if shortfalls:
         out += ["", "Why a part falls short: what its losing phases do on several GPUs of one host that one GPU does not.", ""]
         out += [f"- {part} on {r['gpus']} GPUs, {p}: {why_lost(p, r)}" for part, r, phases in shortfalls for p in phases]
-    return out + [""] if out else out
+    return out + [""]
 
 
 def why_lost(phase: str, row: dict) -> str:
@@ -361,16 +356,12 @@ def multinode_lines(rows: list[dict]) -> list[str]:
     mn = [r for r in rows if r["part"] == "multinode"]
     if not mn:
         return []
-    out = ["## Several nodes, rehearsed on one host (the embedded tiny model)", "",
-           "| stage | layout | wall (s) | logged values per step | equal to one node |", "|---|---|---|---|---|"]
     # (RL logs reward, then loss, at each step)
-    for r in mn:
-        if "error" in r:
-            out.append(f"| {r['stage']} | {r['layout']} | not run: {r['error']} |||")
-            continue
-        out.append(f"| {r['stage']} | {r['layout']} | {fmt(r['wall_s'], '.1f')} | {r.get('logged', '')}: {', '.join(fmt(v, '.5f') for v in r['values'])} | "
-                   f"{r.get('equal', '(reference)')} |")
-    return out + [""]
+    cells = [[r["stage"], r["layout"], f"not run: {r['error']}", "", ""] if "error" in r else
+             [r["stage"], r["layout"], fmt(r["wall_s"], ".1f"), f"{r.get('logged', '')}: {', '.join(fmt(v, '.5f') for v in r['values'])}",
+              r.get("equal", "(reference)")] for r in mn]
+    columns = ["stage", "layout", "wall (s)", "logged values per step", "equal to one node"]
+    return ["## Several nodes, rehearsed on one host (the embedded tiny model)", ""] + markdown_table(columns, cells) + [""]
 
 
 def render(out: Path) -> int:
@@ -414,7 +405,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     commit = git_commit()
     command = "python3 bench/multi_gpu.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     run = {"commit": commit, "command": command, "hardware": ts.hardware() + f", {available} GPU(s)",
-           "settings": dataclasses.asdict(s), "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+           "settings": dataclasses.asdict(s), "date": utc_now(),
            "libraries": library_versions()}
     previous = {"runs": [], "rows": []}
     if args.add and out.with_suffix(".json").exists():

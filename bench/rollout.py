@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import platform
 import shlex
 import sys
 import time
@@ -39,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dare_core.models.lm import build_model  # noqa: E402
-from stamp import header  # noqa: E402
+from rl_pieces import public_recipe_denoise  # noqa: E402
+from stamp import hardware, header, markdown_table  # noqa: E402
 from dare_core.sampling.decode import Canvas, generate  # noqa: E402
 from dare_core.sampling.params import SamplingParams  # noqa: E402
 
@@ -51,36 +50,10 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def hardware() -> str:
-    if torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}"
-    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads), torch {torch.__version__}"
-
-
-@torch.no_grad()
 def reference_llada(model, prompts, params: SamplingParams, max_blocks: int) -> int:
-    """The public LLaDA sampler's per-step work (our own transcription of its maths): returns steps."""
+    """The public LLaDA sampler's per-step work (greedy at temperature 0): returns steps."""
     canvas = Canvas.build(prompts, params, model.mask_token_id, model.pad_token_id, False, next(model.parameters()).device)
-    x, attn = canvas.x, canvas.attn
-    steps = 0
-    for lo, hi in canvas.blocks[:max_blocks]:
-        m0 = (x[:, lo:hi] == model.mask_token_id).sum(-1)
-        s = params.steps_per_block
-        for j in range(s):
-            logits = model(x, attn)  # every position's logits
-            p = torch.softmax(logits.double(), dim=-1)  # float64 over the full vocabulary
-            x0 = logits.argmax(-1)
-            conf = p.gather(-1, x0[..., None]).squeeze(-1)
-            conf[:, :lo] = -math.inf
-            conf[:, hi:] = -math.inf
-            masked = x == model.mask_token_id
-            conf = torch.where(masked, conf, torch.full_like(conf, -math.inf))
-            k = m0 // s + (j < m0 % s).long()
-            for b in range(x.shape[0]):
-                idx = conf[b].topk(int(k[b])).indices
-                x[b, idx] = x0[b, idx]
-            steps += 1
-    return steps
+    return public_recipe_denoise(model, canvas, params, max_blocks)
 
 
 def random_model(name: str, device: str, shrink: dict | None):
@@ -167,18 +140,19 @@ def speed_table(rows: list[dict], args) -> list[str]:
         f"Prompt {args.prompt} tokens, greedy; LLaDA: block 32, one token per step; SDAR: block 4, 4 steps per block (static). "
         f"Timed over the first {args.steps} denoising steps of each run, after one warm-up run.",
         "",
-        "| model | gen | batch | mode | steps | ms / step | tokens/s | speed-up vs none |",
-        "|---|---|---|---|---|---|---|---|",
     ]
     base = {(r["model"], r["gen"], r["batch"]): r["ms_per_step"] for r in rows if r.get("mode") == "none" and "error" not in r}
+    cells = []
     for r in rows:
+        what = [r["model"], r["gen"], r["batch"], r["mode"]]
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['gen']} | {r['batch']} | {r['mode']} | | {r['error']} | | |")
+            cells.append(what + ["", r["error"], "", ""])
             continue
         ref = base.get((r["model"], r["gen"], r["batch"]))
         up = f"{ref / r['ms_per_step']:.2f}x" if ref else ""
-        lines.append(f"| {r['model']} | {r['gen']} | {r['batch']} | {r['mode']} | {r['steps']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {up} |")
-    return lines
+        cells.append(what + [r["steps"], f"{r['ms_per_step']:.1f}", f"{r['tokens_per_s']:,.0f}", up])
+    columns = ["model", "gen", "batch", "mode", "steps", "ms / step", "tokens/s", "speed-up vs none"]
+    return lines + markdown_table(columns, cells)
 
 
 def threshold(args) -> list[str]:
@@ -196,9 +170,7 @@ def threshold(args) -> list[str]:
         "model's plain row.",
     ]
     for path in args.model:
-        lines += ["", f"### `{path}`", "", "| setting | accuracy | tokens / step | steps / sample | tokens/s | speed-up |",
-                  "|---|---|---|---|---|---|"]
-        lines += threshold_table(path, rows, args)
+        lines += ["", f"### `{path}`", ""] + threshold_table(path, rows, args)
     return lines
 
 
@@ -237,8 +209,9 @@ def threshold_table(path: str, rows: list[dict], args) -> list[str]:
                       "tokens_per_s": useful / sec})
         print(path, table[-1], flush=True)
     base = table[0]
-    return [f"| {r['setting']} | {r['accuracy']:.3f} | {r['tokens_per_step']:.2f} | {r['steps']:.1f} | "
-            f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base['tokens_per_s']:.1f}x |" for r in table]
+    columns = ["setting", "accuracy", "tokens / step", "steps / sample", "tokens/s", "speed-up"]
+    return markdown_table(columns, [[r["setting"], f"{r['accuracy']:.3f}", f"{r['tokens_per_step']:.2f}", f"{r['steps']:.1f}",
+                                     f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s'] / base['tokens_per_s']:.1f}x"] for r in table])
 
 
 def main() -> None:

@@ -1,4 +1,5 @@
-"""The commit a benchmark's results file names."""
+"""What every benchmark's results file is stamped with (the commit, the machine, the libraries, the
+date) and the small writing helpers they share (markdown tables, number cells, atomic writes)."""
 from __future__ import annotations
 
 import datetime
@@ -6,7 +7,7 @@ import os
 import re
 import subprocess
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -39,7 +40,9 @@ def utc_now() -> str:
 
 
 def library_versions(names: tuple[str, ...] = ("torch", "deepspeed", "opencompass", "peft", "prefect", "dvc")) -> str:
-    """Installed versions of the libraries a result depends on ("absent" where not installed)."""
+    """Python's version and the installed versions of the libraries a result depends on ("absent"
+    where not installed)."""
+    import platform
     from importlib import metadata
 
     def version(name: str) -> str:
@@ -48,7 +51,7 @@ def library_versions(names: tuple[str, ...] = ("torch", "deepspeed", "opencompas
         except metadata.PackageNotFoundError:
             return "absent"
 
-    return ", ".join(f"{n} {version(n)}" for n in names)
+    return ", ".join([f"Python {platform.python_version()}"] + [f"{n} {version(n)}" for n in names])
 
 
 def cpu_model() -> str:
@@ -68,9 +71,70 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def host_memory_bytes() -> int:
+    """The machine's RAM (0 where /proc/meminfo cannot be read)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def hardware(gpu: bool = True, cpu_detail: bool = False) -> str:
+    """The machine in one line: the GPU (name, memory) unless `gpu` is off or there is none, the host's
+    cores and RAM (`cpu_detail`: also the CPU's model and the cores this process may use), torch, CUDA
+    and DeepSpeed. train_step.py and multi_gpu.py compare this line between runs (--add, --merge), so
+    the default wording stays as those runs recorded it."""
+    import platform
+    from importlib import metadata
+
+    import torch
+
+    try:
+        ds = metadata.version("deepspeed")
+    except metadata.PackageNotFoundError:
+        ds = "absent"
+    cores = f"{os.cpu_count()} CPU cores"
+    if cpu_detail:
+        cores = f"{cpu_model()}, {cores} ({usable_cores()} usable)"
+    cpu = f"{cores}, {host_memory_bytes() / 2**30:.0f} GiB RAM"
+    if gpu and torch.cuda.is_available():
+        name = f"{torch.cuda.get_device_name()} ({torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB)"
+        return f"{name}, {cpu}, torch {torch.__version__}, CUDA {torch.version.cuda}, DeepSpeed {ds}"
+    return f"CPU only ({platform.machine()}), {cpu}, torch {torch.__version__}, DeepSpeed {ds}"
+
+
 def header(title: str, command: str, hardware: str, commit: Optional[str] = None, libraries: Optional[str] = None,
            date: Optional[str] = None) -> list[str]:
     """The top of a results file: what ran, at which commit (`commit`: as read when the run began;
     default: now), where, with what (default: installed here), when (default: now)."""
     return [f"# {title}", "", f"Git commit: {commit or git_commit()}  ", f"Command: `{command}`  ", f"Hardware: {hardware}  ",
             f"Libraries: {libraries or library_versions()}  ", f"Date: {date or utc_now()}", ""]
+
+
+def fmt(value, spec: str = ".2f", missing: str = "") -> str:
+    """A number's table cell; `missing` where it was not measured (None)."""
+    return missing if value is None else f"{value:{spec}}"
+
+
+def mean(values: Iterable) -> Optional[float]:
+    """The mean of the measured values (None ignored); None if there are none."""
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def markdown_table(columns: Sequence[str], rows: Iterable[Sequence]) -> list[str]:
+    """A markdown table's lines: the header, the rule, then a line per row of cells (str() of each)."""
+    def line(cells: Sequence) -> str:
+        return "| " + " | ".join(str(c) for c in cells) + " |"
+
+    return [line(columns), "|" + "---|" * len(columns)] + [line(r) for r in rows]
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Replace `path` in one step: a reader (or a run stopped half-way) never sees half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

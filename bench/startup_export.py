@@ -25,7 +25,6 @@ import gc
 import importlib
 import json
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -41,21 +40,9 @@ from dare_core.diffusion.seeding import generator  # noqa: E402
 from dare_core.models.lora import LoraSettings, apply_lora, lora_layers  # noqa: E402
 from dare_core.models.lm import empty_model  # noqa: E402
 from dare_core.models.hf_folder import load_model, save_model, verify_saved  # noqa: E402
-from stamp import git_commit, library_versions  # noqa: E402
+from stamp import fmt, git_commit, hardware, library_versions, markdown_table  # noqa: E402
 
 CONFIGS = REPO / "bench" / "configs"
-
-
-def hardware(device: torch.device) -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    host = f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, Python {platform.python_version()}"
-    if device.type == "cuda":
-        return f"{torch.cuda.get_device_name(device)}; host {host}"
-    return host
 
 
 def sync(device: torch.device) -> None:
@@ -217,18 +204,16 @@ def write_report(args, argv, device: torch.device, config_path: Path, facts: dic
         "",
         f"Commit: {git_commit()}  ", f"Libraries: {library_versions()}  ",
         f"Command: `{command.strip()}`  ",
-        f"Hardware: {hardware(device)}  ",
+        f"Hardware: {hardware(gpu=device.type == 'cuda', cpu_detail=True)}  ",
         f"Date: {started:%Y-%m-%d %H:%M} UTC  ",
         f"Model: {config_path.name} with {args.layers} layers: {facts['params'] / 1e9:.2f} B parameters, "
         f"{facts['bytes'] / 1e9:.2f} GB in bf16 ({facts['shards']} shard{'s' if facts['shards'] > 1 else ''})",
         "",
-        "| phase | seconds | GB/s | peak host RSS (GB) |" + (" peak GPU memory (GB) |" if device.type == "cuda" else ""),
-        "|---|---|---|---|" + ("---|" if device.type == "cuda" else ""),
     ]
-    for r in rows:
-        rate = f"{r['GB/s']:.2f}" if r["GB/s"] else ""
-        gpu = f" {r['gpu']:.1f} |" if r["gpu"] is not None else ""
-        lines.append(f"| {r['phase']} | {r['s']:.2f} | {rate} | {r['rss']:.1f} |{gpu}")
+    gpu = device.type == "cuda"
+    lines += markdown_table(["phase", "seconds", "GB/s", "peak host RSS (GB)"] + (["peak GPU memory (GB)"] if gpu else []), [
+        [r["phase"], f"{r['s']:.2f}", f"{r['GB/s']:.2f}" if r["GB/s"] else "", f"{r['rss']:.1f}"] + ([fmt(r["gpu"], ".1f")] if gpu else [])
+        for r in rows])
     lines += [
         "",
         "GB/s: the model's (or the files') bytes over the phase's time. \"write a file\" and \"read the shard "

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import subprocess
 import sys
@@ -38,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
 from dare_core.threads import REASON_VAR, launcher_env  # noqa: E402
-from stamp import cpu_model, git_commit, header, usable_cores  # noqa: E402
+from stamp import git_commit, hardware, header, markdown_table  # noqa: E402
 
 OUT = REPO / "bench" / "results" / "threads.md"
 WORKLOADS = ("sft", "rollout")
@@ -162,13 +161,6 @@ def burners(n: int) -> Iterator[None]:
             p.wait()
 
 
-def hardware() -> str:
-    import torch
-
-    return (f"CPU {cpu_model()}, {usable_cores()} usable cores, torch {torch.__version__} "
-            f"(parallel backend: OpenMP), Python {platform.python_version()}")
-
-
 def run_load(burner_count: int, counts: list[int], seconds: float) -> dict:
     """Every cell of one load: {(threads, policy) or "auto": {workload: result}}."""
     base = clean_env()
@@ -195,19 +187,18 @@ def fmt(result: dict) -> str:
 def table(loads: dict, counts: list[int]) -> list[str]:
     """Samples/s of every fixed cell, the best of them, and auto beside it; a row per load and workload."""
     fixed_keys = [(n, p) for n in counts for p in POLICIES]
-    lines = ["| load | workload | " + " | ".join(f"{n} thr {p}" for n, p in fixed_keys)
-             + " | best fixed | auto (threads, wait policy) | auto / best |",
-             "|---|---|" + "---|" * (len(fixed_keys) + 3)]
+    columns = ["load", "workload"] + [f"{n} thr {p}" for n, p in fixed_keys] + ["best fixed", "auto (threads, wait policy)", "auto / best"]
+    cells = []
     for label, results in loads.items():
         auto = results["auto"]
         for w in WORKLOADS:
             fixed = {key: results[key]["samples_per_s"][w] for key in fixed_keys}
             best = max(fixed, key=fixed.get)
             ours = auto["samples_per_s"][w]
-            lines.append(f"| {label} | {w} | " + " | ".join(f"{fixed[k]:.0f}" for k in fixed_keys)
-                         + f" | {fixed[best]:.0f} ({best[0]} thr {best[1]}) | {ours:.0f} ({auto['threads']}, "
-                         f"{auto['wait_policy']}) | {ours / fixed[best]:.2f} |")
-    return lines
+            cells.append([label, w] + [f"{fixed[k]:.0f}" for k in fixed_keys] + [
+                f"{fixed[best]:.0f} ({best[0]} thr {best[1]})", f"{ours:.0f} ({auto['threads']}, {auto['wait_policy']})",
+                f"{ours / fixed[best]:.2f}"])
+    return markdown_table(columns, cells)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -229,7 +220,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     from dare_core.config import load_config
 
     cfg = load_config(REPO / "params.yaml")
-    lines = header("torch CPU threads on an idle and a busy machine", command, hardware(), commit)
+    lines = header("torch CPU threads on an idle and a busy machine", command, hardware(gpu=False, cpu_detail=True) + " (torch's CPU parallel backend: OpenMP)", commit)
     lines += [f"Samples/s of the embedded default model (params.yaml), each cell a fresh interpreter measured for "
               f"{args.seconds:g} s per workload after a warm-up step. sft: a {cfg.sft.micro_batch_size}-row "
               f"micro-batch step (masked loss, backward, clipping, AdamW); rollout: a {cfg.rl.sampler.batch_size}-prompt "

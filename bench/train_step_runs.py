@@ -1,0 +1,354 @@
+"""bench/train_step.py's runs: each task (a model folder, an SFT run, an RL run) runs the stage loop
+itself in a child process of its own, with params.yaml and the run's overrides as a stage reads
+them; the parent turns each task's metrics into a results row."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from rl_pieces import PUBLIC, REWARD, register_rl_pieces
+from model_throughput import peak_bf16
+from stamp import REPO, hardware, host_memory_bytes, mean
+from train_step_setup import FAMILIES, Settings, evict_page_cache, optimizer_host_bytes, write_data, write_model_folder
+
+ENTRY = Path(__file__).with_name("train_step.py")  # a child runs `train_step.py --task SPEC`
+RL_PHASES = ("rollout", "reward", "scoring", "forward_backward", "optimizer")
+STARTUP_PHASES = ("checks", "load", "engine")
+EXPORT_PHASES = ("produce", "copy", "disk_wait", "other")  # merging the adapter in, copying off the GPU, waiting for the disk, opening and closing files
+
+# --------------------------------------------------------------------------- one run (child process)
+
+
+def stage_config(spec: dict):
+    """params.yaml with the run's overrides, read as a stage reads it."""
+    from dare_core.config import load_config
+
+    overrides = [f"{key}={json.dumps(value)}" for key, value in spec["overrides"].items()]
+    return load_config(REPO / "params.yaml", overrides)
+
+
+def common_overrides(spec: dict) -> dict:
+    root = Path(spec["workdir"])
+    name = spec["name"]
+    return {
+        "run.name": name, "run.seed": 0, "run.runs_dir": str(root / "runs"), "run.models_dir": str(root / "models"),
+        "run.metrics_dir": str(root / "runs" / name / "metrics"), "data.prepared_dir": spec["data"],
+        "data.tokenizer_dir": spec["folder"], "model.path": spec["folder"], "model.family": FAMILIES[spec["shape"]],
+        "model.gradient_checkpointing": True, "model.dtype": "auto",
+    }
+
+
+def sft_overrides(spec: dict, s: Settings) -> dict:
+    lora = {"r": s.sft_lora[0], "alpha": s.sft_lora[1]} if spec["training"] == "lora" else None
+    return {
+        **common_overrides(spec), "model.packing": spec["packing"], "model.compile": spec.get("compile", False), "model.lora": lora,
+        # full parameters: ZeRO-3 with the optimizer on the CPU (DeepSpeedCPUAdam): the fp32 master
+        # weights, gradients and Adam moments of a full 8B model (16 bytes a parameter) do not fit one GPU
+        "launch.zero_stage": 0 if lora else 3, "launch.offload_optimizer": "none" if lora else "cpu",
+        "sft.max_steps": s.sft_warmup + s.sft_steps, "sft.micro_batch_size": s.sft_micro, "sft.grad_accum": s.sft_accum,
+        "sft.pad_to": s.sft_pad_to, "sft.log_every": 1, "sft.save_every": 10**9,
+        "sft.optim": {"lr": 1e-5, "warmup_steps": 0, "schedule": "constant"},
+    }
+
+
+def rl_overrides(spec: dict, s: Settings, block_size: Optional[int]) -> dict:
+    public = spec["recipe"] == "public"
+    algorithm = PUBLIC if public else "d1"
+    cuda = torch.cuda.is_available()
+    sampler = {
+        "gen_length": s.rl_gen, "steps": s.rl_denoise_steps, "block_length": block_size or s.rl_block,
+        "temperature": s.rl_temperature, "cache": "none" if public else ("block_kv" if block_size else "dual"),
+        "cuda_graphs": None if public or not cuda else True, "compile_forward": cuda and not public,
+        "engine": PUBLIC if public else "native",
+        "batch_size": s.public_chunk if public else s.rollout_batch,
+    }
+    return {
+        **common_overrides(spec), "model.packing": "off" if public else "on",
+        "model.lora": {"r": s.rl_lora[0], "alpha": s.rl_lora[1]}, "launch.zero_stage": 0,
+        "rl.algorithm": algorithm, "rl.algorithm_args": {algorithm: {"p_mask_prompt": 0.15}}, "rl.reward": REWARD,
+        "rl.num_steps": s.rl_public_steps if public else s.rl_steps, "rl.prompts_per_step": s.rl_prompts,
+        "rl.group_size": s.rl_group, "rl.num_iterations": s.rl_iterations, "rl.mini_batches": 1,
+        "rl.micro_batch_size": s.rl_micro, "rl.adv_estimator": "grpo", "rl.kl_beta": s.rl_kl, "rl.sampler": sampler,
+        "rl.optim": {"lr": 1e-6}, "rl.validate_every": 0, "rl.log_every": 1, "rl.save_every": 10**9,
+    }
+
+
+def metrics_rows(out_dir: Path) -> list[dict]:
+    path = out_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def sft_step_work(cfg, world: int = 1) -> list[dict]:
+    """Per step: real and padded tokens, and the model FLOPs of the useful work (bench/model_throughput.py's
+    model) of all `world` ranks together, rebuilt with the loop's own batching from the same data order."""
+    from model_throughput import model_flops
+
+    from dare_core.data.batching import balanced_micro_batches, global_batch_indices, sft_batch
+    from dare_core.data.schema import read_rows
+    from dare_core.models.hf_folder import inspect_model
+    from dare_core.training.setup import stage_tokenizer
+    from dare_core.training.sft_loop import encode_sft_rows, sft_row_cost
+
+    rows = read_rows(Path(cfg.data.prepared_dir) / "sft.parquet", "sft")
+    prompts, responses = encode_sft_rows(rows, stage_tokenizer(cfg))
+    model = inspect_model(cfg.model.path)
+    sc = cfg.sft
+    global_batch = sc.micro_batch_size * sc.grad_accum * world
+    cost = sft_row_cost(prompts, responses, sc.pad_to, model.block_size is None)
+    work = []
+    for step in range(sc.max_steps):
+        idx = global_batch_indices(step, global_batch, len(rows), cfg.run.seed)
+        padded, lens, rank_tokens = 0, [], [0] * world
+        for k, m in enumerate(balanced_micro_batches(idx, cost, sc.micro_batch_size)):
+            b = sft_batch([prompts[i] for i in m], [responses[i] for i in m], [rows[i]["uid"] for i in m], sc.pad_to,
+                          model.eos_token_id, model.pad_token_id, eos_padding=model.block_size is None)
+            lens += b.attention_mask.sum(-1).tolist()
+            padded += b.attention_mask.numel()
+            rank_tokens[k % world] += int(b.attention_mask.sum())  # the loop's micro[rank::world]
+        # block diffusion trains through the two-stream layout [x_t ; x_0]: its forward runs every
+        # real token twice
+        flops = model_flops(model, [2 * n for n in lens] if model.block_size else lens, backward=True)
+        work.append({"real_tokens": sum(lens), "padded_tokens": padded, "sequences": len(lens), "flops": flops,
+                     "rank_tokens": rank_tokens})
+    return work
+
+
+def run_sft_task(spec: dict, s: Settings) -> dict:
+    from dare_core.training.sft_loop import run_sft
+
+    cfg = stage_config({**spec, "overrides": sft_overrides(spec, s)})
+    shutil.rmtree(cfg.run_dir, ignore_errors=True)
+    launch = time.time() - spec["spawned_at"]
+    summary = run_sft(cfg, progress=False, save_checkpoints=False, export=spec["export"], phase_times=True)
+    out = {"summary": summary, "metrics": metrics_rows(cfg.stage_dir("sft")), "work": sft_step_work(cfg), "launch_s": launch}
+    shutil.rmtree(cfg.stage_dir("sft") / "model", ignore_errors=True)  # 16 GB of the disk
+    return out
+
+
+def run_rl_task(spec: dict, s: Settings) -> dict:
+    from dare_core.models.hf_folder import inspect_model
+    from dare_core.training.rl_loop import rl_start_folder, run_rl
+
+    register_rl_pieces()
+    block_size = inspect_model(spec["folder"]).block_size
+    cfg = stage_config({**spec, "overrides": rl_overrides(spec, s, block_size)})
+    shutil.rmtree(cfg.run_dir, ignore_errors=True)
+    # RL starts from the SFT stage's export: here, the shape's folder itself
+    start = rl_start_folder(cfg)
+    start.parent.mkdir(parents=True)
+    start.symlink_to(spec["folder"], target_is_directory=True)
+    launch = time.time() - spec["spawned_at"]
+    summary = run_rl(cfg, progress=False, save_checkpoints=False, phase_times=True)
+    return {"summary": summary, "metrics": metrics_rows(cfg.stage_dir("rl")), "launch_s": launch}
+
+
+def run_task(spec: dict) -> dict:
+    s = Settings(**spec["settings"])
+    if spec["kind"] == "folder":
+        return write_model_folder(spec["shape"], Path(spec["folder"]), spec["tiny"])
+    if spec["kind"] == "sft":
+        return run_sft_task(spec, s)
+    return run_rl_task(spec, s)
+
+
+def task_main(spec_path: Path) -> int:
+    """A child: run one task, write its result (or its error) next to the spec."""
+    spec = json.loads(spec_path.read_text())
+    result_path = spec_path.with_suffix(".result.json")
+    try:
+        result = run_task(spec)
+        result.update(hardware=hardware(), peak_flops=peak_bf16())
+    except Exception as exc:  # recorded in the results file: a bench reports what failed, and goes on
+        traceback.print_exc()
+        if isinstance(exc, torch.cuda.OutOfMemoryError):
+            result = {"error": f"out of GPU memory ({str(exc).splitlines()[0][:160]})"}
+        else:
+            result = {"error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        result["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    result_path.write_text(json.dumps(result))
+    return 0
+
+
+# --------------------------------------------------------------------------- the parent: plan and run
+
+
+def child_env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    # the interpreter's own tools first (ninja for DeepSpeed's JIT ops), as the stage commands run
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    if not torch.cuda.is_available():
+        env.setdefault("DS_ACCELERATOR", "cpu")
+    return env
+
+
+class Runner:
+    """Runs tasks in child processes, logs each to the work folder, returns their results."""
+
+    def __init__(self, workdir: Path, timeout: Optional[float], verbose: bool):
+        self.dir = workdir / "tasks"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.timeout, self.verbose = timeout or None, verbose
+
+    def __call__(self, name: str, spec: dict) -> dict:
+        spec_path = self.dir / f"{name}.json"
+        result_path = spec_path.with_suffix(".result.json")
+        log_path = spec_path.with_suffix(".log")
+        result_path.unlink(missing_ok=True)
+        spec_path.write_text(json.dumps({**spec, "spawned_at": time.time()}))
+        print(f"[train_step] {name} ...", flush=True)
+        t0 = time.perf_counter()
+        with log_path.open("w") as log:
+            try:
+                proc = subprocess.run([sys.executable, str(ENTRY), "--task", str(spec_path)], env=child_env(), cwd=REPO,
+                                      stdout=None if self.verbose else log, stderr=subprocess.STDOUT, timeout=self.timeout)
+                code = proc.returncode
+            except subprocess.TimeoutExpired:
+                code = None
+        wall = time.perf_counter() - t0
+        if result_path.exists():
+            result = json.loads(result_path.read_text())
+        elif code is None:
+            result = {"error": f"stopped after the {self.timeout:.0f} s task limit"}
+        elif code < 0:
+            result = {"error": f"killed by signal {-code}" + (" (host out of memory?)" if -code == 9 else "")}
+        else:
+            result = {"error": f"exited with code {code}, no result (see {log_path})"}
+        result["wall_s"] = wall
+        status = result.get("error", "ok")
+        print(f"[train_step] {name}: {status} ({wall:.0f} s)", flush=True)
+        if "error" in result and not self.verbose:
+            print("".join(log_path.read_text().splitlines(keepends=True)[-25:]), flush=True)
+        return result
+
+
+def sft_row(shape: str, training: str, packing: str, result: dict, s: Settings, compiled: bool = False) -> dict:
+    row = {"part": "sft" if training == "lora" else "sft-full", "shape": shape, "training": training, "packing": packing,
+           "compile": compiled, "hardware": result.get("hardware")}
+    if "error" in result:
+        return {**row, "error": result["error"]}
+    steps = [m for m in result["metrics"] if "time/step_s" in m]
+    timed = steps[s.sft_warmup:]
+    work = result["work"][s.sft_warmup:]
+    seconds = sum(m["time/step_s"] for m in timed)
+    row.update(
+        steps=len(timed), sequences=mean([w["sequences"] for w in work]),
+        real_tokens=mean([w["real_tokens"] for w in work]), padded_tokens=mean([w["padded_tokens"] for w in work]),
+        step_s=seconds / len(timed), fwd_bwd_s=mean([m.get("time/forward_backward_s") for m in timed]),
+        optimizer_s=mean([m.get("time/optimizer_s") for m in timed]),
+        tokens_per_s=sum(w["real_tokens"] for w in work) / seconds,
+        mfu=sum(w["flops"] for w in work) / seconds / result["peak_flops"] if result["peak_flops"] else None,
+        peak_gib=max((m["memory/peak_gib"] for m in timed if "memory/peak_gib" in m), default=None),
+        **startup(steps, result),
+        export_s=next((m["time/export_s"] for m in result["metrics"] if "time/export_s" in m), None),
+        export_parts=next(({k: m.get(f"time/export_{k}_s") for k in EXPORT_PHASES} for m in result["metrics"] if "time/export_s" in m), {}),
+        loss=steps[-1].get("loss") if steps else None,
+    )
+    return row
+
+
+def startup(steps: list[dict], result: dict) -> dict:
+    """Start-up seconds and their phases, from the first logged step."""
+    first = steps[0] if steps else {}
+    return {"startup_s": first.get("time/startup_s"), "launch_s": result.get("launch_s"),
+            "startup_parts": {p: first.get(f"time/startup_{p}_s") for p in STARTUP_PHASES}}
+
+
+def rl_row(shape: str, recipe: str, result: dict) -> dict:
+    row = {"part": "rl" if recipe == "dare" else "rl-public", "shape": shape, "recipe": recipe, "hardware": result.get("hardware")}
+    if "error" in result:
+        return {**row, "error": result["error"]}
+    steps = [m for m in result["metrics"] if "time/step_s" in m]
+    last = steps[-1]
+    row.update({p: last.get(f"time/{p}_s", 0.0) for p in RL_PHASES})
+    row.update(step=last["step"], step_s=last["time/step_s"], **startup(steps, result),
+               zero_std_ratio=last.get("zero_std_ratio"), reward_std=last.get("reward_std"),
+               peak_gib=last.get("memory/peak_gib"), response_tokens=last.get("response_tokens"))
+    row["other"] = row["step_s"] - sum(row[p] for p in RL_PHASES)
+    return row
+
+
+class Rows(list):
+    """The rows measured so far; each one added rewrites the results file, so a run stopped by a
+    time limit still leaves what it measured (its file says which runs it has)."""
+
+    def __init__(self, save: Callable[[list[dict]], None]):
+        super().__init__()
+        self.save = save
+
+    def append(self, row: dict) -> None:
+        super().append(row)
+        self.save(list(self))
+
+    def __iadd__(self, rows):
+        for row in rows:
+            self.append(row)
+        return self
+
+
+def run_shape(shape: str, parts: list[str], args, s: Settings, runner: Runner, rows: list[dict]) -> list[dict]:
+    """Every selected run at one shape, on its folder (written first if this work folder lacks it)."""
+    base = Path(args.workdir) / ("tiny" if args.tiny else "8b") / shape
+    folder, data = base / "model", base / "data"
+    if not (folder / "config.json").exists():
+        result = runner(f"{shape}-folder", {"kind": "folder", "shape": shape, "folder": str(folder), "tiny": args.tiny,
+                                            "settings": dataclasses.asdict(s)})
+        rows.append({"part": "folder", "shape": shape, **result})
+        if "error" in result:
+            return rows
+    data.mkdir(parents=True, exist_ok=True)
+    write_data(data, s)
+    spec = {"shape": shape, "folder": str(folder), "data": str(data), "workdir": str(base), "tiny": args.tiny,
+            "settings": dataclasses.asdict(s)}
+
+    def run(name: str, **extra) -> dict:
+        if args.cold:
+            evict_page_cache(folder)
+        return runner(f"{shape}-{name}", {**spec, "name": name, **extra})
+
+    if "sft" in parts:
+        variants = [("on", False), ("off", False)] + ([("on", True)] if shape in args.compile_shapes else [])
+        for packing, compiled in variants:
+            name = f"sft-lora-{packing}" + ("-compile" if compiled else "")
+            result = run(name, kind="sft", training="lora", packing=packing, compile=compiled,
+                         export=packing == "on" and not compiled)
+            rows.append(sft_row(shape, "lora", packing, result, s, compiled))
+    if "sft-full" in parts:
+        rows += full_parameter_rows(shape, folder, args, s, run)
+    if "rl" in parts:
+        rows.append(rl_row(shape, "dare", run("rl-dare", kind="rl", recipe="dare")))
+    if "rl-public" in parts and shape in args.public_shapes:
+        rows.append(rl_row(shape, "public", run("rl-public", kind="rl", recipe="public")))
+    return rows
+
+
+def full_parameter_rows(shape: str, folder: Path, args, s: Settings, run) -> list[dict]:
+    """Full-parameter SFT packed and padded, or why it cannot run here."""
+    from dare_core.models.hf_folder import inspect_model
+
+    n = sum(p.numel() for p in inspect_model(folder).parameters())
+    need, have = optimizer_host_bytes(n), host_memory_bytes()
+    if args.full_param == "auto" and have and need > 0.9 * have:
+        why = (f"not run: ZeRO-3 with the optimizer on the CPU needs about {need / 2**30:.0f} GiB of host memory "
+               f"for {n / 1e9:.2f} B parameters (fp32 weights, gradients and two Adam moments, 16 bytes each), "
+               f"this machine has {have / 2**30:.0f} GiB; on the GPU alone they would take {need / 2**30:.0f} GiB "
+               f"beside the bf16 weights (--full-param run tries anyway)")
+        return [{"part": "sft-full", "shape": shape, "training": "full", "packing": p, "error": why} for p in ("on", "off")]
+    return [sft_row(shape, "full", p, run(f"sft-full-{p}", kind="sft", training="full", packing=p, export=False), s)
+            for p in ("on", "off")]
+
+
