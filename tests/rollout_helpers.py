@@ -9,6 +9,7 @@ from dare_core.config import SamplerConfig
 from dare_core.diffusion.masking import valid_region
 from dare_core.diffusion.seeding import generator, sample_generators
 from dare_core.sampling.decode import generate
+from dare_core.sampling.engines import build_engine
 from dare_core.sampling.trajectory import record_width
 
 
@@ -38,3 +39,19 @@ def rollout_batch(model, sampler: SamplerConfig, n: int = 4, prompt_len: int = 5
     if advantages is None:
         advantages = torch.linspace(-1.0, 1.0, n)
     return Batch(out.sequences, out.attention_mask, P, valid, uids, advantages, records), out
+
+
+class RecordingEngine:
+    """The native engine, keeping the prompts it was asked to decode."""
+
+    name = "recording"
+
+    def __init__(self, model):
+        self.model, self.native, self.prompts = model, build_engine("native", model), []
+
+    def generate(self, prompts, params, generators=None, record="none"):
+        self.prompts += [list(p) for p in prompts]
+        return self.native.generate(prompts, params, generators=generators, record=record)
+
+    def update_weights(self, model) -> None:
+        self.model = model

@@ -13,7 +13,7 @@ import torch
 
 from dare_core.algorithms.common import LossOutput
 from dare_core.algorithms.registry import RL_ALGORITHMS
-from dare_core.algorithms.rollout import rollout
+from dare_core.algorithms.rollout import RolloutSpec, rollout
 from dare_core.batch import Batch
 from dare_core.rl_rules import check_algorithm_fits
 
@@ -68,10 +68,10 @@ class RLAlgorithm(Algorithm):
         transitions. The loop sizes mini- and micro-batches from it."""
         return self.rl.group_size
 
-    def rollout(self, sampler, model, tokenizer, rows: list, cfg, step: int) -> tuple[Batch, dict]:
-        """Rollouts of `rows` (G per prompt), rewarded, as a training batch with advantages. The
-        default is the loop's sampler; tree-structured rollouts (d-TreeRPO) override it."""
-        return rollout(sampler, model, tokenizer, rows, cfg, step, self.requires)
+    def rollout(self, engine, tokenizer, rows: list, spec: RolloutSpec) -> tuple[Batch, dict]:
+        """Rollouts of `rows` (G per prompt) from the rollout `engine`, rewarded, as a training batch
+        with advantages. Another order (JustGRPO) or shape (d-TreeRPO's tree) overrides it."""
+        return rollout(engine, tokenizer, rows, spec, self.rl.adv_estimator, self.requires)
 
     def prepare(self, batch: Batch, context) -> dict:
         """After the rollout is rewarded: e.g. per-step rewards and advantages (MDPO). Metrics."""

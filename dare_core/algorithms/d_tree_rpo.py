@@ -44,10 +44,13 @@ import torch
 from dare_core.algorithms.base import RLAlgorithm
 from dare_core.algorithms.common import LossOutput, token_policy_loss, wants_entropy
 from dare_core.algorithms.registry import register_rl
+from dare_core.algorithms.rollout import RolloutSpec
 from dare_core.batch import Batch
 from dare_core.diffusion.likelihood import entropy_of_logprobs, token_logprobs
 from dare_core.diffusion.masking import Corruption, valid_region
-from dare_core.sampling.tree import TreeOutput, TreeShape, tree_rollout, tree_shape
+from dare_core.rewards.grading import grade
+from dare_core.sampling.decode import response_texts
+from dare_core.sampling.tree import TreeOutput, TreeShape, tree_shape
 from dare_core.timing import phase
 
 log = logging.getLogger(__name__)
@@ -203,38 +206,28 @@ class DTreeRPO(RLAlgorithm):
 
     # ------------------------------------------------------------------ rollout
 
-    def rollout(self, sampler, model, tokenizer, rows: list, cfg, step: int) -> tuple[Batch, dict]:
-        from dare_core.rewards.scoring import failure_metrics, score_texts
-
-        rl = cfg.rl
+    def rollout(self, engine, tokenizer, rows: list, spec: RolloutSpec) -> tuple[Batch, dict]:
+        model = engine.model
         prompts = [tokenizer.encode(r["prompt_text"]) for r in rows]
         uids = [str(r["uid"]) for r in rows]
-        was_training = model.training
-        model.eval()
         t0 = time.time()
-        tree = tree_rollout(model, prompts, rl.sampler, self.shape, (cfg.run.seed, "tree_rollout", step), uids, rl.sampler.batch_size)
+        tree = engine.generate_tree(prompts, spec.params, self.shape, (spec.seed, "tree_rollout", spec.step), uids,
+                                    spec.params.batch_size)
         rollout_s = time.time() - t0
-        model.train(was_training)
         n_leaves = len(self.shape.leaves)
-        texts = []
-        for row in tree.responses.reshape(-1, tree.responses.shape[-1]).tolist():
-            if model.eos_token_id in row:
-                row = row[: row.index(model.eos_token_id)]
-            texts.append(tokenizer.decode(row, skip_special_tokens=True))
+        leaves = tree.responses.reshape(-1, tree.responses.shape[-1])
+        texts = response_texts(tokenizer, leaves)
         with phase("reward"):  # time/reward_s, as for the default rollout (not charged to the rollout)
-            results = score_texts([r for r in rows for _ in range(n_leaves)], texts, rl.reward, rl.reward_args)
-        rewards = torch.tensor([r.score for r in results], dtype=torch.float32).view(len(rows), n_leaves)
-        batch, info = self.transition_batch(tree, prompts, uids, rewards, step / max(rl.num_steps, 1), model.pad_token_id,
-                                            next(model.parameters()).device)
-        valid = valid_region(tree.responses.reshape(-1, tree.responses.shape[-1]), model.eos_token_id)
+            graded = grade([r for r in rows for _ in range(n_leaves)], texts, spec.reward, spec.reward_args)
+        rewards = graded.rewards.view(len(rows), n_leaves)
+        batch, info = self.transition_batch(tree, prompts, uids, rewards, spec.step / max(self.rl.num_steps, 1),
+                                            model.pad_token_id, next(model.parameters()).device)
+        valid = valid_region(leaves, model.eos_token_id)
         metrics = {
             "rollout_steps": tree.steps.float().mean().item(),
             "rollout_tokens_per_s": float(tree.responses.numel()) / max(rollout_s, 1e-9),
-            "reward": rewards.mean().item(),
-            "accuracy": sum(r.acc for r in results) / len(results),
+            **graded.metrics,
             "response_tokens": valid.sum(-1).float().mean().item(),
-            "extraction_failed": sum(1 for r in results if r.extra.get("extraction_failed")) / len(results),
-            **failure_metrics(results),
             "rollout_nfe": tree.nfe,
             "zero_std_ratio": (rewards.std(-1) == 0).float().mean().item(),
             "reward_std": rewards.std(-1).mean().item(),

@@ -16,7 +16,7 @@ import torch
 from dare_core.algorithms.base import RLAlgorithm
 from dare_core.algorithms.common import LossOutput, replayed_token_update
 from dare_core.algorithms.registry import register_rl
-from dare_core.algorithms.rollout import rollout
+from dare_core.algorithms.rollout import RolloutSpec, rollout
 from dare_core.batch import Batch
 from dare_core.diffusion.likelihood import rows_logprobs
 from dare_core.diffusion.masking import CorruptionSet
@@ -47,9 +47,9 @@ class JustGRPO(RLAlgorithm):
             raise ValueError("rl.algorithm just_grpo needs a left-to-right rollout: set rl.sampler " + ", ".join(problems))
         self.temperature = sampler.temperature
 
-    def rollout(self, sampler, model, tokenizer, rows: list, cfg, step: int) -> tuple[Batch, dict]:
-        rl = dataclasses.replace(cfg.rl, sampler=left_to_right(cfg.rl.sampler))
-        return rollout(sampler, model, tokenizer, rows, dataclasses.replace(cfg, rl=rl), step, self.requires)
+    def rollout(self, engine, tokenizer, rows: list, spec: RolloutSpec) -> tuple[Batch, dict]:
+        spec = dataclasses.replace(spec, params=left_to_right(spec.params))
+        return rollout(engine, tokenizer, rows, spec, self.rl.adv_estimator, self.requires)
 
     def corrupt(self, batch: Batch, seed_base: tuple) -> CorruptionSet:
         return ar_rows(batch.input_ids, batch.prompt_len, batch.response_mask, self.mask_id)

@@ -3,20 +3,35 @@ given group advantages, with the trajectory records the algorithm asked for. The
 `RLAlgorithm.rollout`; the RL loop calls it through the algorithm."""
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
 
 from dare_core.algorithms.common import group_advantages
 from dare_core.batch import Batch
-from dare_core.config import DareConfig
-from dare_core.diffusion.seeding import sample_generators
-from dare_core.rewards.scoring import failure_metrics, score_texts
-from dare_core.sampling.decode import decode_responses
+from dare_core.config import RLConfig, SamplerConfig
+from dare_core.rewards.grading import grade
+from dare_core.sampling.completions import Completions, generate
+from dare_core.sampling.decode import response_texts
 from dare_core.sampling.engines import RolloutEngine
 from dare_core.sampling.trajectory import record_width
 from dare_core.timing import phase
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    """What one RL step's rollouts are drawn and graded with (the config's part of it)."""
+
+    params: SamplerConfig  # rl.sampler: the decoding settings and how many prompts decode at once
+    group_size: int  # rollouts per prompt
+    seed: int  # run.seed
+    step: int  # the RL step (the seeds name it)
+    reward: str = "auto"
+    reward_args: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, rl: RLConfig, seed: int, step: int) -> "RolloutSpec":
+        return cls(rl.sampler, rl.group_size, seed, step, rl.reward, rl.reward_args)
 
 
 def record_level(requires: frozenset) -> str:
@@ -26,43 +41,33 @@ def record_level(requires: frozenset) -> str:
     return "steps" if requires & {"step_map", "decoded"} else "none"
 
 
-def rollout(sampler: RolloutEngine, model, tokenizer, rows: list[dict], cfg: DareConfig, step: int,
+def rollout(engine: RolloutEngine, tokenizer, rows: list[dict], spec: RolloutSpec, adv_estimator: str,
             requires: frozenset = frozenset()) -> tuple[Batch, dict]:
     """G samples per prompt, rewarded and turned into a training batch with group advantages."""
-    rl = cfg.rl
-    expanded = prompt_rows_expanded(rows, rl.group_size)
-    uids = [f"{r['uid']}/{g}" for r in rows for g in range(rl.group_size)]
+    expanded = prompt_rows_expanded(rows, spec.group_size)
+    uids = [f"{r['uid']}/{g}" for r in rows for g in range(spec.group_size)]
     prompts = [tokenizer.encode(r["prompt_text"]) for r in expanded]
-    device = next(model.parameters()).device
-    model.eval()
-    outs = []
-    t0 = time.time()
-    for o in range(0, len(prompts), rl.sampler.batch_size):
-        gens = sample_generators((cfg.run.seed, "rollout", step), uids[o:o + rl.sampler.batch_size], device=device)
-        outs.append(sampler.generate(prompts[o:o + rl.sampler.batch_size], rl.sampler, generators=gens, record=record_level(requires)))
-    rollout_s = time.time() - t0
-    model.train()
+    seeds = [(spec.seed, "rollout", spec.step, uid) for uid in uids]
+    done = generate(engine, tokenizer, prompts, spec.params, seeds, spec.params.batch_size, record_level(requires))
     with phase("reward"):
-        batch, metrics = _rewarded_batch(outs, expanded, uids, tokenizer, model, rl, requires, rollout_s)
+        batch, metrics = _rewarded_batch(done, expanded, uids, engine.model, spec, adv_estimator, requires)
     return batch, metrics
 
 
-def _rewarded_batch(outs: list, expanded: list[dict], uids: list, tokenizer, model, rl, requires: frozenset,
-                    rollout_s: float) -> tuple[Batch, dict]:
-    """The rollout chunks as one training batch: decoded, rewarded, with group advantages."""
+def _rewarded_batch(done: Completions, expanded: list[dict], uids: list, model, spec: RolloutSpec, adv_estimator: str,
+                    requires: frozenset) -> tuple[Batch, dict]:
+    """The rollout chunks as one training batch: rewarded, with group advantages."""
+    outs = done.outputs
     # one common prompt width so that all rollouts form one batch
     width = max(o.prompt_len for o in outs)
-    seqs, attn, texts, nfe = [], [], [], 0
+    seqs, attn = [], []
     for o in outs:
         pad = width - o.prompt_len
         seqs.append(torch.nn.functional.pad(o.sequences, (pad, 0), value=model.pad_token_id))
         attn.append(torch.nn.functional.pad(o.attention_mask, (pad, 0), value=0))
-        texts += decode_responses(tokenizer, o)
-        nfe += o.nfe
     input_ids, attention_mask = torch.cat(seqs), torch.cat(attn)
-    results = score_texts(expanded, texts, rl.reward, rl.reward_args)
-    rewards = torch.tensor([r.score for r in results])
-    adv, adv_metrics = group_advantages(rewards, rl.group_size, rl.adv_estimator)
+    graded = grade(expanded, done.texts, spec.reward, spec.reward_args)
+    adv, adv_metrics = group_advantages(graded.rewards, spec.group_size, adv_estimator)
     response = input_ids[:, width:]
     # V: up to and including the first stop token (EOS or any of stop_token_ids), as the engine reports
     lengths = torch.cat([o.lengths.cpu() for o in outs]).to(response.device)
@@ -71,13 +76,10 @@ def _rewarded_batch(outs: list, expanded: list[dict], uids: list, tokenizer, mod
     steps = torch.cat([o.steps.float().cpu() for o in outs])
     metrics = {
         "rollout_steps": steps.mean().item(),
-        "rollout_tokens_per_s": attention_mask[:, width:].sum().item() / max(rollout_s, 1e-9),
-        "reward": rewards.mean().item(),
-        "accuracy": sum(r.acc for r in results) / len(results),
+        "rollout_tokens_per_s": attention_mask[:, width:].sum().item() / max(done.seconds, 1e-9),
+        **graded.metrics,
         "response_tokens": valid.sum(-1).float().mean().item(),
-        "extraction_failed": sum(1 for r in results if r.extra.get("extraction_failed")) / len(results),
-        **failure_metrics(results),  # responses whose grading failed (a reward's error, a sandbox timeout, ...)
-        "rollout_nfe": nfe,
+        "rollout_nfe": done.nfe,
         **adv_metrics,
     }
     return batch, metrics
@@ -118,11 +120,5 @@ class RolloutContext:
 
     def rewards(self, rollout_index: list, responses: torch.Tensor) -> torch.Tensor:
         """Rewards of response ids [N, L] (cut at the first EOS) for the given rollouts' prompts."""
-        eos = self.tokenizer.eos_token_id
-        texts = []
-        for row in responses.tolist():
-            if eos in row:
-                row = row[: row.index(eos)]
-            texts.append(self.tokenizer.decode(row, skip_special_tokens=True))
-        results = score_texts([self.rows[i] for i in rollout_index], texts, self.reward, self.reward_args)
-        return torch.tensor([r.score for r in results], dtype=torch.float32)
+        texts = response_texts(self.tokenizer, responses)
+        return grade([self.rows[i] for i in rollout_index], texts, self.reward, self.reward_args).rewards

@@ -192,19 +192,18 @@ class EvalModel:
     # ---- generation
     @torch.no_grad()
     def generate(self, prompts: Sequence[Prompt], overrides: Optional[dict] = None, desc: str = "generate") -> list[str]:
-        from dare_core.sampling.decode import decode_responses
+        from dare_core.sampling.completions import generate
 
         params = self.sampling_params(overrides)
         texts = [self.render(p) for p in prompts]
         ids = [self.tokenizer.encode(t) for t in texts]
         self._check_lengths(ids, params.gen_length)
         out: list[Optional[str]] = [None] * len(texts)
-        device = next(self.model.parameters()).device
         bar = tqdm(total=len(texts), desc=desc, disable=not self.progress, dynamic_ncols=True)
         for batch in self._batches(len(texts), [len(x) for x in ids]):
-            gens = [generator(self.seed, "eval-generate", texts[i], device=device) for i in batch]
-            result = self.engine.generate([ids[i] for i in batch], params, generators=gens)
-            for i, text in zip(batch, decode_responses(self.tokenizer, result)):
+            seeds = [(self.seed, "eval-generate", texts[i]) for i in batch]
+            done = generate(self.engine, self.tokenizer, [ids[i] for i in batch], params, seeds, len(batch))
+            for i, text in zip(batch, done.texts):
                 out[i] = text
             bar.update(len(batch))
         bar.close()

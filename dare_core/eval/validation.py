@@ -4,16 +4,18 @@ In-loop RL validation (`rl.validate_every`) grades the val split. Every sample's
 generator derived from (seed, "val", step, uid, sample index), so the numbers are reproducible and do
 not depend on the batch size, on which prompts share a batch or on which rank samples a prompt: with
 several ranks each samples its share (`sample_groups`), and the prompts' `prompt_at_k` scores, put
-back in prompt order, give the one-rank numbers (`at_k_of_prompts`).
+back in prompt order, give the one-rank numbers (`at_k_of_prompts`). Sampling goes through the
+configured rollout engine (`sampling/completions.py`), as the RL rollouts do.
 """
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from dare_core.diffusion.seeding import generator
 from dare_core.rewards import RewardResult
-from dare_core.rewards.scoring import score_texts
-from dare_core.sampling.decode import SamplingParams, decode_responses, generate
+from dare_core.rewards.grading import grade
+from dare_core.sampling.completions import generate
+from dare_core.sampling.engines import RolloutEngine
+from dare_core.sampling.params import SamplingParams
 
 # one graded sample: the reward's result and the decoded response it graded
 Sample = tuple[RewardResult, str]
@@ -63,39 +65,30 @@ def at_k_metrics(groups: Sequence[Sequence[Sample]]) -> dict[str, float]:
     return at_k_of_prompts([prompt_at_k(g) for g in groups], k)
 
 
-def sample_groups(model, tokenizer, rows: Sequence[dict], params: SamplingParams, k: int, seed: int, step: int,
-                  batch_size: int, reward: str = "auto", reward_args: Optional[dict] = None) -> tuple[list[list[Sample]], int]:
+def sample_groups(engine: RolloutEngine, tokenizer, rows: Sequence[dict], params: SamplingParams, k: int, seed: int,
+                  step: int, batch_size: int, reward: str = "auto", reward_args: Optional[dict] = None
+                  ) -> tuple[list[list[Sample]], int]:
     """The k graded samples of every row (a list per row, in row order) and the forward passes the
-    sampling took. The model is left in the train/eval mode it came in."""
+    sampling took. The engine's model is left in the train/eval mode it came in."""
     if k < 1:
         raise ValueError(f"validation needs k >= 1 samples per prompt, got {k}")
     if not rows:
         raise ValueError("validation needs at least one prompt")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    device = next(model.parameters()).device
     prompts = [tokenizer.encode(row["prompt_text"]) for row in rows]
     samples = [(i, j) for i in range(len(rows)) for j in range(k)]  # a prompt's k samples are adjacent
-    was_training = model.training
-    model.eval()
-    texts, nfe = [], 0
-    try:
-        for start in range(0, len(samples), batch_size):
-            chunk = samples[start:start + batch_size]
-            gens = [generator(seed, "val", step, rows[i]["uid"], j, device=device) for i, j in chunk]
-            out = generate(model, [prompts[i] for i, _ in chunk], params, generators=gens)
-            texts += decode_responses(tokenizer, out)
-            nfe += out.nfe
-    finally:
-        model.train(was_training)
-    results = score_texts([rows[i] for i, _ in samples], texts, reward, reward_args)
-    graded = list(zip(results, texts))
-    return [graded[i:i + k] for i in range(0, len(graded), k)], nfe
+    seeds = [(seed, "val", step, rows[i]["uid"], j) for i, j in samples]
+    done = generate(engine, tokenizer, [prompts[i] for i, _ in samples], params, seeds, batch_size)
+    results = grade([rows[i] for i, _ in samples], done.texts, reward, reward_args).results
+    graded = list(zip(results, done.texts))
+    return [graded[i:i + k] for i in range(0, len(graded), k)], done.nfe
 
 
-def validate(model, tokenizer, rows: Sequence[dict], params: SamplingParams, k: int, seed: int, step: int,
+def validate(engine: RolloutEngine, tokenizer, rows: Sequence[dict], params: SamplingParams, k: int, seed: int, step: int,
              batch_size: int, reward: str = "auto", reward_args: Optional[dict] = None) -> dict:
-    """Sample k responses to every row, grade them with the row's reward and return `at_k_metrics`
-    plus `k`, `prompts` and `nfe`. The model is left in the train/eval mode it came in."""
-    groups, nfe = sample_groups(model, tokenizer, rows, params, k, seed, step, batch_size, reward, reward_args)
+    """Sample k responses to every row through `engine`, grade them with the row's reward and return
+    `at_k_metrics` plus `k`, `prompts` and `nfe`. The engine's model is left in the train/eval mode it
+    came in."""
+    groups, nfe = sample_groups(engine, tokenizer, rows, params, k, seed, step, batch_size, reward, reward_args)
     return {**at_k_metrics(groups), "k": k, "prompts": len(rows), "nfe": nfe}

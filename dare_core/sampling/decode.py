@@ -202,24 +202,41 @@ def generate(
     generators: Optional[Sequence[torch.Generator]] = None,
     record: str = "none",
     max_blocks: Optional[int] = None,
-    init_response: Optional[torch.Tensor] = None,
-    step_range: Optional[tuple[int, int]] = None,
     lockstep: Optional[RankLockstep] = None,
 ) -> GenerationOutput:
     """Decode `params.gen_length` tokens after each prompt. `record`: "steps" keeps the step map
     (CJ-GRPO, d-TreeRPO), "full" also every step's proposals and confidences (MDPO). `max_blocks`
     decodes only the first blocks (benchmarks, previews); the rest of the response is EOS.
 
-    Resuming (d-TreeRPO's tree, masked diffusion with a count schedule and no cache):
-    `init_response` [B, gen_length] is the state to start from (MASK where undecoded) and
-    `step_range = (j0, j1)` runs only the steps j0 <= j < j1 of the whole schedule (steps are
-    numbered over all blocks, `steps_per_block` per block). Per-block counts are those of decoding
-    from the start, so running [0, j) and then [j, steps) from the first run's state commits what one
-    uninterrupted run does with the same random draws. The state a partial run ends in is
-    `trajectory.tokens` (`record="steps"`; MASK where still undecoded); `response` fills those with EOS.
-
     `lockstep`: how the ranks agree to go on; by default one exactly when ZeRO-3 partitions `model`
     over several ranks (`RankLockstep.for_model`), else each rank stops on its own."""
+    return _denoise(model, prompts, params, generators, record, max_blocks, None, None, lockstep)
+
+
+@torch.no_grad()
+def denoise_range(
+    model,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    init_response: Optional[torch.Tensor],
+    step_range: tuple[int, int],
+    generators: Optional[Sequence[torch.Generator]] = None,
+    lockstep: Optional[RankLockstep] = None,
+) -> GenerationOutput:
+    """Resume the denoising loop (tree rollouts, `tree.py`; masked diffusion with a count schedule and
+    no cache): `init_response` [B, gen_length] is the state to start from (MASK where undecoded; None:
+    all MASK) and `step_range = (j0, j1)` runs only the steps j0 <= j < j1 of the whole schedule (steps
+    are numbered over all blocks, `steps_per_block` per block). Per-block counts are those of decoding
+    from the start, so running [0, j) and then [j, steps) from the first run's state commits what one
+    uninterrupted run does with the same random draws. The state the run ends in is
+    `trajectory.tokens` (recorded at "steps"; MASK where still undecoded); `response` fills those with EOS."""
+    return _denoise(model, prompts, params, generators, "steps", None, init_response, step_range, lockstep)
+
+
+def _denoise(model, prompts: Sequence[Sequence[int]], params: SamplingParams, generators: Optional[Sequence[torch.Generator]],
+             record: str, max_blocks: Optional[int], init_response: Optional[torch.Tensor],
+             step_range: Optional[tuple[int, int]], lockstep: Optional[RankLockstep]) -> GenerationOutput:
+    """The one denoising loop behind `generate` and `denoise_range`."""
     if record not in RECORD:
         raise ValueError(f"record must be one of {RECORD}, got '{record}'")
     device = next(model.parameters()).device
@@ -228,7 +245,7 @@ def generate(
     resuming = init_response is not None or step_range is not None
     if resuming:
         if block_diffusion or params.cache != "none" or params.unmasking not in ("topk", "sequential"):
-            raise ValueError("init_response / step_range need a masked-diffusion model, cache: none and a count "
+            raise ValueError("resuming (init_response / step_range) needs a masked-diffusion model, cache: none and a count "
                              "schedule (unmasking: topk or sequential)")
         j_from, j_to = step_range if step_range is not None else (0, params.steps)
         if not 0 <= j_from <= j_to <= params.steps:
@@ -419,12 +436,18 @@ def response_output(prompts: Sequence[Sequence[int]], response: torch.Tensor, pa
     )
 
 
-def decode_responses(tokenizer, output: GenerationOutput) -> list[str]:
-    """Text of each response, cut at the first EOS, special tokens skipped."""
+def response_texts(tokenizer, responses: torch.Tensor) -> list[str]:
+    """Text of each response row [N, L] of token ids, cut at the first EOS, special tokens skipped:
+    what every reward grades."""
     eos = tokenizer.eos_token_id
     texts = []
-    for row in output.response.tolist():
+    for row in responses.tolist():
         if eos in row:
             row = row[: row.index(eos)]
         texts.append(tokenizer.decode(row, skip_special_tokens=True))
     return texts
+
+
+def decode_responses(tokenizer, output: GenerationOutput) -> list[str]:
+    """`response_texts` of an engine's output."""
+    return response_texts(tokenizer, output.response)

@@ -5,7 +5,7 @@ With `T` denoising steps and a contraction factor `s`, the branch points (in rem
 tree holds the states after the global steps [0, T - bp[d]); the root (level 0) is the all-MASK
 canvas. The root has `num_tree_samples` children, every later internal node `branch_factor`, and a
 child continues its parent's state through the steps between the two branch points with the one
-denoising loop (`generate(init_response=..., step_range=...)`) and a generator of its own, seeded
+denoising loop (`decode.denoise_range`) and a generator of its own, seeded
 from (run seed, step, prompt uid, node index): children of one parent draw differently, and a path
 from the root to a leaf commits what one uninterrupted run with those draws would.
 
@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 import torch
 
 from dare_core.diffusion.seeding import generator
-from dare_core.sampling.decode import generate
+from dare_core.sampling.decode import denoise_range
 from dare_core.sampling.params import SamplingParams
 
 
@@ -122,8 +122,7 @@ def tree_rollout(model, prompts: Sequence[Sequence[int]], params: SamplingParams
             chunk = jobs[o:o + max(1, batch_size)]
             init = torch.stack([states[b, shape.parent[n]] for b, n in chunk])
             gens = [generator(*seed_base, uids[b], f"node{n}", device=device) for b, n in chunk]
-            out = generate(model, [prompts[b] for b, _ in chunk], params, generators=gens, record="steps",
-                           init_response=init, step_range=(j0, j1))
+            out = denoise_range(model, [prompts[b] for b, _ in chunk], params, init, (j0, j1), generators=gens)
             nfe += out.nfe
             state = out.trajectory.response_tokens(L).cpu()
             for i, (b, n) in enumerate(chunk):

@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 
 from dare_core import devices
 from dare_core.algorithms.registry import build_algorithm
-from dare_core.algorithms.rollout import RolloutContext, prompt_rows_expanded
+from dare_core.algorithms.rollout import RolloutContext, RolloutSpec, prompt_rows_expanded
 from dare_core.batch import Batch
 from dare_core.artifacts import artifact_root
 from dare_core.config import ConfigError, DareConfig
@@ -233,7 +233,7 @@ def _run_rl(cfg: DareConfig, progress: bool, save_checkpoints: bool, timer: Phas
     val_postfix: dict = {}
     if start == 0:  # the SFT model, before any update (a resumed run validated it already)
         with eng.rollout_weights(engine, cfg.launch, needed=due(0, rl)):
-            val_metrics = validator(engine.module, tokenizer, 0)
+            val_metrics = validator(sampler, tokenizer, 0)
         if val_metrics:
             logger.log(0, val_metrics)
             val_postfix = _val_postfix(val_metrics)
@@ -247,7 +247,7 @@ def _run_rl(cfg: DareConfig, progress: bool, save_checkpoints: bool, timer: Phas
         # rollouts and the no-grad scoring on the whole weights (under ZeRO-3: one gather a step)
         with eng.rollout_weights(engine, cfg.launch):
             with timer.phase("rollout"):  # less the reward, timed inside
-                batch, metrics = algo.rollout(sampler, engine.module, tokenizer, mine, cfg, step)
+                batch, metrics = algo.rollout(sampler, tokenizer, mine, RolloutSpec.of(rl, cfg.run.seed, step))
             t_rollout = time.time() - t0
 
             with timer.phase("reward"):
@@ -293,7 +293,7 @@ def _run_rl(cfg: DareConfig, progress: bool, save_checkpoints: bool, timer: Phas
                                       rl.num_iterations * rl.mini_batches)
         # before the checkpoint: a run resumed from it must not validate this step again
         with eng.rollout_weights(engine, cfg.launch, needed=due(step + 1, rl)):
-            val_metrics = validator(engine.module, tokenizer, step + 1)
+            val_metrics = validator(sampler, tokenizer, step + 1)
         metrics.update(val_metrics)
         val_postfix = _val_postfix(val_metrics) or val_postfix
         if (step + 1) % rl.log_every == 0 or step + 1 == rl.num_steps or val_metrics:

@@ -16,10 +16,12 @@ from dare_core.algorithms.d_tree_rpo import (
     sd_lambda,
     sd_tau,
 )
+from dare_core.algorithms.rollout import RolloutSpec
 from dare_core.config import DareConfig, RLConfig, SamplerConfig
 from dare_core.rewards.base import RewardResult
 from dare_core.rewards.registry import REWARDS
 from dare_core.sampling.decode import generate
+from dare_core.sampling.engines import build_engine
 from dare_core.sampling.tree import TreeOutput, branch_points, tree_rollout, tree_shape
 
 EOS, MASK = 38, 39
@@ -144,7 +146,7 @@ def test_rollout_builds_one_row_per_transition():
     cfg = DareConfig(rl=rl)
     algo = _algo(model, rl=rl)
     rows = [{"uid": "a", "prompt_text": "12+3=", "ground_truth": "15"}, {"uid": "b", "prompt_text": "7*2=", "ground_truth": "14"}]
-    batch, metrics = algo.rollout(None, model, _Tokenizer(), rows, cfg, step=5)
+    batch, metrics = algo.rollout(build_engine("native", model), _Tokenizer(), rows, RolloutSpec.of(rl, cfg.run.seed, 5))
     assert algo.rows_per_prompt == 6 and len(batch) == 12
     for key in ("reward", "accuracy", "zero_std_ratio", "active_tokens", "rollout_nfe"):
         assert math.isfinite(metrics[key])

@@ -7,7 +7,8 @@ import torch
 
 from algo_helpers import make_algo, run_update
 from dare_core.algorithms.just_grpo import left_to_right
-from dare_core.config import DareConfig, RLConfig, SamplerConfig
+from dare_core.algorithms.rollout import RolloutSpec
+from dare_core.config import RLConfig, SamplerConfig
 from dare_core.rewards.base import RewardResult
 from dare_core.rewards.registry import REWARDS
 from dare_core.sampling.engines import build_engine
@@ -106,7 +107,7 @@ def test_rollouts_are_left_to_right_whatever_the_sampler_says():
     algo = make_algo("just_grpo", model, rl)
     algo.requires = frozenset({"step_map"})  # ask the rollout to record when each position was decoded
     rows = [{"uid": "a", "prompt_text": "12+3=", "ground_truth": "15"}, {"uid": "b", "prompt_text": "7+2=", "ground_truth": "9"}]
-    batch, metrics = algo.rollout(build_engine("native", model), model, _Tokenizer(), rows, DareConfig(rl=rl), step=0)
+    batch, metrics = algo.rollout(build_engine("native", model), _Tokenizer(), rows, RolloutSpec.of(rl, 0, 0))
     assert len(batch) == 4 and metrics["rollout_steps"] == 8
     order = torch.arange(1, 9).expand(4, 8)
     assert torch.equal(batch.records["step_map"][batch.response_mask].long(), order[batch.response_mask])

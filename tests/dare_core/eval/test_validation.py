@@ -7,7 +7,9 @@ import pytest
 from dare_core.eval.validation import answer_of, at_k_metrics, validate
 from dare_core.models.tokenizer import build_char_tokenizer
 from dare_core.rewards import REWARDS, RewardResult
+from dare_core.sampling.engines import build_engine
 from dare_core.sampling.params import SamplingParams
+from rollout_helpers import RecordingEngine
 
 
 def s(acc: float, pred, text: str = ""):
@@ -87,17 +89,17 @@ def setup(tmp_path, monkeypatch):
 def test_validate_is_reproducible_and_batch_size_free(setup):
     model, tok, rows, params = setup
     model.train()
-    a = validate(model, tok, rows, params, k=4, seed=7, step=3, batch_size=7)
+    a = validate(build_engine("native", model), tok, rows, params, k=4, seed=7, step=3, batch_size=7)
     assert model.training  # left in the mode it came in
-    assert a == validate(model, tok, rows, params, k=4, seed=7, step=3, batch_size=7)
-    one = validate(model, tok, rows, params, k=4, seed=7, step=3, batch_size=1)
+    assert a == validate(build_engine("native", model), tok, rows, params, k=4, seed=7, step=3, batch_size=7)
+    one = validate(build_engine("native", model), tok, rows, params, k=4, seed=7, step=3, batch_size=1)
     assert one.pop("nfe") > a["nfe"]  # forwards are counted per batch; the numbers are the same
     assert one == {key: v for key, v in a.items() if key != "nfe"}
     assert a["k"] == 4 and a["prompts"] == 9
     assert 0.0 <= a["mean@4"] <= a["best@4"] <= 1.0 and 0.0 <= a["maj@4"] <= 1.0
     assert 0.0 < a["mean@4"] < a["best@4"]  # some samples right, some prompts rescued by another sample
     # another step draws other samples (the seed names the step)
-    assert validate(model, tok, rows, params, k=4, seed=7, step=4, batch_size=7) != a
+    assert validate(build_engine("native", model), tok, rows, params, k=4, seed=7, step=4, batch_size=7) != a
 
 
 def test_validate_samples_k_distinct_draws_per_prompt(setup, monkeypatch):
@@ -111,13 +113,22 @@ def test_validate_samples_k_distinct_draws_per_prompt(setup, monkeypatch):
         return first_char_reward(text, ground_truth, extra)
 
     monkeypatch.setitem(REWARDS, FIRST_CHAR, recording)
-    validate(model, tok, rows[:2], params, k=8, seed=0, step=0, batch_size=16)
+    validate(build_engine("native", model), tok, rows[:2], params, k=8, seed=0, step=0, batch_size=16)
     assert len(seen) == 16 and len(set(seen[:8])) > 1
 
 
 def test_validate_errors(setup):
     model, tok, rows, params = setup
     with pytest.raises(ValueError, match="k >= 1"):
-        validate(model, tok, rows, params, k=0, seed=0, step=0, batch_size=4)
+        validate(build_engine("native", model), tok, rows, params, k=0, seed=0, step=0, batch_size=4)
     with pytest.raises(ValueError, match="at least one prompt"):
-        validate(model, tok, [], params, k=2, seed=0, step=0, batch_size=4)
+        validate(build_engine("native", model), tok, [], params, k=2, seed=0, step=0, batch_size=4)
+
+
+def test_validate_samples_through_the_engine_it_is_given(setup):
+    """Every sample comes from the engine (rl.sampler.engine in the RL loop), not from a loop of its own."""
+    model, tok, rows, params = setup
+    engine = RecordingEngine(model)
+    assert validate(engine, tok, rows, params, k=2, seed=7, step=3, batch_size=5) == \
+        validate(build_engine("native", model), tok, rows, params, k=2, seed=7, step=3, batch_size=5)
+    assert engine.prompts == [tok.encode(r["prompt_text"]) for r in rows for _ in range(2)]

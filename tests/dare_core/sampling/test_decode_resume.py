@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dare_core.diffusion.seeding import sample_generators
-from dare_core.sampling.decode import SamplingParams, generate
+from dare_core.sampling.decode import SamplingParams, denoise_range, generate
 
 PROMPTS = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11, 12, 13, 14, 15], [16]]
 UIDS = ["a", "b", "c", "d"]
@@ -29,14 +29,14 @@ class EosBias(torch.nn.Module):
 
 
 def _split_run(model, params, cuts, temperature):
-    """generate over [0, c1), [c1, c2), ... [ck, steps), each from the previous state, the same
+    """denoise_range over [0, c1), [c1, c2), ... [ck, steps), each from the previous state, the same
     generators continuing throughout (the randomness of one uninterrupted run)."""
     gens = sample_generators((3,), UIDS) if temperature > 0 else None
     bounds = [0, *cuts, params.steps]
     state = torch.full((len(PROMPTS), params.gen_length), model.mask_token_id)
     out = None
     for j0, j1 in zip(bounds, bounds[1:]):
-        out = generate(model, PROMPTS, params, generators=gens, record="steps", init_response=state, step_range=(j0, j1))
+        out = denoise_range(model, PROMPTS, params, state, (j0, j1), generators=gens)
         state = out.trajectory.response_tokens(params.gen_length)
     return out, state
 
@@ -71,11 +71,11 @@ def test_partial_run_state_and_commit_counts(tiny_llada):
     params = SamplingParams(gen_length=8, steps=8, block_length=8, stop_at_eos=False)
     mask = tiny_llada.mask_token_id
     init = torch.full((len(PROMPTS), 8), mask)
-    out = generate(tiny_llada, PROMPTS, params, record="steps", init_response=init, step_range=(0, 3))
+    out = denoise_range(tiny_llada, PROMPTS, params, init, (0, 3))
     state = out.trajectory.response_tokens(8)
     assert ((state != mask).sum(-1) == 3).all()
     assert (out.steps == 3).all()
-    nxt = generate(tiny_llada, PROMPTS, params, record="steps", init_response=state, step_range=(3, 5))
+    nxt = denoise_range(tiny_llada, PROMPTS, params, state, (3, 5))
     after = nxt.trajectory.response_tokens(8)
     assert ((after != mask).sum(-1) == 5).all()
     assert torch.equal(after[state != mask], state[state != mask])  # committed tokens are kept
@@ -84,10 +84,10 @@ def test_partial_run_state_and_commit_counts(tiny_llada):
 def test_resume_is_refused_where_it_is_not_defined(tiny_llada):
     init = torch.full((1, 8), tiny_llada.mask_token_id)
     with pytest.raises(ValueError, match="cache: none"):
-        generate(tiny_llada, [[1, 2]], SamplingParams(gen_length=8, steps=8, block_length=8, cache="dual"), init_response=init, step_range=(0, 4))
+        denoise_range(tiny_llada, [[1, 2]], SamplingParams(gen_length=8, steps=8, block_length=8, cache="dual"), init, (0, 4))
     with pytest.raises(ValueError, match="count"):
-        generate(tiny_llada, [[1, 2]], SamplingParams(gen_length=8, steps=8, block_length=8, unmasking="threshold"), step_range=(0, 4))
+        denoise_range(tiny_llada, [[1, 2]], SamplingParams(gen_length=8, steps=8, block_length=8, unmasking="threshold"), None, (0, 4))
     with pytest.raises(ValueError, match="within"):
-        generate(tiny_llada, [[1, 2]], SamplingParams(gen_length=8, steps=8, block_length=8), step_range=(2, 9))
+        denoise_range(tiny_llada, [[1, 2]], SamplingParams(gen_length=8, steps=8, block_length=8), None, (2, 9))
     with pytest.raises(ValueError, match="init_response must be"):
-        generate(tiny_llada, [[1, 2]], SamplingParams(gen_length=8, steps=8, block_length=8), init_response=init[:, :4])
+        denoise_range(tiny_llada, [[1, 2]], SamplingParams(gen_length=8, steps=8, block_length=8), init[:, :4], (0, 8))

@@ -181,3 +181,22 @@ def test_open_resumes_or_discards_the_record(tmp_path):
         assert _csv_matches(out, kept)
         png = out / "validation.png"
         assert png.read_bytes().startswith(b"\x89PNG") if kept else not png.exists()
+
+
+def test_validator_samples_through_the_rollout_engine(tmp_path):
+    """RL validation decodes through the engine the loop built from rl.sampler.engine and its
+    engine_args (here a recording one), never around it."""
+    from conftest import make_tiny_llada
+    from dare_core.models.tokenizer import load_tokenizer
+    from dare_core.training.rl_validation import RLValidator
+    from rollout_helpers import RecordingEngine
+
+    cfg = load_config(write_params(tmp_path / "params.yaml", tiny_params(tmp_path, **DATA, rl__validate_every=1, rl__validate_k=2,
+                                                                         rl__validate_prompts=3)))
+    prepare(cfg)
+    tok = load_tokenizer(cfg.data.tokenizer_dir)
+    engine = RecordingEngine(make_tiny_llada(tok.vocab_size, tok.mask_token_id, tok.eos_token_id))
+    validator = RLValidator(cfg, cfg.stage_dir("rl"))
+    validator.open(0, writer=False)
+    assert set(validator(engine, tok, 0)) == {"val/mean@2", "val/best@2", "val/maj@2"}
+    assert engine.prompts == [tok.encode(r["prompt_text"]) for r in validator.rows for _ in range(2)]
