@@ -9,7 +9,6 @@ loss, divided by the global number of pairs, is backpropagated row chunk by row 
 """
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import time
@@ -21,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from dare_core import devices
-from dare_core.algorithms.preference import build_preference, get_preference, reference_model
+from dare_core.algorithms.preference import build_preference, get_preference
 from dare_core.artifacts import artifact_root
 from dare_core.config import DareConfig
 from dare_core.data.batching import balanced_micro_batches, global_batch_indices, pair_batch, row_tokens
@@ -39,6 +38,7 @@ from dare_core.training.metrics import MetricsLogger, last_logged
 from dare_core.training.plots import STAGE_PLOTS
 from dare_core.training.preference_off import off_reason, write_off_stage
 from dare_core.training.preflight import check_outputs, checkpoint_bytes, model_bytes, stage_writes, training_need
+from dare_core.training.reference import frozen_reference, reference_model
 from dare_core.training.setup import prepare_for_training, sampler_dict, stage_tokenizer, tokenizer_folder
 
 log = logging.getLogger(__name__)
@@ -147,9 +147,7 @@ def run_preference(cfg: DareConfig, progress: bool = True, save_checkpoints: boo
     with timer.phase("load"):
         policy = prepare_for_training(load_model(preference_start_folder(cfg), dtype=resolve_dtype(cfg.model.dtype), device=device), cfg)
     # the reference: a frozen copy, or with LoRA the policy with its adapter disabled (no copy)
-    frozen: Optional[torch.nn.Module] = None
-    if cfg.model.lora is None:
-        frozen = copy.deepcopy(policy).eval().requires_grad_(False)
+    frozen = frozen_reference(policy, cfg.model.lora)
     objective = build_preference(pcfg, policy)
 
     with timer.phase("engine"):
