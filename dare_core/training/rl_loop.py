@@ -6,32 +6,26 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 from typing import Optional
 
 import torch
-from tqdm.auto import tqdm
 
-from dare_core import devices
 from dare_core.algorithms.registry import build_algorithm
 from dare_core.config import DareConfig
-from dare_core.data.lengths import resolve as resolve_lengths
 from dare_core.devices import resolve_dtype
 from dare_core.models.hf_folder import load_model
 from dare_core.sampling.engines import build_engine
-from dare_core.storage import atomic_write_json
-from dare_core.timing import PhaseTimer, phase_times_requested
 from dare_core.training import engine as eng
-from dare_core.training.metrics import MetricsLogger
+from dare_core.training.checkpoint import CheckpointManager
 from dare_core.training.plots import STAGE_PLOTS
 from dare_core.training.reference import frozen_reference, sync_reference
-from dare_core.training.rl_checks import (VALIDATION_KEYS, RLPlan, check_rl, check_rl_config,  # noqa: F401
-                                          check_rl_ranks, rl_start_folder)
+from dare_core.training.rl_checks import check_rl, check_rl_config, check_rl_ranks, rl_start_folder  # noqa: F401
 from dare_core.training.rl_ranks import reduce_step_metrics
 from dare_core.training.rl_schedules import SCHEDULES, ahead_file, load_ahead
 from dare_core.training.rl_validation import due
 from dare_core.training.rl_verbs import RLRun, Rollout, Update, ratio_is_trivial, ref_sync_due  # noqa: F401
 from dare_core.training.setup import prepare_for_training
+from dare_core.training.stage import TrainingStage
 
 log = logging.getLogger(__name__)
 
@@ -44,96 +38,107 @@ def _val_postfix(val_metrics: dict) -> dict:
 def run_rl(cfg: DareConfig, progress: bool = True, save_checkpoints: bool = True, phase_times: Optional[bool] = None) -> dict:
     """The RL stage. `save_checkpoints` off: no training checkpoints (benchmarks); `phase_times`:
     log where each step's time goes (None: `DARE_PHASE_TIMES` decides; `dare_core.timing`)."""
-    cfg = resolve_lengths(cfg)  # `auto` lengths, as the prepare stage derived them
-    timer = PhaseTimer(phase_times_requested(phase_times))
-    with timer.active():
-        return _run_rl(cfg, progress, save_checkpoints, timer)
+    return RLStage(cfg, progress, save_checkpoints, export=False, phase_times=phase_times).run()
 
 
-def _run_rl(cfg: DareConfig, progress: bool, save_checkpoints: bool, timer: PhaseTimer) -> dict:
-    rl = cfg.rl
-    out_dir = cfg.stage_dir("rl")
-    with timer.phase("checks"):
-        plan = check_rl(cfg, save_checkpoints)
-    rows, validator, tokenizer, ckpt = plan.rows, plan.validator, plan.tokenizer, plan.ckpt
+class RLStage(TrainingStage):
+    """RL in the steps of training/stage.py: from the SFT model; no export (`convert` reads the last
+    checkpoint). Its steps run in the order of rl.schedule (training/rl_schedules.py)."""
 
-    # every check has passed: from here on the stage may write
-    device = devices.device()
-    with timer.phase("load"):
-        policy = prepare_for_training(load_model(rl_start_folder(cfg), dtype=resolve_dtype(cfg.model.dtype), device=device), cfg)
-    ref = frozen_reference(policy, cfg.model.lora, needed=rl.kl_beta > 0)
+    name, title, active_timer = "rl", "RL", True
 
-    algo = build_algorithm(rl, policy)
-    rollouts = rl.prompts_per_step * algo.rows_per_prompt
-    mini = rollouts // rl.mini_batches
-    local_mini = mini // eng.planned_world_size()
-    micro = min(rl.micro_batch_size, local_mini)
-    updates = rl.num_steps * rl.num_iterations * rl.mini_batches
-    with timer.phase("engine"):
-        engine = eng.build_engine(policy, rl.optim, updates, micro, -(-local_mini // micro), cfg.launch)
-    world, rank = eng.world_size(), eng.rank()
-    sampler = build_engine(rl.sampler.engine, engine.module, **rl.sampler.engine_args)
-    start = ckpt.begin(engine, "RL")
-    zero3 = engine.zero_optimization_stage() >= 3
-    if ref is not None and rl.ref_sync_steps and rl.ref_sync_steps <= start < rl.num_steps:
-        # the reference of a resumed run is the policy of its last sync: exact when the checkpoint is
-        # a sync step (the checkpoints do not keep the reference)
-        sync_reference(ref, engine.module, zero3)
-        if start % rl.ref_sync_steps:
-            log.warning("rl.ref_sync_steps = %d: resuming at step %d, between two syncs; the reference is the resumed "
-                        "policy instead of that of step %d (save_every a multiple of ref_sync_steps makes resumes exact)",
-                        rl.ref_sync_steps, start, start - start % rl.ref_sync_steps)
-    logger = MetricsLogger(out_dir, resume_step=start, plot_keys=("reward", "accuracy"), enabled=rank == 0,
-                           pngs=STAGE_PLOTS["rl"])
-    validator.open(start, writer=rank == 0)
-    if ratio_is_trivial(rl):
-        log.warning("num_iterations = 1 with one mini-batch: the ratio is exactly 1 and clipping is inactive")
-    ahead = None
-    if rl.schedule != "on_policy" and 0 < start < rl.num_steps:
-        ahead = load_ahead(ckpt.resumed, rank, engine.device)
+    def check(self) -> CheckpointManager:
+        self.plan = check_rl(self.cfg, self.save_checkpoints)
+        self.steps = self.cfg.rl.num_steps
+        return self.plan.ckpt
+
+    def load(self, device: torch.device) -> torch.nn.Module:
+        return prepare_for_training(load_model(rl_start_folder(self.cfg), dtype=resolve_dtype(self.cfg.model.dtype), device=device),
+                                    self.cfg)
+
+    def adopt(self, model: torch.nn.Module) -> None:
+        rl = self.cfg.rl
+        self.ref = frozen_reference(model, self.cfg.model.lora, needed=rl.kl_beta > 0)
+        self.algo = build_algorithm(rl, model)
+
+    def build_engine(self, model: torch.nn.Module):
+        rl = self.cfg.rl
+        rollouts = rl.prompts_per_step * self.algo.rows_per_prompt
+        mini = rollouts // rl.mini_batches
+        local_mini = mini // eng.planned_world_size()
+        self.micro = min(rl.micro_batch_size, local_mini)
+        updates = rl.num_steps * rl.num_iterations * rl.mini_batches
+        engine = eng.build_engine(model, rl.optim, updates, self.micro, -(-local_mini // self.micro), self.cfg.launch)
+        self.sampler = build_engine(rl.sampler.engine, engine.module, **rl.sampler.engine_args)
+        return engine
+
+    def plots(self) -> tuple[tuple, dict]:
+        return ("reward", "accuracy"), STAGE_PLOTS["rl"]
+
+    def resume(self) -> Optional[Rollout]:
+        """What a resumed run restores beyond the engine: the reference of its last sync, and (a
+        schedule that collects ahead) the rollout its checkpoint kept for the next step."""
+        rl, engine, ref, start = self.cfg.rl, self.engine, self.ref, self.start
+        if ref is not None and rl.ref_sync_steps and rl.ref_sync_steps <= start < rl.num_steps:
+            # the reference of a resumed run is the policy of its last sync: exact when the checkpoint is
+            # a sync step (the checkpoints do not keep the reference)
+            sync_reference(ref, engine.module, engine.zero_optimization_stage() >= 3)
+            if start % rl.ref_sync_steps:
+                log.warning("rl.ref_sync_steps = %d: resuming at step %d, between two syncs; the reference is the resumed "
+                            "policy instead of that of step %d (save_every a multiple of ref_sync_steps makes resumes exact)",
+                            rl.ref_sync_steps, start, start - start % rl.ref_sync_steps)
+        if rl.schedule == "on_policy" or not 0 < start < rl.num_steps:
+            return None
+        ahead = load_ahead(self.ckpt.resumed, self.rank, engine.device)
         if ahead is None:
-            raise FileNotFoundError(f"{ckpt.resumed}: no {ahead_file(rank)}: rl.schedule {rl.schedule} resumes from the "
-                                    f"rollout the checkpoint kept for step {start}")
-    run = RLRun(cfg, algo, engine, sampler, tokenizer, rows, ref, micro, timer, rank, world)
+            raise FileNotFoundError(f"{self.ckpt.resumed}: no {ahead_file(self.rank)}: rl.schedule {rl.schedule} resumes "
+                                    f"from the rollout the checkpoint kept for step {start}")
+        return ahead
 
-    bar = tqdm(range(start, rl.num_steps), initial=start, total=rl.num_steps, desc=f"rl[{rl.algorithm}]", disable=not progress or rank != 0, dynamic_ncols=True)
-    t_start = time.time()
-    val_postfix: dict = {}
-    if start == 0:  # the SFT model, before any update (a resumed run validated it already)
-        with eng.rollout_weights(engine, cfg.launch, needed=due(0, rl)):
-            val_metrics = validator(engine.module, tokenizer, 0)
-        if val_metrics:
-            logger.log(0, val_metrics)
-            val_postfix = _val_postfix(val_metrics)
+    def train(self) -> dict:
+        cfg, rl, timer, engine, logger, rank = self.cfg, self.cfg.rl, self.timer, self.engine, self.logger, self.rank
+        validator, tokenizer = self.plan.validator, self.plan.tokenizer
+        ahead = self.resume()
+        validator.open(self.start, writer=rank == 0)
+        if ratio_is_trivial(rl):
+            log.warning("num_iterations = 1 with one mini-batch: the ratio is exactly 1 and clipping is inactive")
+        run = RLRun(cfg, self.algo, engine, self.sampler, tokenizer, self.plan.rows, self.ref, self.micro, timer, rank, self.world)
 
-    def end_step(step: int, rollout: Rollout, update: Update, t0: float, ahead: Optional[Rollout]) -> None:
-        """Metrics, validation, logging and the checkpoint after step `step`, whatever the schedule."""
-        nonlocal val_postfix
-        metrics = rollout.metrics
-        metrics.update(step_time_s=time.time() - t0, rollout_time_s=rollout.seconds, lr=engine.get_lr()[0])
-        # every rank's share of the step in one set of metrics (the same on every rank)
-        metrics = reduce_step_metrics({"prompts": rollout.prompts, "metrics": metrics, "updates": update.metrics, "loss": update.loss},
-                                      rl.num_iterations * rl.mini_batches)
-        # before the checkpoint: a run resumed from it must not validate this step again
-        with eng.rollout_weights(engine, cfg.launch, needed=due(step + 1, rl)):
-            val_metrics = validator(engine.module, tokenizer, step + 1)
-        metrics.update(val_metrics)
-        val_postfix = _val_postfix(val_metrics) or val_postfix
-        if (step + 1) % rl.log_every == 0 or step + 1 == rl.num_steps or val_metrics:
-            # phase times: the slowest rank's
-            logger.log(step + 1, {**metrics, **reduce_step_metrics({"prompts": rollout.prompts, "metrics": timer.step_metrics()})})
-        bar.set_postfix(reward=f"{metrics['reward']:.3f}", acc=f"{metrics['accuracy']:.2f}", **val_postfix)
-        if save_checkpoints:
-            # a rollout collected ahead is part of the run's state: a resumed run trains on it
-            ckpt.after_step(engine, step + 1, engine.module.hf_config,
-                            rank_files={ahead_file(rank): ahead} if ahead is not None else None)
+        bar = self.progress_bar(rl.num_steps, f"rl[{rl.algorithm}]")
+        t_start = time.time()
+        val_postfix: dict = {}
+        if self.start == 0:  # the SFT model, before any update (a resumed run validated it already)
+            with eng.rollout_weights(engine, cfg.launch, needed=due(0, rl)):
+                val_metrics = validator(engine.module, tokenizer, 0)
+            if val_metrics:
+                logger.log(0, val_metrics)
+                val_postfix = _val_postfix(val_metrics)
 
-    SCHEDULES.lookup(rl.schedule)(run, bar, end_step, ahead)
-    bar.close()
-    logger.close()
-    summary = {"steps": rl.num_steps, "algorithm": rl.algorithm, "wall_s": round(time.time() - t_start, 1)}
-    if validator.history:  # the last validation, beside the run's other headline numbers
-        summary["validation"] = validator.history[-1]
-    if rank == 0:
-        atomic_write_json(Path(cfg.run.metrics_dir) / "rl.json", summary)
-    return summary
+        def end_step(step: int, rollout: Rollout, update: Update, t0: float, ahead: Optional[Rollout]) -> None:
+            """Metrics, validation, logging and the checkpoint after step `step`, whatever the schedule."""
+            nonlocal val_postfix
+            metrics = rollout.metrics
+            metrics.update(step_time_s=time.time() - t0, rollout_time_s=rollout.seconds, lr=engine.get_lr()[0])
+            # every rank's share of the step in one set of metrics (the same on every rank)
+            metrics = reduce_step_metrics({"prompts": rollout.prompts, "metrics": metrics, "updates": update.metrics,
+                                           "loss": update.loss}, rl.num_iterations * rl.mini_batches)
+            # before the checkpoint: a run resumed from it must not validate this step again
+            with eng.rollout_weights(engine, cfg.launch, needed=due(step + 1, rl)):
+                val_metrics = validator(engine.module, tokenizer, step + 1)
+            metrics.update(val_metrics)
+            val_postfix = _val_postfix(val_metrics) or val_postfix
+            if (step + 1) % rl.log_every == 0 or step + 1 == rl.num_steps or val_metrics:
+                # phase times: the slowest rank's
+                logger.log(step + 1, {**metrics, **reduce_step_metrics({"prompts": rollout.prompts, "metrics": timer.step_metrics()})})
+            bar.set_postfix(reward=f"{metrics['reward']:.3f}", acc=f"{metrics['accuracy']:.2f}", **val_postfix)
+            if self.save_checkpoints:
+                # a rollout collected ahead is part of the run's state: a resumed run trains on it
+                self.ckpt.after_step(engine, step + 1, engine.module.hf_config,
+                                     rank_files={ahead_file(rank): ahead} if ahead is not None else None)
+
+        SCHEDULES.lookup(rl.schedule)(run, bar, end_step, ahead)
+        bar.close()
+        summary = {"steps": rl.num_steps, "algorithm": rl.algorithm, "wall_s": round(time.time() - t_start, 1)}
+        if validator.history:  # the last validation, beside the run's other headline numbers
+            summary["validation"] = validator.history[-1]
+        return summary
