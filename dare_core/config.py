@@ -141,6 +141,8 @@ class ModelConfig:
 
 
 LR_SCHEDULES = ("constant", "cosine")
+# how rollouts and updates interleave (the functions: training/rl_schedules.py)
+RL_SCHEDULES = ("on_policy", "one_step_off_policy")
 
 
 @dataclass
@@ -329,6 +331,10 @@ class RLConfig:
     num_iterations: int = 2
     mini_batches: int = 1
     micro_batch_size: int = 128
+    # on_policy: each step rolls out with the weights it then updates; one_step_off_policy: the
+    # rollouts of step t+1 are drawn with the weights before step t's update (they may overlap it),
+    # so the ratios compare the policy with the behaviour policy one update older
+    schedule: str = "on_policy"
     adv_estimator: str = "grpo_no_std"
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2
@@ -366,6 +372,7 @@ class RLConfig:
         _at_least(self, 1, "num_steps", "prompts_per_step", "num_iterations", "mini_batches", "micro_batch_size",
                   "rows_per_forward", "log_every", "save_every", "keep_last")
         _at_least(self, 2, "group_size")  # group advantages need a group
+        _one_of(self, "schedule", RL_SCHEDULES)
         _at_least(self, 0, "clip_eps_low", "clip_eps_high", "kl_beta", "ref_sync_steps", "entropy_coeff")
         check_reference_sync(self)
         if self.dual_clip < 0 or 0 < self.dual_clip <= 1:

@@ -40,9 +40,8 @@ on both rows.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import ClassVar, Iterator, Optional
+from typing import ClassVar, Optional
 
 import torch
 import torch.nn.functional as F
@@ -219,21 +218,3 @@ def build_preference(pcfg, model) -> ElboDPO:
     keys = ("beta", "mc_num", "elbo_norm", "tail_policy", "rows_per_forward", "shared_masks", "stratified")
     options = from_dict(cls.Options, {k: getattr(pcfg, k) for k in keys}, "preference")
     return cls(options, model, pcfg.pad_to)
-
-
-@contextlib.contextmanager
-def reference_model(policy, frozen: Optional[torch.nn.Module]) -> Iterator[torch.nn.Module]:
-    """The reference policy: a frozen copy, or (LoRA, `frozen` None) the policy itself with its
-    adapter disabled, in eval mode."""
-    if frozen is not None:
-        yield frozen
-        return
-    from dare_core.models.lora import adapter_disabled
-
-    was_training = policy.training
-    policy.eval()
-    try:
-        with adapter_disabled(policy):
-            yield policy
-    finally:
-        policy.train(was_training)

@@ -316,6 +316,11 @@ class CheckpointManager:
         log.info("resuming %s from %s (step %d)", what, self._tag, step)
         return step
 
+    @property
+    def resumed(self) -> Optional[Path]:
+        """After `begin()`: the folder of the checkpoint the run resumed from (None: a fresh start)."""
+        return self.dir / self._tag if self._tag is not None else None
+
     def set_aside(self, why: str) -> None:
         """Move the checkpoints into `superseded/` as its newest set (every earlier set stays): a
         rename on the same disk, so it costs no space and no time."""
@@ -332,9 +337,10 @@ class CheckpointManager:
         existing = [self.checkpoint_bytes] * len(self._tags(self._source)) if self._tag else []
         return [sizes[kind] for kind in self.policy.kinds(self._meta.get("step", 0))], existing
 
-    def after_step(self, engine, step: int, hf_config: dict) -> None:
+    def after_step(self, engine, step: int, hf_config: dict, rank_files: Optional[dict[str, Any]] = None) -> None:
         """Write the checkpoint `policy` asks for after `step`, if any; after the last step, when it
-        is not a resume point, one line says what is written instead."""
+        is not a resume point, one line says what is written instead. `rank_files`: this rank's
+        objects (file name -> object) a full checkpoint keeps beside the engine's state."""
         kind = self.policy.kind(step)
         if step == self.policy.last_step and kind != FULL and engine.global_rank == 0:
             instead = ("a checkpoint of the weights only (what `dare stage convert` reads; no optimizer state)" if kind == WEIGHTS
@@ -342,11 +348,13 @@ class CheckpointManager:
             log.info("%s: the last step, %d, is not a multiple of %s.save_every (%d): %s", self.dir, step, self.stage,
                      self.policy.save_every, instead)
         if kind is not None:
-            self.save(engine, step, {"step": step}, hf_config, weights_only=kind == WEIGHTS)
+            self.save(engine, step, {"step": step}, hf_config, weights_only=kind == WEIGHTS, rank_files=rank_files)
 
-    def save(self, engine, step: int, client_state: dict, hf_config: dict, weights_only: bool = False) -> str:
-        """Write the checkpoint of `step`: DeepSpeed's whole training state, or (`weights_only`) the
-        module's weights alone, in the training dtype."""
+    def save(self, engine, step: int, client_state: dict, hf_config: dict, weights_only: bool = False,
+             rank_files: Optional[dict[str, Any]] = None) -> str:
+        """Write the checkpoint of `step`: DeepSpeed's whole training state and `rank_files` (each
+        rank's own, torch.save'd), or (`weights_only`) the module's weights alone, in the training
+        dtype."""
         tag = f"step{step:08d}"
         tmp = self.dir / f".tmp-{tag}"
         if engine.global_rank == 0:
@@ -363,6 +371,10 @@ class CheckpointManager:
                         torch.save({"module": engine.module.state_dict()}, tmp / WEIGHTS_FILE)
             else:
                 engine.save_checkpoint(str(self.dir), tag=tmp.name, client_state=client_state, save_latest=False)
+                for name, obj in (rank_files or {}).items():
+                    torch.save(obj, tmp / name)
+                if rank_files and torch.distributed.is_initialized():
+                    torch.distributed.barrier()  # every rank's files are in before rank 0 renames the folder
             if engine.global_rank == 0:
                 lora = getattr(engine.module, "lora", None)
                 atomic_write_json(tmp / META, {"fingerprint": self.fingerprint.digest, "settings": self.fingerprint.settings,

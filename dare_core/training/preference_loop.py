@@ -9,7 +9,6 @@ loss, divided by the global number of pairs, is backpropagated row chunk by row 
 """
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import time
@@ -18,10 +17,8 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from tqdm.auto import tqdm
 
-from dare_core import devices
-from dare_core.algorithms.preference import build_preference, get_preference, reference_model
+from dare_core.algorithms.preference import build_preference, get_preference
 from dare_core.artifacts import artifact_root
 from dare_core.config import DareConfig
 from dare_core.data.batching import balanced_micro_batches, global_batch_indices, pair_batch, row_tokens
@@ -29,18 +26,16 @@ from dare_core.data.lengths import resolve as resolve_lengths
 from dare_core.data.pairs import why_no_pairs
 from dare_core.data.schema import DataError, read_rows, table_row
 from dare_core.devices import resolve_dtype
-from dare_core.inputs import tokenizer_folder
-from dare_core.models.hf_folder import inspect_model, load_model, save_model
-from dare_core.storage import atomic_write_json
-from dare_core.timing import PhaseTimer, phase_times_requested
+from dare_core.models.hf_folder import inspect_model, load_model
 from dare_core.training import engine as eng
 from dare_core.training.checkpoint import CheckpointManager, SavePolicy, stage_fingerprint
-from dare_core.training.engine import whole_weights
-from dare_core.training.metrics import MetricsLogger, last_logged
+from dare_core.training.metrics import last_logged
 from dare_core.training.plots import STAGE_PLOTS
 from dare_core.training.preference_off import off_reason, write_off_stage
 from dare_core.training.preflight import check_outputs, checkpoint_bytes, model_bytes, stage_writes, training_need
+from dare_core.training.reference import frozen_reference, reference_model
 from dare_core.training.setup import prepare_for_training, stage_tokenizer
+from dare_core.training.stage import TrainingStage
 
 log = logging.getLogger(__name__)
 
@@ -136,100 +131,100 @@ def run_preference(cfg: DareConfig, progress: bool = True, save_checkpoints: boo
     reason = off_reason(cfg)
     if reason:
         return write_off_stage(cfg, reason, writer=eng.rank() == 0)
-    timer = PhaseTimer(phase_times_requested(phase_times))
-    pcfg = cfg.preference
-    out_dir = cfg.stage_dir("preference")
-    with timer.phase("checks"):
-        plan = check_preference(cfg, save_checkpoints, export)
-    rows, prompts, chosen, rejected, ckpt = plan.rows, plan.prompts, plan.chosen, plan.rejected, plan.ckpt
+    return PreferenceStage(cfg, progress, save_checkpoints, export, phase_times).run()
 
-    # every check has passed: from here on the stage may write
-    device = devices.device()
-    with timer.phase("load"):
-        policy = prepare_for_training(load_model(preference_start_folder(cfg), dtype=resolve_dtype(cfg.model.dtype), device=device), cfg)
-    # the reference: a frozen copy, or with LoRA the policy with its adapter disabled (no copy)
-    frozen: Optional[torch.nn.Module] = None
-    if cfg.model.lora is None:
-        frozen = copy.deepcopy(policy).eval().requires_grad_(False)
-    objective = build_preference(pcfg, policy)
 
-    with timer.phase("engine"):
-        engine = eng.build_engine(policy, pcfg.optim, pcfg.max_steps, pcfg.micro_batch_size, pcfg.grad_accum, cfg.launch)
-    world, rank = eng.world_size(), eng.rank()
-    global_pairs = pcfg.micro_batch_size * pcfg.grad_accum * world
-    start = ckpt.begin(engine, "preference")
-    logger = MetricsLogger(out_dir, resume_step=start, plot_keys=PLOT_KEYS, enabled=rank == 0, pngs=STAGE_PLOTS["preference"])
+class PreferenceStage(TrainingStage):
+    """Preference optimisation in the steps of training/stage.py: from the SFT model, exported to
+    preference/model."""
 
-    def backward(loss: torch.Tensor) -> None:  # a share of a sum over the global number of pairs
-        eng.backward_global(engine, loss)
+    name, title = "preference", "preference"
 
-    eos_padding = policy.block_size is None
-    pair_cost = lambda i: sum(row_tokens(len(prompts[i]), len(r[i]), pcfg.pad_to, eos_padding) for r in (chosen, rejected))  # noqa: E731
-    engine.train()
-    bar = tqdm(range(start, pcfg.max_steps), initial=start, total=pcfg.max_steps, desc=f"preference[{pcfg.algorithm}]",
-               disable=not progress or rank != 0, dynamic_ncols=True)
-    t0 = time.time()
-    metrics: dict = {}
-    for step in bar:
-        timer.step_begin()
-        idx = global_batch_indices(step, global_pairs, len(rows), cfg.run.seed)
-        batches, corruptions = [], []
-        for m in balanced_micro_batches(idx, pair_cost, pcfg.micro_batch_size)[rank::world]:
-            b = _to(pair_batch([prompts[i] for i in m], [chosen[i] for i in m], [rejected[i] for i in m],
-                               [rows[i]["uid"] for i in m], pcfg.pad_to, policy.eos_token_id, policy.pad_token_id,
-                               eos_padding=policy.block_size is None), engine.device)
-            batches.append(b)
-            corruptions.append(objective.corrupt(b, (cfg.run.seed, step)))
-        # reference ELBOs once per batch, on the stored masks, before this step's updates
-        with timer.phase("scoring"), reference_model(engine.module, frozen) as ref:
-            ref_elbos = [objective.reference_elbos(ref, b, c) for b, c in zip(batches, corruptions)]
-        sums = torch.zeros(4, dtype=torch.float64)
-        for b, c, r in zip(batches, corruptions, ref_elbos):
-            with timer.phase("forward_backward"):
-                out = objective.update(engine.module, b, c, r, global_pairs, backward)
-            with timer.phase("optimizer"):
-                engine.step()
-            sums += torch.tensor([float(out.loss), out.metrics["reward_margin"], out.metrics["reward_accuracy"], out.metrics["pairs"]],
-                                 dtype=torch.float64)
-        sums = eng.all_reduce_sum(sums)
-        loss, margin, correct, n = (float(v) for v in sums)
-        metrics = {"loss": loss, "reward_margin": margin / max(n, 1.0), "reward_accuracy": correct / max(n, 1.0)}
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"preference step {step + 1}: the loss is {loss}")
-        if (step + 1) % pcfg.log_every == 0 or step + 1 == pcfg.max_steps:
-            logger.log(step + 1, {**metrics, "lr": engine.get_lr()[0],
-                                  "pairs_per_s": (step + 1 - start) * global_pairs / max(time.time() - t0, 1e-9),
-                                  **timer.step_metrics()})
-            bar.set_postfix(loss=f"{loss:.3f}", acc=f"{metrics['reward_accuracy']:.2f}")
-        if save_checkpoints:
-            ckpt.after_step(engine, step + 1, engine.module.hf_config)
-    bar.close()
+    def check(self) -> CheckpointManager:
+        self.plan = check_preference(self.cfg, self.save_checkpoints, self.export)
+        self.steps = self.cfg.preference.max_steps
+        return self.plan.ckpt
 
-    summary = {
-        "enabled": True,
-        "algorithm": pcfg.algorithm,
-        "shared_masks": objective.shared_masks,
-        "stratified": objective.stratified,
-        "steps": pcfg.max_steps,
-        "global_pairs": global_pairs,
-        "final_loss": metrics.get("loss", last_logged(out_dir, "loss")),
-        "reward_margin": metrics.get("reward_margin", last_logged(out_dir, "reward_margin")),
-        "reward_accuracy": metrics.get("reward_accuracy", last_logged(out_dir, "reward_accuracy")),
-        "wall_s": round(time.time() - t0, 1),
-    }
-    # ZeRO-3 partitions the parameters across the ranks: every rank takes part in gathering them
-    # for rank 0's export (a collective; nothing to gather under ZeRO 0-2)
-    with whole_weights(engine, export):
-        if rank == 0:
-            if export:
-                export_metrics: dict = {}
-                with timer.export(export_metrics):
-                    save_model(engine.module, out_dir / "model", extra_files={"tokenizer": tokenizer_folder(cfg)}, sampler=cfg.eval.sampler.decoding_settings())
-                if export_metrics:
-                    logger.log(pcfg.max_steps, export_metrics)
-            atomic_write_json(Path(cfg.run.metrics_dir) / "preference.json", summary)
-    logger.close()
-    return summary
+    def load(self, device: torch.device) -> torch.nn.Module:
+        return prepare_for_training(load_model(preference_start_folder(self.cfg), dtype=resolve_dtype(self.cfg.model.dtype),
+                                               device=device), self.cfg)
+
+    def adopt(self, model: torch.nn.Module) -> None:
+        self.policy = model
+        # the reference: a frozen copy, or with LoRA the policy with its adapter disabled (no copy)
+        self.frozen = frozen_reference(model, self.cfg.model.lora)
+        self.objective = build_preference(self.cfg.preference, model)
+
+    def build_engine(self, model: torch.nn.Module):
+        pcfg = self.cfg.preference
+        return eng.build_engine(model, pcfg.optim, pcfg.max_steps, pcfg.micro_batch_size, pcfg.grad_accum, self.cfg.launch)
+
+    def plots(self) -> tuple[tuple, dict]:
+        return PLOT_KEYS, STAGE_PLOTS["preference"]
+
+    def train(self) -> dict:
+        cfg, pcfg, timer, engine, logger = self.cfg, self.cfg.preference, self.timer, self.engine, self.logger
+        rows, prompts, chosen, rejected = self.plan.rows, self.plan.prompts, self.plan.chosen, self.plan.rejected
+        policy, frozen, objective = self.policy, self.frozen, self.objective
+        world, rank, start, out_dir = self.world, self.rank, self.start, self.out_dir
+        global_pairs = pcfg.micro_batch_size * pcfg.grad_accum * world
+
+        def backward(loss: torch.Tensor) -> None:  # a share of a sum over the global number of pairs
+            eng.backward_global(engine, loss)
+
+        eos_padding = policy.block_size is None
+        pair_cost = lambda i: sum(row_tokens(len(prompts[i]), len(r[i]), pcfg.pad_to, eos_padding) for r in (chosen, rejected))  # noqa: E731
+        engine.train()
+        bar = self.progress_bar(pcfg.max_steps, f"preference[{pcfg.algorithm}]")
+        t0 = time.time()
+        metrics: dict = {}
+        for step in bar:
+            timer.step_begin()
+            idx = global_batch_indices(step, global_pairs, len(rows), cfg.run.seed)
+            batches, corruptions = [], []
+            for m in balanced_micro_batches(idx, pair_cost, pcfg.micro_batch_size)[rank::world]:
+                b = _to(pair_batch([prompts[i] for i in m], [chosen[i] for i in m], [rejected[i] for i in m],
+                                   [rows[i]["uid"] for i in m], pcfg.pad_to, policy.eos_token_id, policy.pad_token_id,
+                                   eos_padding=policy.block_size is None), engine.device)
+                batches.append(b)
+                corruptions.append(objective.corrupt(b, (cfg.run.seed, step)))
+            # reference ELBOs once per batch, on the stored masks, before this step's updates
+            with timer.phase("scoring"), reference_model(engine.module, frozen) as ref:
+                ref_elbos = [objective.reference_elbos(ref, b, c) for b, c in zip(batches, corruptions)]
+            sums = torch.zeros(4, dtype=torch.float64)
+            for b, c, r in zip(batches, corruptions, ref_elbos):
+                with timer.phase("forward_backward"):
+                    out = objective.update(engine.module, b, c, r, global_pairs, backward)
+                with timer.phase("optimizer"):
+                    engine.step()
+                sums += torch.tensor([float(out.loss), out.metrics["reward_margin"], out.metrics["reward_accuracy"], out.metrics["pairs"]],
+                                     dtype=torch.float64)
+            sums = eng.all_reduce_sum(sums)
+            loss, margin, correct, n = (float(v) for v in sums)
+            metrics = {"loss": loss, "reward_margin": margin / max(n, 1.0), "reward_accuracy": correct / max(n, 1.0)}
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"preference step {step + 1}: the loss is {loss}")
+            if (step + 1) % pcfg.log_every == 0 or step + 1 == pcfg.max_steps:
+                logger.log(step + 1, {**metrics, "lr": engine.get_lr()[0],
+                                      "pairs_per_s": (step + 1 - start) * global_pairs / max(time.time() - t0, 1e-9),
+                                      **timer.step_metrics()})
+                bar.set_postfix(loss=f"{loss:.3f}", acc=f"{metrics['reward_accuracy']:.2f}")
+            if self.save_checkpoints:
+                self.ckpt.after_step(engine, step + 1, engine.module.hf_config)
+        bar.close()
+
+        return {
+            "enabled": True,
+            "algorithm": pcfg.algorithm,
+            "shared_masks": objective.shared_masks,
+            "stratified": objective.stratified,
+            "steps": pcfg.max_steps,
+            "global_pairs": global_pairs,
+            "final_loss": metrics.get("loss", last_logged(out_dir, "loss")),
+            "reward_margin": metrics.get("reward_margin", last_logged(out_dir, "reward_margin")),
+            "reward_accuracy": metrics.get("reward_accuracy", last_logged(out_dir, "reward_accuracy")),
+            "wall_s": round(time.time() - t0, 1),
+        }
 
 
 def _to(batch, device: torch.device):

@@ -9,28 +9,23 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from tqdm.auto import tqdm
 
-from dare_core import devices
 from dare_core.algorithms.registry import build_options, get_sft_objective
 from dare_core.artifacts import artifact_root
 from dare_core.config import DareConfig
 from dare_core.data.batching import balanced_micro_batches, global_batch_indices, row_tokens, sft_batch
-from dare_core.data.lengths import resolve as resolve_lengths
 from dare_core.data.schema import DataError, read_rows, table_row
 from dare_core.devices import resolve_dtype
 from dare_core.diffusion.seeding import sample_generators
 from dare_core.inputs import tokenizer_folder
 from dare_core.models.hf_folder import save_model
-from dare_core.storage import atomic_write_json
-from dare_core.timing import PhaseTimer, phase_times_requested
 from dare_core.training import engine as eng
 from dare_core.training.checkpoint import CheckpointManager, SavePolicy, stage_fingerprint
-from dare_core.training.engine import whole_weights
-from dare_core.training.metrics import MetricsLogger, last_logged
+from dare_core.training.metrics import last_logged
 from dare_core.training.plots import sft_plots
 from dare_core.training.preflight import check_outputs, checkpoint_bytes, model_bytes, stage_writes, training_need
 from dare_core.training.setup import initial_model, initial_spec, stage_tokenizer
+from dare_core.training.stage import TrainingStage
 
 log = logging.getLogger(__name__)
 
@@ -102,80 +97,77 @@ def run_sft(cfg: DareConfig, progress: bool = True, save_checkpoints: bool = Tru
     """The SFT stage. `save_checkpoints` / `export` off: no training checkpoints / no final export
     (benchmarks); `phase_times`: log where each step's time goes (None: `DARE_PHASE_TIMES` decides;
     `dare_core.timing`)."""
-    cfg = resolve_lengths(cfg)  # `auto` lengths, as the prepare stage derived them
-    timer = PhaseTimer(phase_times_requested(phase_times))
-    scfg = cfg.sft
-    out_dir = cfg.stage_dir("sft")
-    with timer.phase("checks"):
-        plan = check_sft(cfg, save_checkpoints, export)
-    rows, tokenizer, prompts, responses, algo, ckpt = plan.rows, plan.tokenizer, plan.prompts, plan.responses, plan.algo, plan.ckpt
+    return SFTStage(cfg, progress, save_checkpoints, export, phase_times).run()
 
-    # every check has passed: from here on the stage may write
-    with timer.phase("load"):
-        model = initial_model(cfg, tokenizer, devices.device())
-    if eng.planned_rank() == 0 and not cfg.model.path:
-        save_model(model, cfg.base_model_dir, extra_files={"tokenizer": tokenizer_folder(cfg)})
-    with timer.phase("engine"):
-        engine = eng.build_engine(model, scfg.optim, scfg.max_steps, scfg.micro_batch_size, scfg.grad_accum, cfg.launch)
-    world, rank = eng.world_size(), eng.rank()
-    global_batch = scfg.micro_batch_size * scfg.grad_accum * world
-    start = ckpt.begin(engine, "SFT")
-    logger = MetricsLogger(out_dir, resume_step=start, plot_keys=("loss",), enabled=rank == 0, pngs=sft_plots(scfg.loss_norm))
 
-    row_cost = sft_row_cost(prompts, responses, scfg.pad_to, model.block_size is None)
-    engine.train()
-    bar = tqdm(range(start, scfg.max_steps), initial=start, total=scfg.max_steps, desc="sft", disable=not progress or rank != 0, dynamic_ncols=True)
-    t0 = time.time()
-    loss = None
-    for step in bar:
-        timer.step_begin()
-        idx = global_batch_indices(step, global_batch, len(rows), cfg.run.seed)
-        mine = balanced_micro_batches(idx, row_cost, scfg.micro_batch_size)[rank::world]
-        batches = [sft_batch([prompts[i] for i in m], [responses[i] for i in m], [rows[i]["uid"] for i in m], scfg.pad_to, model.eos_token_id, model.pad_token_id, eos_padding=model.block_size is None) for m in mine]
-        denom = eng.all_reduce_sum(algo.global_denominator([b.response_mask for b in batches]))
-        loss_sum = 0.0
-        for b in batches:
-            b = _to(b, engine.device)
-            gens = sample_generators((cfg.run.seed, "sft", step), b.uids)
-            with timer.phase("forward_backward"):
-                out = algo.loss(engine.module, b, gens, denom)
-                eng.backward_global(engine, out.loss)
-            with timer.phase("optimizer"):
-                engine.step()
-            loss_sum += out.loss.item()
-        loss = eng.all_reduce_sum(loss_sum)
-        if (step + 1) % scfg.log_every == 0 or step + 1 == scfg.max_steps:
-            lr = engine.get_lr()[0]
-            logger.log(step + 1, {"loss": loss, "lr": lr, "samples_per_s": (step + 1 - start) * global_batch / (time.time() - t0),
-                                  **timer.step_metrics()})
-            bar.set_postfix(loss=f"{loss:.3f}")
-        if save_checkpoints:
-            ckpt.after_step(engine, step + 1, model.hf_config)
-    bar.close()
+class SFTStage(TrainingStage):
+    """SFT in the steps of training/stage.py: from the init (or model.path), exported to sft/model."""
 
-    if loss is None:  # resumed at the last step: nothing trained, the logged loss stands
-        loss = last_logged(out_dir, "loss")
-    if scfg.max_steps == 0 and rank == 0:
-        # no SFT: the stage's outputs exist (DVC expects them) and the model is exported unchanged
-        (out_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-        (out_dir / "metrics.jsonl").touch()
-    summary = {"final_loss": loss, "steps": scfg.max_steps, "global_batch": global_batch, "wall_s": round(time.time() - t0, 1)}
-    # ZeRO-3 partitions the parameters across the ranks: every rank takes part in gathering them
-    # for rank 0's export (a collective; nothing to gather under ZeRO 0-2)
-    with whole_weights(engine, export):
-        if rank == 0:
-            if export:
-                export_metrics: dict = {}
-                export_stats: dict = {}
-                with timer.export(export_metrics):
-                    save_model(engine.module, out_dir / "model", extra_files={"tokenizer": tokenizer_folder(cfg)}, sampler=cfg.eval.sampler.decoding_settings(),
-                               stats=export_stats)
-                if export_metrics:
-                    export_metrics.update({f"time/export_{k}": v for k, v in export_stats.items()})
-                    logger.log(scfg.max_steps, export_metrics)
-            atomic_write_json(Path(cfg.run.metrics_dir) / "sft.json", summary)
-    logger.close()
-    return summary
+    name, title, export_stats = "sft", "SFT", True
+
+    def check(self) -> CheckpointManager:
+        self.plan = check_sft(self.cfg, self.save_checkpoints, self.export)
+        self.steps = self.cfg.sft.max_steps
+        return self.plan.ckpt
+
+    def load(self, device: torch.device) -> torch.nn.Module:
+        return initial_model(self.cfg, self.plan.tokenizer, device)
+
+    def adopt(self, model: torch.nn.Module) -> None:
+        self.model = model
+        if eng.planned_rank() == 0 and not self.cfg.model.path:
+            save_model(model, self.cfg.base_model_dir, extra_files={"tokenizer": tokenizer_folder(self.cfg)})
+
+    def build_engine(self, model: torch.nn.Module):
+        scfg = self.cfg.sft
+        return eng.build_engine(model, scfg.optim, scfg.max_steps, scfg.micro_batch_size, scfg.grad_accum, self.cfg.launch)
+
+    def plots(self) -> tuple[tuple, dict]:
+        return ("loss",), sft_plots(self.cfg.sft.loss_norm)
+
+    def train(self) -> dict:
+        cfg, scfg, timer, engine, model, logger = self.cfg, self.cfg.sft, self.timer, self.engine, self.model, self.logger
+        rows, prompts, responses, algo = self.plan.rows, self.plan.prompts, self.plan.responses, self.plan.algo
+        world, rank, start, out_dir = self.world, self.rank, self.start, self.out_dir
+        global_batch = scfg.micro_batch_size * scfg.grad_accum * world
+        row_cost = sft_row_cost(prompts, responses, scfg.pad_to, model.block_size is None)
+        engine.train()
+        bar = self.progress_bar(scfg.max_steps, "sft")
+        t0 = time.time()
+        loss = None
+        for step in bar:
+            timer.step_begin()
+            idx = global_batch_indices(step, global_batch, len(rows), cfg.run.seed)
+            mine = balanced_micro_batches(idx, row_cost, scfg.micro_batch_size)[rank::world]
+            batches = [sft_batch([prompts[i] for i in m], [responses[i] for i in m], [rows[i]["uid"] for i in m], scfg.pad_to, model.eos_token_id, model.pad_token_id, eos_padding=model.block_size is None) for m in mine]
+            denom = eng.all_reduce_sum(algo.global_denominator([b.response_mask for b in batches]))
+            loss_sum = 0.0
+            for b in batches:
+                b = _to(b, engine.device)
+                gens = sample_generators((cfg.run.seed, "sft", step), b.uids)
+                with timer.phase("forward_backward"):
+                    out = algo.loss(engine.module, b, gens, denom)
+                    eng.backward_global(engine, out.loss)
+                with timer.phase("optimizer"):
+                    engine.step()
+                loss_sum += out.loss.item()
+            loss = eng.all_reduce_sum(loss_sum)
+            if (step + 1) % scfg.log_every == 0 or step + 1 == scfg.max_steps:
+                lr = engine.get_lr()[0]
+                logger.log(step + 1, {"loss": loss, "lr": lr, "samples_per_s": (step + 1 - start) * global_batch / (time.time() - t0),
+                                      **timer.step_metrics()})
+                bar.set_postfix(loss=f"{loss:.3f}")
+            if self.save_checkpoints:
+                self.ckpt.after_step(engine, step + 1, model.hf_config)
+        bar.close()
+
+        if loss is None:  # resumed at the last step: nothing trained, the logged loss stands
+            loss = last_logged(out_dir, "loss")
+        if scfg.max_steps == 0 and rank == 0:
+            # no SFT: the stage's outputs exist (DVC expects them) and the model is exported unchanged
+            (out_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+            (out_dir / "metrics.jsonl").touch()
+        return {"final_loss": loss, "steps": scfg.max_steps, "global_batch": global_batch, "wall_s": round(time.time() - t0, 1)}
 
 
 def _to(batch, device: torch.device):

@@ -16,10 +16,10 @@ from dare_core.algorithms.preference import (
     ElboDPO,
     build_preference,
     get_preference,
-    reference_model,
 )
 from dare_core.algorithms.registry import PREFERENCE_OBJECTIVES
 from dare_core.config import ConfigError, PreferenceConfig
+from dare_core.training.reference import reference_model
 from dare_core.data.batching import pair_batch
 from dare_core.diffusion.likelihood import elbo_rows
 from dare_core.diffusion.masking import CorruptionSet

@@ -70,7 +70,7 @@ import json, shutil, sys
 import torch
 from dare_core.config import load_config
 from dare_core.data.prepare import prepare
-from dare_core.training import rl_loop
+from dare_core.training import rl_loop, rl_verbs
 from dare_core.training.sft_loop import run_sft
 
 torch.set_num_threads(1)
@@ -78,7 +78,7 @@ cfg = load_config(sys.argv[1])
 prepare(cfg)
 run_sft(cfg, progress=False, save_checkpoints=False)
 seen = []
-original = rl_loop.reference_scores
+original = rl_verbs.reference_scores
 
 
 def spy(algo, policy, ref, batch, corruptions, rows):
@@ -87,7 +87,7 @@ def spy(algo, policy, ref, batch, corruptions, rows):
     return original(algo, policy, ref, batch, corruptions, rows)
 
 
-rl_loop.reference_scores = spy
+rl_verbs.reference_scores = spy
 for name, every in (("sync", 2), ("nosync", 0)):
     shutil.copytree(cfg.stage_dir("sft"), cfg.run_dir.parent / name / "sft")
     cfg.run.name, cfg.rl.ref_sync_steps = name, every

@@ -1,0 +1,114 @@
+"""Every check of the RL stage, before it writes anything or starts DeepSpeed (`check_rl`), and
+the plan they leave for the loop (training/rl_loop.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from dare_core.algorithms.registry import build_algorithm
+from dare_core.artifacts import artifact_root
+from dare_core.config import ConfigError, DareConfig
+from dare_core.data.schema import DataError, check_ground_truths, read_rows, table_row
+from dare_core.devices import resolve_dtype
+from dare_core.models.hf_folder import inspect_model
+from dare_core.rl_rules import check_rl_config
+from dare_core.sampling.cache import check_cache_fits
+from dare_core.training import engine as eng
+from dare_core.training.checkpoint import CheckpointManager, SavePolicy, stage_fingerprint
+from dare_core.training.preflight import check_outputs, checkpoint_bytes, model_bytes, stage_writes, training_need
+from dare_core.training.rl_validation import RLValidator
+from dare_core.training.setup import prepare_for_training, stage_tokenizer
+
+
+def rl_start_folder(cfg: DareConfig) -> Path:
+    """RL starts from the SFT stage's exported model."""
+    return cfg.stage_dir("sft") / "model"
+
+
+
+
+# rl.validate_*: validation neither draws from the training randomness nor changes the weights, so
+# changing them resumes the run (left out of the fingerprint, like the keys of COSMETIC_KEYS)
+VALIDATION_KEYS = ("validate_every", "validate_k", "validate_prompts", "validate_temperature")
+
+
+@dataclass
+class RLPlan:
+    """What `check_rl` read and decided, before anything is written."""
+
+    rows: list
+    validator: RLValidator
+    tokenizer: object
+    ckpt: CheckpointManager
+
+
+def _check_sampler(cfg: DareConfig, spec) -> None:
+    """The rollout cache must suit the start model's family (block diffusion or not)."""
+    try:
+        check_cache_fits(cfg.rl.sampler, spec.block_size is not None)
+    except ValueError as exc:
+        raise ConfigError(f"rl.sampler.cache: {exc} (the model in {rl_start_folder(cfg)} is {spec.family.model_type})") from None
+
+
+def _check_prompt_lengths(path: Path, rows: list[dict], tokenizer, gen_length: int, limit: int) -> None:
+    for i, row in enumerate(rows):
+        n = len(tokenizer.encode(row["prompt_text"]))
+        if n + gen_length > limit:
+            raise DataError(f"{table_row(path, i)}: prompt of {n} tokens + rl.sampler.gen_length {gen_length} "
+                            f"exceeds the model maximum {limit}")
+
+
+def check_rl(cfg: DareConfig, save_checkpoints: bool = True) -> RLPlan:
+    """Every check of the RL stage, before it writes anything or starts DeepSpeed: the config, the
+    SFT model (its config only) and the sampler's fit to its family, the algorithm's options and
+    batch shapes, the prompts and their ground truths (train and val), the checkpoints (made with
+    these settings, unless --restart), writable outputs and room on the disk (for the checkpoints
+    the save policy writes, if checkpoints will be saved)."""
+    rl = cfg.rl
+    out_dir = cfg.stage_dir("rl")
+    start_folder = rl_start_folder(cfg)
+    if not (start_folder / "config.json").is_file():
+        raise FileNotFoundError(f"{start_folder}: no SFT model to start from (run the sft stage first)")
+    spec = prepare_for_training(inspect_model(start_folder), cfg)
+    _check_sampler(cfg, spec)
+    algo = build_algorithm(rl, spec)
+    check_rl_config(cfg, algo.rows_per_prompt)
+    check_rl_ranks(cfg, algo.rows_per_prompt)
+
+    data_path = Path(cfg.data.prepared_dir) / "rl.parquet"
+    rows = read_rows(data_path, "rl")
+    if not rows:
+        raise DataError(f"{data_path}: no prompts to train on")
+    check_ground_truths(rows, rl.reward, str(data_path), rl.reward_args)
+    # reads the val split now: a missing one fails before the model loads
+    validator = RLValidator(cfg, out_dir)
+    check_ground_truths(validator.rows, rl.reward, str(Path(cfg.data.prepared_dir) / "val.parquet"), rl.reward_args)
+    tokenizer = stage_tokenizer(cfg)
+    _check_prompt_lengths(data_path, rows, tokenizer, rl.sampler.gen_length, spec.max_sequence_length)
+
+    # rl.schedule is recorded only when it is not the default: checkpoints made before the key
+    # existed (all on-policy) still resume
+    unrecorded = VALIDATION_KEYS + (("schedule",) if rl.schedule == "on_policy" else ())
+    fingerprint = stage_fingerprint(cfg, "rl", {"data file": data_path, "start model": start_folder}, unrecorded)
+    dtype = resolve_dtype(cfg.model.dtype)
+    # no export: `convert` reads the last checkpoint, of the weights only where no resume point is due
+    ckpt = CheckpointManager(out_dir / "checkpoints", rl.keep_last, fingerprint, "rl", cfg.restart, checkpoint_bytes(spec, dtype),
+                             mirror=artifact_root(cfg), policy=SavePolicy(rl.save_every, rl.num_steps, exports=False),
+                             weights_bytes=model_bytes(spec, dtype))
+    ckpt.check()
+    saves, existing = ckpt.planned_writes() if save_checkpoints else ([], [])
+    check_outputs(stage_writes(out_dir) + [Path(cfg.run.metrics_dir) / "rl.json"],
+                  [(out_dir, training_need(saves, existing, rl.keep_last, 0))], "the RL checkpoints")
+    return RLPlan(rows, validator, tokenizer, ckpt)
+
+
+def check_rl_ranks(cfg: DareConfig, rows_per_prompt: int) -> None:
+    """Each rank walks its own share of every mini-batch, so the shares must be whole."""
+    rl = cfg.rl
+    mini = rl.prompts_per_step * rows_per_prompt // rl.mini_batches
+    ranks = eng.planned_world_size()
+    if rl.prompts_per_step % ranks or mini % ranks:
+        raise ValueError(f"rl.prompts_per_step = {rl.prompts_per_step} (mini-batch {mini}) must be divisible by the {ranks} ranks")
+    # validation runs on every rank (each its share of the val prompts, padded to one length: the
+    # same sampling calls everywhere), so ZeRO-3's collective forwards are no obstacle to it

@@ -1,0 +1,174 @@
+"""The verbs of an RL step, each one named function over the run's shared parts (`RLRun`):
+
+    collect   this step's prompts -> rollouts, rewards, advantages (`Rollout`)
+    score     no-grad scores of the rollouts: the old policy's and the reference's (`Scores`)
+    optimize  num_iterations x mini-batches x micro-batches of updates and engine steps (`Update`)
+    sync      the sampler gets the new weights; the reference is synced when due
+
+A schedule (training/rl_schedules.py) is the order it calls them in."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from dare_core.algorithms.rollout import RolloutContext, RolloutSpec, prompt_rows_expanded
+from dare_core.batch import Batch
+from dare_core.config import DareConfig, RLConfig
+from dare_core.data.batching import global_batch_indices
+from dare_core.timing import PhaseTimer
+from dare_core.training import engine as eng
+from dare_core.training.reference import reference_model, sync_reference
+from dare_core.training.rl_ranks import rank_prompts
+
+
+@dataclass
+class RLRun:
+    """What every verb reads: built once by the stage, the same for each step."""
+
+    cfg: DareConfig
+    algo: object  # the RLAlgorithm
+    engine: object  # the DeepSpeed engine; engine.module is the policy
+    sampler: object  # the RolloutEngine
+    tokenizer: object
+    rows: list  # the RL prompts
+    ref: Optional[torch.nn.Module]  # the frozen reference copy (None: no KL, or LoRA's adapter-disabled policy)
+    micro: int  # rows per forward and per update micro-batch
+    timer: PhaseTimer
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def zero3(self) -> bool:
+        return self.engine.zero_optimization_stage() >= 3
+
+
+@dataclass
+class Rollout:
+    """One step's prepared rollouts on this rank. `behaviour`: the old scores, taken at collection
+    by the weights that rolled out, where the update happens under other weights (off-policy)."""
+
+    step: int
+    prompts: int  # this rank's prompts
+    batch: Batch
+    metrics: dict
+    seconds: float  # the rollout's time, less the reward
+    behaviour: Optional[list] = None
+
+
+@dataclass
+class Scores:
+    """Per inner iteration: the corruption, and the old and reference scores on it (None: not used)."""
+
+    corruptions: list
+    old: Optional[list]
+    ref: Optional[list]
+
+
+@dataclass
+class Update:
+    """A step's update metrics: per key (sum of micro-batch value x weight, weight), and the losses' sum."""
+
+    metrics: dict = field(default_factory=dict)
+    loss: float = 0.0
+
+
+def ratio_is_trivial(rl: RLConfig) -> bool:
+    """On-policy with one iteration and one mini-batch, the update sees the weights that rolled out:
+    the ratio is exactly 1 and no old scores are needed. Off-policy, the old scores are the
+    behaviour policy's, never the current weights'."""
+    return rl.schedule == "on_policy" and rl.num_iterations == 1 and rl.mini_batches == 1
+
+
+def chunked_scores(algo, model, batch: Batch, corruption, rows: int) -> torch.Tensor:
+    """`algo.score` of the whole batch, `rows` sequences per forward (the update's micro-batch): the
+    scores' logits over the vocabulary would otherwise be held for every rollout at once."""
+    parts = [algo.score(model, batch.select(idx), corruption.select(idx)) for idx in torch.arange(len(batch)).split(rows)]
+    return torch.cat(parts)
+
+
+def reference_scores(algo, policy, ref, batch: Batch, corruptions: list, rows: int) -> list:
+    """Reference-policy scores on the same corruptions (training/reference.py: a frozen copy, or
+    with LoRA the policy with its adapter disabled)."""
+    with reference_model(policy, ref) as model:
+        return [chunked_scores(algo, model, batch, c, rows) for c in corruptions]
+
+
+def ref_sync_due(step: int, every: int) -> bool:
+    """After RL step `step` (0-based) completes: is the reference synced (every `every` steps)?"""
+    return every > 0 and (step + 1) % every == 0
+
+
+def collect(run: RLRun, step: int) -> Rollout:
+    """Rollouts of step `step`'s prompts with the sampler's current weights, then rewards and
+    advantages (`algo.prepare`). Every rank draws the same prompts and keeps its own share, whole
+    prompts (`rank_prompts`). Call inside `eng.rollout_weights`."""
+    cfg, rl = run.cfg, run.cfg.rl
+    t0 = time.time()
+    idx = global_batch_indices(step, rl.prompts_per_step, len(run.rows), cfg.run.seed)
+    prompt_rows = [run.rows[i] for i in idx]
+    mine = [prompt_rows[i] for i in rank_prompts(len(prompt_rows), rl.mini_batches, run.rank, run.world)]
+    with run.timer.phase("rollout"):  # less the reward, timed inside
+        batch, metrics = run.algo.rollout(run.sampler, run.tokenizer, mine, RolloutSpec.of(rl, cfg.run.seed, step))
+    seconds = time.time() - t0
+    with run.timer.phase("reward"):
+        context = RolloutContext(run.tokenizer, prompt_rows_expanded(mine, rl.group_size), rl.reward, rl.reward_args)
+        metrics.update(run.algo.prepare(batch, context))
+    return Rollout(step, len(mine), batch, metrics, seconds)
+
+
+def score(run: RLRun, rollout: Rollout, old: bool = True, ref: bool = True) -> Scores:
+    """No-grad scores of the rollout, on the corruptions of each inner iteration (drawn from the run
+    seed, the rollout's step and the iteration): the current weights' (`old`) and the reference's
+    (`ref`, where the KL term reads it). Call inside `eng.rollout_weights`."""
+    rl, engine = run.cfg.rl, run.engine
+    with run.timer.phase("scoring"), torch.no_grad():
+        corruptions = [run.algo.corrupt(rollout.batch, (run.cfg.run.seed, rollout.step, it)) for it in range(rl.num_iterations)]
+        olds = [chunked_scores(run.algo, engine.module, rollout.batch, c, run.micro) for c in corruptions] if old else None
+        refs = (reference_scores(run.algo, engine.module, run.ref, rollout.batch, corruptions, run.micro)
+                if ref and rl.kl_beta > 0 else None)
+    return Scores(corruptions, olds, refs)
+
+
+def optimize(run: RLRun, rollout: Rollout, scores: Scores) -> Update:
+    """num_iterations passes over the rollouts, each in rl.mini_batches mini-batches of this rank's
+    rows, each in micro-batches: one forward/backward and one engine step per micro-batch (the
+    engine steps the optimiser at each mini-batch's last)."""
+    rl, algo, engine, timer = run.cfg.rl, run.algo, run.engine, run.timer
+    batch, corruptions, old, ref = rollout.batch, scores.corruptions, scores.old, scores.ref
+    update = Update()
+    local_mini = len(batch) // rl.mini_batches
+
+    def backward(loss: torch.Tensor) -> None:  # a share of a global-denominator sum
+        eng.backward_global(engine, loss)
+
+    for it in range(rl.num_iterations):
+        for mb in torch.arange(len(batch)).split(local_mini):
+            # normalisers over the whole mini-batch (all micro-batches, all ranks) before any backward
+            denom = eng.all_reduce_sum(algo.denominator(batch.select(mb), corruptions[it].select(mb)))
+            for mc in mb.split(run.micro):
+                o = old[it][mc] if old is not None else None
+                r = ref[it][mc] if ref is not None else None
+                with timer.phase("forward_backward"):
+                    out = algo.update(engine.module, batch.select(mc), corruptions[it].select(mc), o, r, denom, backward)
+                with timer.phase("optimizer"):
+                    engine.step()
+                # the micro-batch's metrics weigh by its share of the loss normaliser (scored
+                # tokens for a token mean, sequences for a sequence mean): the step's token or
+                # sequence mean whatever the micro-batches and ranks
+                weight = float(algo.denominator(batch.select(mc), corruptions[it].select(mc))[0])
+                for k, v in out.metrics.items():
+                    s, w = update.metrics.get(k, (0.0, 0.0))
+                    update.metrics[k] = (s + v * weight, w + weight)
+                update.loss += float(out.loss)
+    return update
+
+
+def sync(run: RLRun, step: int) -> None:
+    """After step `step`'s update: the next rollout must see its weights, and the next step's KL is
+    to this step's policy where a reference sync is due."""
+    run.sampler.update_weights(run.engine.module)
+    if run.ref is not None and ref_sync_due(step, run.cfg.rl.ref_sync_steps):
+        sync_reference(run.ref, run.engine.module, run.zero3)

@@ -1,0 +1,92 @@
+"""rl.schedule: one_step_off_policy trains on rollouts drawn a step earlier (so its ratios are to
+the behaviour policy, not 1), and a run killed after a checkpoint resumes, from the rollout the
+checkpoint kept, to exactly the metrics and weights of an uninterrupted run."""
+import json
+import subprocess
+import sys
+
+from dare_core.config import RL_SCHEDULES
+from dare_core.training.rl_schedules import SCHEDULES
+from pipeline_helpers import tiny_params, worker_env, write_params
+
+_RUN = r"""
+import json, shutil, sys
+import torch
+from dare_core.config import load_config
+from dare_core.data.prepare import prepare
+from dare_core.training import rl_loop, rl_schedules, rl_verbs
+from dare_core.training.checkpoint import CheckpointManager
+from dare_core.training.sft_loop import run_sft
+
+torch.set_num_threads(1)
+cfg = load_config(sys.argv[1])
+prepare(cfg)
+run_sft(cfg, progress=False, save_checkpoints=False)
+
+
+class Killed(Exception):
+    pass
+
+
+after_step = CheckpointManager.after_step
+
+
+def killed_after_step_2(self, engine, step, hf_config, rank_files=None):
+    after_step(self, engine, step, hf_config, rank_files)
+    if step == 2:
+        raise Killed
+
+
+ratios = []
+update = rl_schedules.optimize
+
+
+def spy(run, rollout, scores):  # the behaviour scores differ from the weights the update starts at
+    with torch.no_grad():
+        now = rl_verbs.score(run, rollout, ref=False).old
+    ratios.append(not all(torch.equal(a, b) for a, b in zip(now, scores.old)))
+    return update(run, rollout, scores)
+
+
+rl_schedules.optimize = spy
+out = {}
+for name in ("whole", "killed"):
+    shutil.copytree(cfg.stage_dir("sft"), cfg.run_dir.parent / name / "sft")
+    cfg.run.name = name
+    if name == "killed":
+        CheckpointManager.after_step = killed_after_step_2
+        try:
+            rl_loop.run_rl(cfg, progress=False)
+        except Killed:
+            pass
+        CheckpointManager.after_step = after_step
+    rl_loop.run_rl(cfg, progress=False)
+    rows = [json.loads(l) for l in (cfg.stage_dir("rl") / "metrics.jsonl").read_text().splitlines()]
+    last = sorted(cfg.stage_dir("rl").glob("checkpoints/step*"))[-1]
+    state = torch.load(next(last.rglob("*model_states.pt")), weights_only=False)["module"]
+    out[name] = {"metrics": [{k: v for k, v in r.items() if "time" not in k and not k.endswith("_per_s")} for r in rows],
+                 "weights": float(sum(v.double().abs().sum() for v in state.values()))}
+print("OUT " + json.dumps({"runs": out, "ratios": ratios}))
+"""
+
+
+def test_schedules_registered_as_configured():
+    assert set(SCHEDULES) == set(RL_SCHEDULES)
+
+
+def test_one_step_off_policy_runs_and_resumes_identically(tmp_path):
+    # the entropy bonus moves the weights every step (the tiny model's rewards may all be 0)
+    params = tiny_params(tmp_path, sft__max_steps=2, rl__num_steps=3, rl__schedule="one_step_off_policy",
+                         rl__num_iterations=1, rl__kl_beta=0.05, rl__entropy_coeff=0.01, rl__save_every=1, rl__log_every=1,
+                         rl__validate_every=0)
+    path = write_params(tmp_path / "params.yaml", params)
+    r = subprocess.run([sys.executable, "-c", _RUN, str(path)], env=worker_env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    out = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("OUT "))[4:])
+    whole, killed = out["runs"]["whole"], out["runs"]["killed"]
+    assert [m["step"] for m in whole["metrics"]] == [1, 2, 3]
+    # the killed run logged steps 1-2, then its resumed run step 3: the same rows as the whole run
+    assert killed == whole
+    # step 0 trains on its own weights' rollouts; steps 1 and 2 on those of the weights a step older
+    # (whole run: 3 updates; killed: 2 + the resumed 1)
+    assert out["ratios"] == [False, True, True, False, True, True]
