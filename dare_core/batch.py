@@ -20,7 +20,7 @@ class Batch:
     advantages: Optional[torch.Tensor] = None  # [B] (RL only)
     # rollout records an algorithm asked for (`RLAlgorithm.requires`), each a tensor with a batch dim
     # first, e.g. "step_map" [B, L] ([B, L + block_size - 1] on block diffusion: the terminal block
-    # past gen_length as the sampler decoded it; ALGORITHMS.md 6.5)
+    # past gen_length as the sampler decoded it; docs/sampling.md#rollout-records)
     records: dict = field(default_factory=dict)
 
     def __len__(self) -> int:

@@ -344,11 +344,11 @@ class RLConfig:
     # every ref_sync_steps RL steps the reference policy of the KL term becomes the current policy
     # (0 = never: the reference stays the SFT model). Needs kl_beta > 0 (nothing else reads the
     # reference) and full fine-tuning: with model.lora the reference is the adapter-disabled base
-    # model, and syncing it would mean merging the adapter into the base (ALGORITHMS.md 5.1.7)
+    # model, and syncing it would mean merging the adapter into the base (docs/algorithms.md#reference-policy)
     ref_sync_steps: int = 0
     # entropy bonus: the loss gets - entropy_coeff * (the entropy of p_theta(.|z, i) at the scored
     # tokens, aggregated like the policy term); token-level estimators only, a sequence-level one
-    # (spg, bgpo, espo, ebpo) refuses a nonzero value (ALGORITHMS.md 5.1.6). Logged as `entropy`
+    # (spg, bgpo, espo, ebpo) refuses a nonzero value (docs/algorithms.md#entropy-bonus). Logged as `entropy`
     entropy_coeff: float = 0.0
     # Monte-Carlo rows / trajectory steps per forward: estimators forward and backpropagate this
     # many rows at a time, so memory is flat in the number of rows (mc_num, steps, positions)
@@ -386,7 +386,7 @@ class RLConfig:
 
 @dataclass
 class PreferenceConfig:
-    """The `preference` stage (ALGORITHMS.md 4): ELBO-DPO / VRPO on preference pairs, starting
+    """The `preference` stage (docs/algorithms.md#preference-optimisation): ELBO-DPO / VRPO on preference pairs, starting
     from the SFT model. A micro-batch holds `micro_batch_size` pairs (2x as many sequences)."""
 
     # auto: the stage runs when the prepared data holds pairs, else it is off (logged, outputs say so);

@@ -40,7 +40,7 @@ def check_algorithm_fits(algorithm: type, rl: RLConfig, block_size: Optional[int
     if rl.kl_beta > 0 and not algorithm.allows_kl:
         raise ValueError(f"rl.algorithm '{algorithm.name}' has no KL term: set rl.kl_beta: 0")
     if getattr(rl, "entropy_coeff", 0.0) > 0 and not algorithm.token_level:
-        # ALGORITHMS.md 5.1.6: an entropy is a property of the per-token distributions p(.|z, i);
+        # docs/algorithms.md#entropy-bonus: an entropy is a property of the per-token distributions p(.|z, i);
         # a sequence score (an ELBO estimate) has none, and -e^l * l of it is not an entropy
         token = sorted(n for n, c in registry.items() if c.token_level)
         raise ValueError(f"rl.entropy_coeff = {rl.entropy_coeff}: rl.algorithm '{algorithm.name}' is a sequence-level "

@@ -1,4 +1,4 @@
-"""BGPO, boundary-guided policy optimisation (ALGORITHMS.md 5.6): the stratified MC-ELBO (2.3,
+"""BGPO, boundary-guided policy optimisation (docs/algorithms.md#bgpo): the stratified MC-ELBO (2.3,
 law (b), N rows) with a per-row ratio that lower-bounds the objective,
 
   rho_j = 1 + D_j   if A > 0   (first-order lower bound of exp(mean D)),

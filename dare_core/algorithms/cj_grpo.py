@@ -1,4 +1,4 @@
-"""CJ-GRPO (ALGORITHMS.md 5.4): replay the rollout's own trajectory (2.6) and score the tokens each
+"""CJ-GRPO (docs/algorithms.md#cj-grpo): replay the rollout's own trajectory (2.6) and score the tokens each
 denoising step committed, given the state before that step, at the rollout temperature.
 
 Masked diffusion: L = (1/K) sum_k L_k, L_k a PPO (dual) clip token-mean over U_k ∩ V across the

@@ -1,5 +1,5 @@
 """Pieces every RL algorithm shares: group advantages, PPO clip (+ dual clip), KL estimators,
-aggregation (ALGORITHMS.md 5.1)."""
+aggregation (docs/algorithms.md#rl-shared)."""
 from __future__ import annotations
 
 import math

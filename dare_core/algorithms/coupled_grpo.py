@@ -1,4 +1,4 @@
-"""Coupled-GRPO (DiffuCoder, ALGORITHMS.md 5.3): the coupled three-pass estimator (2.2) with a fresh
+"""Coupled-GRPO (DiffuCoder, docs/algorithms.md#coupled-grpo): the coupled three-pass estimator (2.2) with a fresh
 (t, u) per sample per inner iteration from explicit generators, token-level PPO like d1, RLOO
 advantages without std scaling in the paper's recipe (set rl.adv_estimator: rloo)."""
 from __future__ import annotations

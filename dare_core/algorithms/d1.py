@@ -1,4 +1,4 @@
-"""d1 / diffu-GRPO (ALGORITHMS.md 5.2): the one-step mean-field estimator with a fresh prompt mask
+"""d1 / diffu-GRPO (docs/algorithms.md#d1): the one-step mean-field estimator with a fresh prompt mask
 per inner iteration, token-level PPO clip over the valid region V, token-mean, optional KL."""
 from __future__ import annotations
 

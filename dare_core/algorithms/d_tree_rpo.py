@@ -1,4 +1,4 @@
-"""d-TreeRPO (ALGORITHMS.md 5.8): tree rollouts, leave-one-out local advantages, and a one-step
+"""d-TreeRPO (docs/algorithms.md#d-tree-rpo): tree rollouts, leave-one-out local advantages, and a one-step
 surrogate of every parent -> child transition.
 
 Rollout (`sampling/tree.py`): per prompt a tree whose leaves are complete responses; the root's

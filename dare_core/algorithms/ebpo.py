@@ -1,4 +1,4 @@
-"""EBPO for block diffusion (ALGORITHMS.md 5.9): the per-block composite ELBO (2.4: an independent,
+"""EBPO for block diffusion (docs/algorithms.md#ebpo): the per-block composite ELBO (2.4: an independent,
 stratified noise level for every (row, block) cell, all blocks corrupted at once in the two-stream
 layout), one sequence ratio exp(S - S_old) clipped once in log space against the sequence advantage,
 mean over sequences, optional KL on S - S_ref; gradients by proxy-gradient replay, so one row's

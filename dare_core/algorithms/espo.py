@@ -1,4 +1,4 @@
-"""ESPO, ELBO-based sequence-level policy optimisation (ALGORITHMS.md 5.10): the MC-ELBO with
+"""ESPO, ELBO-based sequence-level policy optimisation (docs/algorithms.md#espo): the MC-ELBO with
 law (c) (l ~ U{0..n}, stratified) and, by default, the complementary-mask half that lowers its
 variance; one ratio per sequence, exp((S - S_old) / L_max), clipped in log space against the
 sequence advantage (RLOO in the recipe: rl.adv_estimator: rloo); KL = k2 on the raw ELBO / L_max.

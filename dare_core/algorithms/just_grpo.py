@@ -1,4 +1,4 @@
-"""JustGRPO (ALGORITHMS.md 5.11): roll out left to right (block 1, one token per step, no cache) so
+"""JustGRPO (docs/algorithms.md#just-grpo): roll out left to right (block 1, one token per step, no cache) so
 that the exact AR likelihood (2.7) is the probability the sampler drew each token with; token-level
 PPO (dual) clip, token-mean over V. Scored at the rollout temperature.
 

@@ -1,4 +1,4 @@
-"""MDPO (ALGORITHMS.md 5.7): reward the completion the model predicted at every denoising step, turn
+"""MDPO (docs/algorithms.md#mdpo): reward the completion the model predicted at every denoising step, turn
 the per-step rewards into step advantages, and train on the steps whose advantages matter most.
 
 For step t (1..K) of a cache-free rollout the record holds the state z_t, the predicted completion

@@ -1,4 +1,4 @@
-"""Preference optimisation of diffusion LMs (ALGORITHMS.md 4): ELBO-DPO and VRPO.
+"""Preference optimisation of diffusion LMs (docs/algorithms.md#preference-optimisation): ELBO-DPO and VRPO.
 
 Both minimise, averaged over pairs (prompt x, chosen y_w, rejected y_l),
 

@@ -1,4 +1,4 @@
-"""Masked-diffusion SFT (ALGORITHMS.md 3.1): completion-only Bernoulli masking at p ~ U(eps, 1),
+"""Masked-diffusion SFT (docs/diffusion.md#sft-loss): completion-only Bernoulli masking at p ~ U(eps, 1),
 loss = (1/B) sum_b [sum_{masked} CE / p_b] / n_b, a per-answer-token negative ELBO.
 
 The normaliser never depends on the sampled mask (dividing by the masked count would over-weight

@@ -1,4 +1,4 @@
-"""SPG, the sandwiched policy gradient (ALGORITHMS.md 5.5): no ratio, no old scores, no clipping.
+"""SPG, the sandwiched policy gradient (docs/algorithms.md#spg): no ratio, no old scores, no clipping.
 Push up a lower bound (ELBO-like l+) of the likelihood of positive-advantage samples and push down
 an upper bound (EUBO, or its mix with l+) for the others, over the block-wise law (2.5):
 

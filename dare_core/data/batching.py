@@ -33,7 +33,7 @@ def pair_batch(prompts: Sequence[Sequence[int]], chosen: Sequence[Sequence[int]]
                pad_to: int, eos_id: int, pad_id: int, eos_padding: bool = True) -> Batch:
     """Preference pairs as 2P sequences in the SFT layout: pair k is rows 2k (chosen) and 2k+1
     (rejected), which share the prompt, the padded prompt length and the `pad_to` canvas; both rows
-    carry the pair's uid (masks derive from it, ALGORITHMS.md 4)."""
+    carry the pair's uid (masks derive from it, docs/algorithms.md#preference-optimisation)."""
     twice = lambda xs: [x for x in xs for _ in range(2)]  # noqa: E731
     responses = [r for pair in zip(chosen, rejected) for r in pair]
     return sft_batch(twice(prompts), responses, twice(uids), pad_to, eos_id, pad_id, eos_padding)

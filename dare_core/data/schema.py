@@ -58,7 +58,7 @@ SCHEMAS: dict[str, Schema] = {
     # the user's own test / validation file (data.eval_source, data.val_source): used as it is
     "eval_source": Schema(("prompt", "ground_truth"), ("task", "uid", "response")),
     "preference_source": Schema(("prompt", "chosen", "rejected"), ("task", "uid")),
-    # a pair: one prompt, the preferred response y_w and the dispreferred y_l (ALGORITHMS.md 4)
+    # a pair: one prompt, the preferred response y_w and the dispreferred y_l (docs/algorithms.md#preference-optimisation)
     "preference": Schema(("prompt", "chosen", "rejected", "task", "uid", "prompt_text")),
 }
 

@@ -1,4 +1,4 @@
-"""Block-diffusion two-stream layout [x_t ; x_0] (ALGORITHMS.md 2.8).
+"""Block-diffusion two-stream layout [x_t ; x_0] (docs/diffusion.md#two-stream).
 
 The noisy stream z and the clean stream y0 are concatenated (length 2S) and share position ids
 0..S-1; with b(i) = position // block_size:

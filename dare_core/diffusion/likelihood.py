@@ -1,4 +1,4 @@
-"""Likelihood estimators shared by every algorithm (ALGORITHMS.md 2).
+"""Likelihood estimators shared by every algorithm (docs/diffusion.md#likelihood-estimators).
 
 Algorithms never call the model for likelihoods themselves: they hand a `Corruption` (or a
 `CorruptionSet` of Monte-Carlo rows / trajectory steps) to these functions, so the same corrupted
@@ -153,7 +153,7 @@ def proxy_backward(corruptions: CorruptionSet, rows_per_forward: int,
                    loss_of_stats: Callable[[torch.Tensor], tuple[torch.Tensor, dict]],
                    backward: Callable[[torch.Tensor], None]) -> tuple[torch.Tensor, dict]:
     """Exact constant-memory gradient of loss(T) where T = [B, R, ...] stacks per-row statistics
-    (ALGORITHMS.md 2.3): T is computed without a graph, g = dloss/dT on a detached leaf, then each
+    (docs/diffusion.md#mc-elbo): T is computed without a graph, g = dloss/dT on a detached leaf, then each
     chunk of rows is recomputed with a graph and backpropagated as <g_rows, T_rows>. Exact because
     the loss reaches the parameters only through T. With all rows in one chunk it is one pass."""
     groups = chunks(len(corruptions), rows_per_forward)

@@ -101,7 +101,7 @@ def bernoulli_mask(maskable: torch.Tensor, p: torch.Tensor, generators: Sequence
 def prompt_noise_mask(real: torch.Tensor, p: float, generators: Sequence[torch.Generator]) -> torch.Tensor:
     """The prompt-noise regulariser (d1, SPG): each real prompt token MASK with probability p. One
     draw per real token, in order, so the pattern does not depend on how much left padding the
-    batch gave the prompt (ALGORITHMS.md 1.6)."""
+    batch gave the prompt (docs/diffusion.md#seeding)."""
     out = torch.zeros_like(real, dtype=torch.bool)
     for row, g in enumerate(generators):
         idx = real[row].nonzero().squeeze(-1)
@@ -110,7 +110,7 @@ def prompt_noise_mask(real: torch.Tensor, p: float, generators: Sequence[torch.G
 
 
 def count_mask(maskable: torch.Tensor, generators: Sequence[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Law (b) of ALGORITHMS.md 1.3: l ~ U{1..n}, then a uniform random l-subset of the n maskable
+    """Law (b) of docs/diffusion.md#corruption-laws: l ~ U{1..n}, then a uniform random l-subset of the n maskable
     positions; returns the mask and p = l/n. Same ELBO as the Bernoulli law, but the weight 1/p is
     at most n instead of 1/eps: far less variance on short responses."""
     rows, probs = [], []
@@ -133,7 +133,7 @@ def count_mask(maskable: torch.Tensor, generators: Sequence[torch.Generator]) ->
 def masked_corruption(input_ids: torch.Tensor, prompt_len: int, masked_resp: torch.Tensor, mask_id: int, p: torch.Tensor,
                       weight: Optional[torch.Tensor] = None, hidden: Optional[torch.Tensor] = None) -> Corruption:
     """MASK the chosen response positions; they are the scored ones. `hidden` [B, L]: response
-    positions also MASK but never scored (the EOS tail under tail_policy = mask, ALGORITHMS.md 1.1).
+    positions also MASK but never scored (the EOS tail under tail_policy = mask, docs/diffusion.md#regions).
     `weight` [B, L]: per-position ELBO weight."""
     scored = torch.zeros_like(input_ids, dtype=torch.bool)
     scored[:, prompt_len:] = masked_resp
@@ -157,7 +157,7 @@ def response_corruption(
     generators: Sequence[torch.Generator],
     at_least_one: bool = False,
 ) -> Corruption:
-    """Random completion-only corruption (law (a) of ALGORITHMS.md 1.3): response positions in
+    """Random completion-only corruption (law (a) of docs/diffusion.md#corruption-laws): response positions in
     `response_mask` [B, L] are masked with probability p[b] and scored where masked."""
     return masked_corruption(input_ids, prompt_len, bernoulli_mask(response_mask, p, generators, at_least_one), mask_id, p)
 

@@ -1,4 +1,4 @@
-"""Multi-row corruption laws of the RL and preference estimators (ALGORITHMS.md 1.3, 1.5, 2.2-2.5).
+"""Multi-row corruption laws of the RL and preference estimators (docs/diffusion.md#corruption-laws, docs/diffusion.md#mask-families, docs/diffusion.md#coupled-passes, docs/diffusion.md#mc-elbo, docs/diffusion.md#per-block-elbo, docs/diffusion.md#blockwise-eubo).
 
 Every law here returns a `CorruptionSet`: R corrupted copies of a batch, each drawn from one
 explicit generator per sample (so a sample's masks do not depend on its batch neighbours), with

@@ -1,4 +1,4 @@
-"""Trajectory corruptions: the exact states a rollout went through (ALGORITHMS.md 2.6, 2.7).
+"""Trajectory corruptions: the exact states a rollout went through (docs/diffusion.md#trajectory-replay, docs/diffusion.md#exact-ar).
 
 Unlike the random laws, these do not draw anything: the rollout's step map says which positions
 each denoising step committed, and replaying step k means feeding the model the state before it.

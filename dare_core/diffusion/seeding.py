@@ -1,5 +1,5 @@
 """Derived seeds: every random draw in the masking/likelihood/loss path comes from a generator
-seeded by a hash of what it is for, never from a global RNG (ALGORITHMS.md 1.6)."""
+seeded by a hash of what it is for, never from a global RNG (docs/diffusion.md#seeding)."""
 from __future__ import annotations
 
 import hashlib

@@ -162,7 +162,7 @@ class EvalModel:
         return model_settings(self.block_size, self.base_sampler, overrides)
 
     def manifest(self, overrides: Optional[dict] = None) -> dict:
-        """What a number depends on (ALGORITHMS.md 8): model, sampler, seed, hardware, versions."""
+        """What a number depends on (docs/evaluation.md#reference-numbers): model, sampler, seed, hardware, versions."""
         return {"model": str(self.path), "sampler": asdict(self.sampling_params(overrides)), "seed": self.seed,
                 "batch_size": self.batch_size, "dtype": str(next(self.model.parameters()).dtype),
                 "engine": self.engine.name, **environment(next(self.model.parameters()).device)}
@@ -221,7 +221,7 @@ class EvalModel:
 
     @torch.no_grad()
     def loglikelihood(self, contexts: Sequence[Prompt], continuations: Sequence[str], desc: str = "loglikelihood") -> list[float]:
-        """ELBO estimate of log p(continuation | context) for each pair (ALGORITHMS.md 2.3, law (b):
+        """ELBO estimate of log p(continuation | context) for each pair (docs/diffusion.md#mc-elbo, law (b):
         stratified counts, one uniform subset per row; 2.4 per-block for block diffusion), over
         `ll_mc_num` rows; divided by the continuation's token count when `ll_norm` is "mean". A
         one-token continuation under a masked model is exact: every row masks that token alone."""

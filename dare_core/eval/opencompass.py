@@ -7,7 +7,7 @@
 - Modes. `gen` (every benchmark): the model writes an answer and the benchmark's grader checks
   it (math by symbolic equivalence, code in the sandbox, options by the letter given).
   `ll` (multiple choice: MMLU, MMLU-Pro, HellaSwag, ARC-C, GPQA): `ELBOChoiceInferencer` scores
-  every option's continuation by its ELBO log-likelihood (ALGORITHMS.md 2.3 / 2.4) and predicts
+  every option's continuation by its ELBO log-likelihood (docs/diffusion.md#mc-elbo / docs/diffusion.md#per-block-elbo) and predicts
   the best. DARE's published table uses `gen` for all twelve; `ll` is the base-model protocol.
 - Per-benchmark sampler settings travel in the dataset's inferencer config (`sampler`), so one
   model serves benchmarks with different gen lengths, steps, blocks, caches and thresholds.

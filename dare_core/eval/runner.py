@@ -312,7 +312,7 @@ def evaluate_folders(models: dict, specs: list, work_dir: Path, model_options: O
 
 
 def run_manifest(models: dict, specs: list, model_options: Optional[dict], batch_size: int) -> dict:
-    """What the numbers depend on (ALGORITHMS.md 8): checkpoints, settings per benchmark, software,
+    """What the numbers depend on (docs/evaluation.md#reference-numbers): checkpoints, settings per benchmark, software,
     hardware. Written next to every evaluation's results."""
     from dare_core.eval.lm import environment
 

@@ -1,4 +1,4 @@
-"""Code reward (ALGORITHMS.md section 7): run the generated program against its tests in the sandbox.
+"""Code reward (docs/algorithms.md#rewards): run the generated program against its tests in the sandbox.
 
 The program is the last fenced Python block of the response (```python, ```py or an untagged fence),
 else the whole text (completion-style prompts such as HumanEval's "complete the following code").

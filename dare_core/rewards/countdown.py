@@ -1,4 +1,4 @@
-"""Countdown reward (ALGORITHMS.md section 7): reach the target with each given number exactly once.
+"""Countdown reward (docs/algorithms.md#rewards): reach the target with each given number exactly once.
 
 Ground truth format (stable): `"<target>|<n1>,<n2>,...[|<format>]"`, e.g. `"9|1,2,3"`.
 - `format` is `tag` (the default when omitted): the answer is the content of the last

@@ -1,4 +1,4 @@
-"""GSM8K rewards (ALGORITHMS.md section 7).
+"""GSM8K rewards (docs/algorithms.md#rewards).
 
 `gsm8k`: numeric match of the final answer, tolerance 1e-6. The ground truth is the text after `####`
 with commas removed. The prediction is taken in the format the prompt asked for: the last

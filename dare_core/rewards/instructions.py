@@ -1,4 +1,4 @@
-"""The answer-format instruction each task's reward needs in its prompt (ALGORITHMS.md section 7).
+"""The answer-format instruction each task's reward needs in its prompt (docs/algorithms.md#rewards).
 
 A reward can only grade what it can parse: a math prompt that never asks for `\\boxed{}` makes whole
 RL groups score 0 (advantage 0, no learning). Data preparation therefore

@@ -1,4 +1,4 @@
-"""Math reward (ALGORITHMS.md section 7): the last `\\boxed{}`/`\\fbox{}` against the ground truth.
+"""Math reward (docs/algorithms.md#rewards): the last `\\boxed{}`/`\\fbox{}` against the ground truth.
 
 Extraction: the content of the last box, found by brace matching so nested braces survive. No box:
 score 0 with `extra["extraction_failed"]`. A ground truth that itself contains `\\boxed` is unwrapped.

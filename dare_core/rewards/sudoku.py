@@ -1,4 +1,4 @@
-"""Sudoku reward (ALGORITHMS.md section 7), for 4x4 puzzles given as 16 digits in row order.
+"""Sudoku reward (docs/algorithms.md#rewards), for 4x4 puzzles given as 16 digits in row order.
 
 Ground truth format (stable): `"<puzzle>|<solution>[|<format>]"`, e.g.
 `"1030000100400200|1234341221434321"`: the puzzle with `0` for the empty cells, then its solution.

@@ -1,4 +1,4 @@
-"""Cache policies: which canvas columns one denoising step re-encodes (ALGORITHMS.md 6.3, 6.4).
+"""Cache policies: which canvas columns one denoising step re-encodes (docs/sampling.md#fast-dllm-caches, docs/sampling.md#block-diffusion-decoding).
 
 Every policy is expressed as windows over one `KVCache` that spans the whole canvas. A forward
 over a window writes that window's keys/values into the cache and attends to the cache's first

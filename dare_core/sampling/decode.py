@@ -1,4 +1,4 @@
-"""One denoising loop for every family (ALGORITHMS.md 6).
+"""One denoising loop for every family (docs/sampling.md#sampling).
 
 Masked diffusion (LLaDA, Dream) decodes the response in semi-autoregressive blocks counted from the
 end of the prompt; block diffusion (SDAR, LLaDA2) decodes blocks aligned to absolute positions, the
@@ -422,7 +422,7 @@ def _assemble(model, prompts, params, final, resp_start, origin, nfe, steps, rec
 def response_output(prompts: Sequence[Sequence[int]], response: torch.Tensor, pad_id: int, eos_id: int,
                     stop_ids: torch.Tensor, **fields) -> GenerationOutput:
     """The layout every engine returns: [left-padded prompt | response], everything after the first
-    stop token set to EOS, with the valid lengths and stop reasons (ALGORITHMS.md 6.5)."""
+    stop token set to EOS, with the valid lengths and stop reasons (docs/sampling.md#rollout-records)."""
     L = response.shape[1]
     is_stop = torch.isin(response, stop_ids.to(response.device))
     after = (is_stop.long().cumsum(-1) - is_stop.long()) > 0

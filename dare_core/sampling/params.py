@@ -1,4 +1,4 @@
-"""Sampler settings (no torch import: the config schema builds on them). ALGORITHMS.md 6."""
+"""Sampler settings (no torch import: the config schema builds on them). docs/sampling.md#sampling."""
 from __future__ import annotations
 
 import math

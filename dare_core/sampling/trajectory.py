@@ -1,4 +1,4 @@
-"""What a rollout records beyond token ids, on request (ALGORITHMS.md 6.5).
+"""What a rollout records beyond token ids, on request (docs/sampling.md#rollout-records).
 
 Positions are columns of the *decoding window*: the part of the canvas from the first decoding
 block on. For masked diffusion that is the response itself; for block diffusion the first block

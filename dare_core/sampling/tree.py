@@ -1,4 +1,4 @@
-"""Tree-structured rollouts (d-TreeRPO, ALGORITHMS.md 5.8 and 6.5).
+"""Tree-structured rollouts (d-TreeRPO, docs/algorithms.md#d-tree-rpo and docs/sampling.md#rollout-records).
 
 With `T` denoising steps and a contraction factor `s`, the branch points (in remaining steps) are
 `{T - floor(k T / s) : k = 0..s}`, de-duplicated and descending, e.g. [128, 64, 0]. Level d of the

@@ -1,4 +1,4 @@
-"""The preference loop (ALGORITHMS.md 4): ELBO-DPO / VRPO from the SFT model on
+"""The preference loop (docs/algorithms.md#preference-optimisation): ELBO-DPO / VRPO from the SFT model on
 `preference.parquet`, with deterministic data order, DeepSpeed steps, atomic resumable checkpoints,
 metrics, and the final Hugging Face export (`runs/<name>/preference/model`).
 

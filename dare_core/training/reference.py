@@ -40,7 +40,7 @@ def reference_model(policy: torch.nn.Module, frozen: Optional[torch.nn.Module]) 
 
 def sync_reference(ref: torch.nn.Module, policy: torch.nn.Module, zero3: bool = False) -> None:
     """rl.ref_sync_steps: the frozen reference copy becomes the current policy, in place (its
-    parameters and buffers; ALGORITHMS.md 5.1.7). `policy` is the engine's module, whose weights
+    parameters and buffers; docs/algorithms.md#reference-policy). `policy` is the engine's module, whose weights
     are what the scores use (under bf16 the module's bf16 weights, not the optimiser's fp32
     master copy). Under ZeRO-3 each parameter is partitioned across the ranks: it is gathered, one
     at a time (no rank holds more than the reference plus one full parameter), and copied; ZeRO

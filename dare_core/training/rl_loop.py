@@ -1,5 +1,5 @@
 """The RL stage: rollout -> reward -> group advantages -> corruptions -> old/ref scores ->
-num_iterations x mini-batch PPO updates -> log -> checkpoint (ALGORITHMS.md 5). The step's verbs
+num_iterations x mini-batch PPO updates -> log -> checkpoint (docs/algorithms.md#rl-algorithms). The step's verbs
 are in training/rl_verbs.py, the order they run in (rl.schedule) in training/rl_schedules.py; this
 file builds the run and ends each step the same way whatever the schedule."""
 from __future__ import annotations

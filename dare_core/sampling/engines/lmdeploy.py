@@ -1,4 +1,4 @@
-"""SDAR rollouts through lmdeploy's PyTorch engine, in this process (ALGORITHMS.md 6.4, 6.5).
+"""SDAR rollouts through lmdeploy's PyTorch engine, in this process (docs/sampling.md#block-diffusion-decoding, docs/sampling.md#rollout-records).
 
 The engine and its scheduler live in the calling process (`lmdeploy.pytorch.engine.Engine`, no HTTP
 server); prompts go in and response token ids come out, never text. What varies per request

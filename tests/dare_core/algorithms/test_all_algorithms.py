@@ -1,4 +1,4 @@
-"""Every registered RL algorithm on real tiny rollouts (ALGORITHMS.md 1.6, 5.1, Section 5 as a whole):
+"""Every registered RL algorithm on real tiny rollouts (docs/diffusion.md#seeding, docs/algorithms.md#rl-shared, docs/algorithms.md#rl-algorithms as a whole):
 one update per supported family with a finite loss and gradients, a clear error on the others;
 corruptions shared, reproducible, batch- and padding-invariant and isolated from global RNGs; no
 gradient from zero advantages, the EOS tail or padding; a ratio that moves on the second inner

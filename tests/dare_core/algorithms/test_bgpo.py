@@ -1,4 +1,4 @@
-"""BGPO (ALGORITHMS.md 2.3, 5.6): stratified law (b) rows, per-row ratio 1 + D (A > 0) or exp D
+"""BGPO (docs/diffusion.md#mc-elbo, docs/algorithms.md#bgpo): stratified law (b) rows, per-row ratio 1 + D (A > 0) or exp D
 (A <= 0), clipped and averaged over rows, by hand; ratio 1 at theta = theta_old; never NaN."""
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""CJ-GRPO (ALGORITHMS.md 2.6, 5.4): replayed log-probs of a cache-free rollout equal the sampler's
+"""CJ-GRPO (docs/diffusion.md#trajectory-replay, docs/algorithms.md#cj-grpo): replayed log-probs of a cache-free rollout equal the sampler's
 logged per-step ones; the MDLM loss (1/K) sum_k token-mean_k and the BDLM Eq. 11 loss by hand; only
 the valid region is scored (masked diffusion); step_merge."""
 import math

@@ -1,4 +1,4 @@
-"""Coupled-GRPO (ALGORITHMS.md 2.2, 5.3): the three-pass score and the token PPO loss by hand, fresh
+"""Coupled-GRPO (docs/diffusion.md#coupled-passes, docs/algorithms.md#coupled-grpo): the three-pass score and the token PPO loss by hand, fresh
 (t, u) per sample and iteration, the pure A/B pair as an option."""
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""d-TreeRPO (ALGORITHMS.md 5.8): the tree, its values and leave-one-out advantages, the active sets
+"""d-TreeRPO (docs/algorithms.md#d-tree-rpo): the tree, its values and leave-one-out advantages, the active sets
 of the transitions, the self-distillation schedule, the loss by hand, where gradients come from,
 and a non-trivial ratio on the second inner update."""
 import copy

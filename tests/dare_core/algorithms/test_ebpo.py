@@ -1,4 +1,4 @@
-"""EBPO (ALGORITHMS.md 2.4, 5.9): the per-block composite ELBO as a sum of block terms scored by plain
+"""EBPO (docs/diffusion.md#per-block-elbo, docs/algorithms.md#ebpo): the per-block composite ELBO as a sum of block terms scored by plain
 per-block forwards, one sequence ratio exp(S - S_old) clipped in log space, ratio 1 at theta_old, no
 overflow at |dS| = 1e3; on a masked diffusion model the response is one block."""
 import math

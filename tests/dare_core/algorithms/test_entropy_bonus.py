@@ -1,4 +1,4 @@
-"""The entropy bonus `rl.entropy_coeff` (ALGORITHMS.md 5.1.6): the softmax entropy of p_theta(.|z, i)
+"""The entropy bonus `rl.entropy_coeff` (docs/algorithms.md#entropy-bonus): the softmax entropy of p_theta(.|z, i)
 at the scored tokens, aggregated like the policy term, subtracted from the loss. By hand from the
 model's plain forward for every token-level algorithm; its gradient against autograd of a
 hand-written reference; global denominators (the micro-batch split changes nothing); a configuration

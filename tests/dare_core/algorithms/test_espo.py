@@ -1,4 +1,4 @@
-"""ESPO (ALGORITHMS.md 2.3 law (c), 5.10): the complementary-mask rows, the sequence log-ratio
+"""ESPO (docs/diffusion.md#mc-elbo law (c), docs/algorithms.md#espo): the complementary-mask rows, the sequence log-ratio
 (S - S_old)/L_max clipped against the sequence advantage, and k2 on the raw ELBO divided by L_max."""
 import math
 

@@ -1,6 +1,6 @@
 """Memory of the Monte-Carlo estimators on the GPU: with per-row backward (BGPO) and proxy-gradient
 replay (ESPO, EBPO, preference-style sequence losses), peak memory does not grow with the number
-of rows, while the plain full graph does (ALGORITHMS.md 2.3, 5.6)."""
+of rows, while the plain full graph does (docs/diffusion.md#mc-elbo, docs/algorithms.md#bgpo)."""
 import pytest
 import torch
 

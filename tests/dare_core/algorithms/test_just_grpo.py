@@ -1,4 +1,4 @@
-"""JustGRPO (ALGORITHMS.md 2.7, 5.11): the left-to-right rollout's per-step log-probs are the
+"""JustGRPO (docs/diffusion.md#exact-ar, docs/algorithms.md#just-grpo): the left-to-right rollout's per-step log-probs are the
 learner's s_t; the token PPO loss by hand; samplers it cannot be exact for are refused."""
 import math
 

@@ -1,4 +1,4 @@
-"""ELBO-DPO and VRPO (ALGORITHMS.md 4): the exact zero logit at initialisation under shared masks,
+"""ELBO-DPO and VRPO (docs/algorithms.md#preference-optimisation): the exact zero logit at initialisation under shared masks,
 the zero gradient of an identical pair, the variance reduction of antithetic masks, invariance to
 pair order and micro-batch split, the exact proxy-gradient replay, and the seeding discipline."""
 import copy

@@ -1,4 +1,4 @@
-"""SPG (ALGORITHMS.md 2.5, 5.5): the ELBO-like and EUBO bounds by hand, the q_i > 0 rule, the
+"""SPG (docs/diffusion.md#blockwise-eubo, docs/algorithms.md#spg): the ELBO-like and EUBO bounds by hand, the q_i > 0 rule, the
 N = 1 identity EUBO = l+ - (1/beta) log t, the sandwich loss, and what it forbids."""
 import math
 

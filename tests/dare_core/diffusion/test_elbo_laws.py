@@ -1,4 +1,4 @@
-"""The Bernoulli (1/t) and exact-count (n/l) masking laws estimate the same ELBO (ALGORITHMS.md 1.3),
+"""The Bernoulli (1/t) and exact-count (n/l) masking laws estimate the same ELBO (docs/diffusion.md#corruption-laws),
 checked against the exact value on a toy model whose per-token loss depends on the masked set."""
 import itertools
 import math

@@ -1,4 +1,4 @@
-"""The Monte-Carlo corruption laws of the RL estimators (ALGORITHMS.md 1.3, 1.5, 2.2-2.5): each is
+"""The Monte-Carlo corruption laws of the RL estimators (docs/diffusion.md#corruption-laws, docs/diffusion.md#mask-families, docs/diffusion.md#coupled-passes, docs/diffusion.md#mc-elbo, docs/diffusion.md#per-block-elbo, docs/diffusion.md#blockwise-eubo): each is
 unbiased for the exact value of a toy model whose log-probabilities depend on the masked set, the
 stratified counts are marginally uniform, the coupled passes partition V, and masks come only from
 per-sample generators."""

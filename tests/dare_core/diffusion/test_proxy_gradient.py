@@ -1,4 +1,4 @@
-"""Constant-memory backward passes (ALGORITHMS.md 2.3): proxy-gradient replay of a non-linear loss of
+"""Constant-memory backward passes (docs/diffusion.md#mc-elbo): proxy-gradient replay of a non-linear loss of
 the rows' ELBOs, and per-row forward + backward of a separable loss, give the full-graph gradient."""
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Trajectory corruptions (ALGORITHMS.md 2.6, 2.7): replay rows are the sampler's own states before
+"""Trajectory corruptions (docs/diffusion.md#trajectory-replay, docs/diffusion.md#exact-ar): replay rows are the sampler's own states before
 each step, every committed valid token is scored exactly once; AR rows are prompt, y_<t, then MASK."""
 import pytest
 import torch

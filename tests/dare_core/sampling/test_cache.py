@@ -1,4 +1,4 @@
-"""Cache policies against decoding without a cache, for every family (ALGORITHMS.md 6.3-6.5).
+"""Cache policies against decoding without a cache, for every family (docs/sampling.md#fast-dllm-caches, docs/sampling.md#block-diffusion-decoding, docs/sampling.md#rollout-records).
 
 Models run in float64 so that "equal" means equal tokens, not equal up to a near-tie."""
 import pytest

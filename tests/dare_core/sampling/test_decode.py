@@ -1,4 +1,4 @@
-"""Sampler invariants of the LLaDA low-confidence remasking loop (ALGORITHMS.md 6.1)."""
+"""Sampler invariants of the LLaDA low-confidence remasking loop (docs/sampling.md#low-confidence-remasking)."""
 import pytest
 import torch
 from scipy.stats import chisquare

@@ -1,4 +1,4 @@
-"""The lmdeploy rollout engine (ALGORITHMS.md 6.4 pitfalls, 6.5): what can be checked without lmdeploy
+"""The lmdeploy rollout engine (docs/sampling.md#block-diffusion-decoding pitfalls, docs/sampling.md#rollout-records): what can be checked without lmdeploy
 on CPU, and one GPU test that runs a tiny SDAR through lmdeploy when it is installed."""
 import sys
 from types import SimpleNamespace

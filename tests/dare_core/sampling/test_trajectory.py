@@ -1,4 +1,4 @@
-"""Rollout records (ALGORITHMS.md 6.5): replay, early stop at EOS, the terminal block's latent tokens."""
+"""Rollout records (docs/sampling.md#rollout-records): replay, early stop at EOS, the terminal block's latent tokens."""
 import pytest
 import torch
 

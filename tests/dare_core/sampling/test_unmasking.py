@@ -1,4 +1,4 @@
-"""Unmasking policies, schedules and proposals (ALGORITHMS.md 6.1-6.4)."""
+"""Unmasking policies, schedules and proposals (docs/sampling.md#low-confidence-remasking, docs/sampling.md#dream-variants, docs/sampling.md#fast-dllm-caches, docs/sampling.md#block-diffusion-decoding)."""
 import pytest
 import torch
 

@@ -1,4 +1,4 @@
-"""`rl.ref_sync_steps` (ALGORITHMS.md 5.1.7): every that many RL steps the frozen reference becomes
+"""`rl.ref_sync_steps` (docs/algorithms.md#reference-policy): every that many RL steps the frozen reference becomes
 the current policy. The copy itself (parameters and buffers, the policy untouched), when it is due,
 the configuration errors (no KL, LoRA), and a short real RL run whose reference equals the policy
 exactly at the steps right after a sync, and never again without sync."""
