@@ -69,7 +69,7 @@ class RLStage(TrainingStage):
         self.micro = min(rl.micro_batch_size, local_mini)
         updates = rl.num_steps * rl.num_iterations * rl.mini_batches
         engine = eng.build_engine(model, rl.optim, updates, self.micro, -(-local_mini // self.micro), self.cfg.launch)
-        self.sampler = build_engine(rl.sampler.engine, engine.module, **rl.sampler.engine_args)
+        self.rollout_engine = build_engine(rl.sampler.engine, engine.module, **rl.sampler.engine_args)
         return engine
 
     def plots(self) -> tuple[tuple, dict]:
@@ -102,14 +102,14 @@ class RLStage(TrainingStage):
         validator.open(self.start, writer=rank == 0)
         if ratio_is_trivial(rl):
             log.warning("num_iterations = 1 with one mini-batch: the ratio is exactly 1 and clipping is inactive")
-        run = RLRun(cfg, self.algo, engine, self.sampler, tokenizer, self.plan.rows, self.ref, self.micro, timer, rank, self.world)
+        run = RLRun(cfg, self.algo, engine, self.rollout_engine, tokenizer, self.plan.rows, self.ref, self.micro, timer, rank, self.world)
 
         bar = self.progress_bar(rl.num_steps, f"rl[{rl.algorithm}]")
         t_start = time.time()
         val_postfix: dict = {}
         if self.start == 0:  # the SFT model, before any update (a resumed run validated it already)
             with eng.rollout_weights(engine, cfg.launch, needed=due(0, rl)):
-                val_metrics = validator(run.sampler, tokenizer, 0)
+                val_metrics = validator(run.rollout_engine, tokenizer, 0)
             if val_metrics:
                 logger.log(0, val_metrics)
                 val_postfix = _val_postfix(val_metrics)
@@ -124,7 +124,7 @@ class RLStage(TrainingStage):
                                            "loss": update.loss}, rl.num_iterations * rl.mini_batches)
             # before the checkpoint: a run resumed from it must not validate this step again
             with eng.rollout_weights(engine, cfg.launch, needed=due(step + 1, rl)):
-                val_metrics = validator(run.sampler, tokenizer, step + 1)
+                val_metrics = validator(run.rollout_engine, tokenizer, step + 1)
             metrics.update(val_metrics)
             val_postfix = _val_postfix(val_metrics) or val_postfix
             if (step + 1) % rl.log_every == 0 or step + 1 == rl.num_steps or val_metrics:

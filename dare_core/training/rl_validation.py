@@ -138,8 +138,8 @@ class RLValidator:
             else:
                 self.png.unlink(missing_ok=True)  # a fresh run: the plot of an earlier one would mislead
 
-    def __call__(self, sampler, tokenizer, step: int) -> dict:
-        """Validate the policy through the rollout engine `sampler` (rl.sampler.engine) after `step`
+    def __call__(self, rollout_engine, tokenizer, step: int) -> dict:
+        """Validate the policy through `rollout_engine` (rl.sampler.engine) after `step`
         training steps if due (every rank calls it: each samples its share): the `val/...@k` metrics
         on every rank, {} when not due."""
         if not due(step, self.rl):
@@ -149,7 +149,7 @@ class RLValidator:
         share = validation_share(len(self.rows), rank, world)
         # a padding entry samples this rank's first prompt again (or, with none of its own, prompt 0)
         rows = [self.rows[i if i is not None else (share[0] if share[0] is not None else 0)] for i in share]
-        groups, nfe = sample_groups(sampler, tokenizer, rows, self.params, self.rl.validate_k, self.seed, step,
+        groups, nfe = sample_groups(rollout_engine, tokenizer, rows, self.params, self.rl.validate_k, self.seed, step,
                                     self.rl.sampler.batch_size, self.rl.reward, self.rl.reward_args)
         mine = [(i, prompt_at_k(g)) for i, g in zip(share, groups) if i is not None]
         parts = eng.all_gather_objects({"scores": mine, "nfe": nfe})

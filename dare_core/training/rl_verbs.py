@@ -3,7 +3,7 @@
     collect   this step's prompts -> rollouts, rewards, advantages (`Rollout`)
     score     no-grad scores of the rollouts: the old policy's and the reference's (`Scores`)
     optimize  num_iterations x mini-batches x micro-batches of updates and engine steps (`Update`)
-    sync      the sampler gets the new weights; the reference is synced when due
+    sync      the rollout engine gets the new weights; the reference is synced when due
 
 A schedule (training/rl_schedules.py) is the order it calls them in."""
 from __future__ import annotations
@@ -31,7 +31,7 @@ class RLRun:
     cfg: DareConfig
     algo: object  # the RLAlgorithm
     engine: object  # the DeepSpeed engine; engine.module is the policy
-    sampler: object  # the RolloutEngine
+    rollout_engine: object  # the RolloutEngine (sampling/engines): it decodes; `engine` is the DeepSpeed one
     tokenizer: object
     rows: list  # the RL prompts
     ref: Optional[torch.nn.Module]  # the frozen reference copy (None: no KL, or LoRA's adapter-disabled policy)
@@ -102,7 +102,7 @@ def ref_sync_due(step: int, every: int) -> bool:
 
 
 def collect(run: RLRun, step: int) -> Rollout:
-    """Rollouts of step `step`'s prompts with the sampler's current weights, then rewards and
+    """Rollouts of step `step`'s prompts with the rollout engine's current weights, then rewards and
     advantages (`algo.prepare`). Every rank draws the same prompts and keeps its own share, whole
     prompts (`rank_prompts`). Call inside `eng.rollout_weights`."""
     cfg, rl = run.cfg, run.cfg.rl
@@ -111,7 +111,7 @@ def collect(run: RLRun, step: int) -> Rollout:
     prompt_rows = [run.rows[i] for i in idx]
     mine = [prompt_rows[i] for i in rank_prompts(len(prompt_rows), rl.mini_batches, run.rank, run.world)]
     with run.timer.phase("rollout"):  # less the reward, timed inside
-        batch, metrics = run.algo.rollout(run.sampler, run.tokenizer, mine, RolloutSpec.of(rl, cfg.run.seed, step))
+        batch, metrics = run.algo.rollout(run.rollout_engine, run.tokenizer, mine, RolloutSpec.of(rl, cfg.run.seed, step))
     seconds = time.time() - t0
     with run.timer.phase("reward"):
         context = RolloutContext(run.tokenizer, prompt_rows_expanded(mine, rl.group_size), rl.reward, rl.reward_args)
@@ -169,6 +169,6 @@ def optimize(run: RLRun, rollout: Rollout, scores: Scores) -> Update:
 def sync(run: RLRun, step: int) -> None:
     """After step `step`'s update: the next rollout must see its weights, and the next step's KL is
     to this step's policy where a reference sync is due."""
-    run.sampler.update_weights(run.engine.module)
+    run.rollout_engine.update_weights(run.engine.module)
     if run.ref is not None and ref_sync_due(step, run.cfg.rl.ref_sync_steps):
         sync_reference(run.ref, run.engine.module, run.zero3)
