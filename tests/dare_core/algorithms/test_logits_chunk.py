@@ -2,18 +2,19 @@
 log-probs and entropies and their gradients, for every family (Dream's shifted logits, the SDAR
 two-stream layout, MoE families), padded and packed, and the loss and gradients of the estimators
 that score: the SFT loss, d1 with KL to the reference and the entropy bonus, CJ-GRPO's replayed
-trajectory scores (separable backward) and EBPO's proxy-gradient replay. Float64 models, so the
-only differences are the float32 log-softmax of the convention and the order of the per-chunk
-weight-gradient sums."""
+trajectory scores (separable backward), EBPO's proxy-gradient replay and VRPO against its
+reference's ELBOs. Float64 models, so the only differences are the float32 log-softmax of the
+convention and the order of the per-chunk weight-gradient sums."""
 import copy
 
 import pytest
 import torch
 
 from algo_helpers import make_algo, run_update
+from dare_core.algorithms.preference import build_preference
 from dare_core.algorithms.registry import build_options, get_sft_objective
-from dare_core.config import ModelConfig, RLConfig
-from dare_core.data.batching import sft_batch
+from dare_core.config import ModelConfig, PreferenceConfig, RLConfig
+from dare_core.data.batching import pair_batch, sft_batch
 from dare_core.diffusion.likelihood import head_scores, token_logprobs
 from dare_core.diffusion.masking import Corruption
 from dare_core.diffusion.seeding import generator, sample_generators
@@ -135,3 +136,18 @@ def test_cj_grpo_replay(family):
 def test_ebpo_proxy_gradient(family):
     rl = RLConfig(rows_per_forward=1, sampler=sampler_for(tiny(family)), kl_beta=0.1)
     _same_loss_and_grads(_rl_run("ebpo", family, rl, mc_num=2), family)
+
+
+@pytest.mark.parametrize("family", ["llada", "sdar"])
+def test_vrpo_against_reference(family):
+    def run(model):
+        obj = build_preference(PreferenceConfig(algorithm="vrpo", pad_to=4, mc_num=2), model)
+        batch = pair_batch([[1, 2, 3], [4, 5]], [[20, 21], [22]], [[23], [24, 25]], ["p", "q"], 4,
+                           model.eos_token_id, model.pad_token_id)
+        reference = tiny(family, seed=1).double()
+        reference.logits_chunk = model.logits_chunk
+        corruption = obj.corrupt(batch, (0, 0))
+        out = obj.update(model, batch, corruption, obj.reference_elbos(reference, batch, corruption), 2, lambda loss: loss.backward())
+        return out.loss
+
+    _same_loss_and_grads(run, family)
