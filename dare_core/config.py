@@ -134,10 +134,16 @@ class ModelConfig:
     # training forwards run each decoder layer through torch.compile (fused norms, RoPE, SwiGLU and
     # LoRA adds); rollouts stay eager. Costs a compile (about a minute on a GPU) at the first step
     compile: bool = False
+    # logits-free scoring: every training and scoring forward turns the hidden states into
+    # per-token log-probs (and entropies) this many scored tokens at a time, recomputing each
+    # chunk's logits in the backward, so no [tokens, vocab] logits are ever held whole; 0 = whole
+    # logits. Equal up to float rounding (docs/diffusion.md#logits-free-scoring)
+    logits_chunk: int = 0
 
     def __post_init__(self) -> None:
         _one_of(self, "dtype", DTYPES)
         _one_of(self, "packing", ("auto", "on", "off"))
+        _at_least(self, 0, "logits_chunk")
 
 
 LR_SCHEDULES = ("constant", "cosine")

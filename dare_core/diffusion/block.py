@@ -74,9 +74,16 @@ def two_stream_context(doc: torch.Tensor, block: torch.Tensor, clean: torch.Tens
 def two_stream_logits(model, noisy_ids: torch.Tensor, clean_ids: torch.Tensor, attention_mask: torch.Tensor,
                       rows: torch.Tensor) -> torch.Tensor:
     """Logits [N, V] of the noisy stream at the boolean [B, S] `rows` (row-major), padded or packed."""
+    return model.net.lm_head(two_stream_scored_hidden(model, noisy_ids, clean_ids, attention_mask, rows))
+
+
+def two_stream_scored_hidden(model, noisy_ids: torch.Tensor, clean_ids: torch.Tensor, attention_mask: torch.Tensor,
+                             rows: torch.Tensor) -> torch.Tensor:
+    """Hidden states [N, d] of the noisy stream predicting the boolean [B, S] `rows` (row-major),
+    padded or packed: what the output head scores."""
     backend = packed_backend(model.packing, noisy_ids.device, block_diffusion=True)
     if backend is None:
-        return model.logits_at(two_stream_hidden(model, noisy_ids, clean_ids, attention_mask), rows, attention_mask)
+        return model.hidden_at(two_stream_hidden(model, noisy_ids, clean_ids, attention_mask), rows, attention_mask)
     layout = PackedLayout.of(attention_mask)
     lens = torch.tensor(layout.lens, device=noisy_ids.device)
     per_token = lambda values: torch.repeat_interleave(values, lens)  # noqa: E731
@@ -93,4 +100,4 @@ def two_stream_logits(model, noisy_ids: torch.Tensor, clean_ids: torch.Tensor, a
     doc = torch.repeat_interleave(torch.arange(len(layout.lens), device=ids.device), 2 * lens)
     ctx = two_stream_context(doc, pos // model.block_size, clean, backend)
     hidden = model.net.hidden_states(ids[None], None, pos[None], ctx)[0]
-    return model.net.lm_head(hidden[noisy_slot[layout.sources(rows, model.family.shift_logits)]])
+    return hidden[noisy_slot[layout.sources(rows, model.family.shift_logits)]]

@@ -3,7 +3,8 @@
 Algorithms never call the model for likelihoods themselves: they hand a `Corruption` (or a
 `CorruptionSet` of Monte-Carlo rows / trajectory steps) to these functions, so the same corrupted
 inputs serve old, reference and current policy. Logits are computed only at scored rows and
-log-softmax is taken there in float32.
+log-softmax is taken there in float32; with `model.logits_chunk` > 0 they are computed a chunk of
+rows at a time from the hidden states and never held whole (`head_scores`).
 
 Memory stays flat in the number of rows: `separable_backward` runs forward + backward one chunk of
 rows at a time for losses that are sums over rows, and `proxy_backward` does the exact
@@ -11,11 +12,12 @@ proxy-gradient replay (2.3) for losses that depend on the rows' statistics non-l
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
-from dare_core.diffusion.block import two_stream_logits
+from dare_core.diffusion.block import two_stream_logits, two_stream_scored_hidden
 from dare_core.diffusion.masking import Corruption, CorruptionSet
 
 
@@ -57,6 +59,42 @@ def entropy_of_logprobs(logp: torch.Tensor) -> torch.Tensor:
     return _Entropy.apply(logp)
 
 
+def logits_scores(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, exclude: Sequence[int] = (),
+                  entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """log softmax(logits/temperature)[target] per row of `logits` [N, V] (`exclude`d ids at -inf),
+    in float32: [N]; with `entropy` also that distribution's entropy [N], else None."""
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    if len(exclude):
+        logits = logits.index_fill(-1, torch.tensor(list(exclude), device=logits.device), float("-inf"))
+    full = torch.log_softmax(logits, dim=-1)
+    logp = full.gather(-1, targets[:, None]).squeeze(-1)
+    return logp, entropy_of_logprobs(full) if entropy else None
+
+
+def head_scores(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, chunk: int, temperature: float = 1.0,
+                exclude: Sequence[int] = (), entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """`logits_scores` of head(hidden) for hidden states [N, d], `chunk` rows at a time, so that no
+    more than [chunk, V] logits exist at once, in the forward and in the backward.
+
+    Each chunk runs under non-reentrant activation checkpointing: its forward keeps only its
+    hidden-state slice and the backward recomputes its logits. Checkpointing rather than a custom
+    autograd.Function with hand-written matmul gradients, because it re-runs the head *module*:
+    a LoRA-wrapped head, ZeRO-3's parameter gathering hooks and a tied embedding keep working, and
+    the gradient is autograd's own for the same ops as the whole-logits path (equal up to the
+    order of the per-chunk weight-gradient sums). The extra cost is the one head matmul per chunk
+    that any recomputing scheme pays."""
+    def one_chunk(h: torch.Tensor, t: torch.Tensor):
+        return logits_scores(head(h), t, temperature, exclude, entropy)
+
+    # split (not slicing per chunk): its backward concatenates the chunks' gradients in one [N, d]
+    parts = [checkpoint(one_chunk, h, t, use_reentrant=False, preserve_rng_state=False)  # the head draws nothing random
+             for h, t in zip(hidden.split(chunk), targets.split(chunk))]
+    logp = torch.cat([p[0] for p in parts])
+    return logp, torch.cat([p[1] for p in parts]) if entropy else None
+
+
 def token_logprobs(model, corruption: Corruption, targets: torch.Tensor, attention_mask: torch.Tensor,
                    temperature: float = 1.0, exclude: Sequence[int] = (), entropy: bool = False):
     """log softmax(f(noisy)/temperature)[target_i] at every scored position, 0 elsewhere; float32 [B, S].
@@ -71,27 +109,23 @@ def token_logprobs(model, corruption: Corruption, targets: torch.Tensor, attenti
 
     Block-diffusion models score all blocks in one pass of the two-stream layout [x_t ; x_0],
     each noisy block seeing only the clean blocks before it. Under `model.packing` the forward
-    runs over the real tokens only."""
+    runs over the real tokens only; with `model.logits_chunk` > 0 the scores come from the hidden
+    states a chunk of tokens at a time (`head_scores`), never from the whole [N, V] logits."""
     if corruption.targets is not None:
         targets = corruption.targets
     rows = corruption.scored
-    if model.block_size is not None:
-        logits = two_stream_logits(model, corruption.noisy_ids, targets, attention_mask, rows)
+    block = model.block_size is not None
+    if model.logits_chunk > 0:
+        hidden = (two_stream_scored_hidden(model, corruption.noisy_ids, targets, attention_mask, rows) if block
+                  else model.scored_hidden(corruption.noisy_ids, attention_mask, rows))
+        logp, ent = head_scores(model.net.lm_head, hidden, targets[rows], model.logits_chunk, temperature, exclude, entropy)
     else:
-        logits = model.scored_logits(corruption.noisy_ids, attention_mask, rows)
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    if len(exclude):
-        logits = logits.index_fill(-1, torch.tensor(list(exclude), device=logits.device), float("-inf"))
+        logits = (two_stream_logits(model, corruption.noisy_ids, targets, attention_mask, rows) if block
+                  else model.scored_logits(corruption.noisy_ids, attention_mask, rows))
+        logp, ent = logits_scores(logits, targets[rows], temperature, exclude, entropy)
+    zeros = torch.zeros(rows.shape, dtype=torch.float32, device=logp.device)
     if not entropy:
-        logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[rows][:, None]).squeeze(-1)
-        out = torch.zeros(rows.shape, dtype=torch.float32, device=logits.device)
-        return out.masked_scatter(rows, logp)
-    full = torch.log_softmax(logits, dim=-1)
-    logp = full.gather(-1, targets[rows][:, None]).squeeze(-1)
-    ent = entropy_of_logprobs(full)
-    zeros = torch.zeros(rows.shape, dtype=torch.float32, device=logits.device)
+        return zeros.masked_scatter(rows, logp)
     return zeros.masked_scatter(rows, logp), zeros.masked_scatter(rows, ent)
 
 

@@ -22,6 +22,8 @@ class DiffusionLM(nn.Module):
         self.config = family.config_from_hf(hf_config)
         # training forwards over real tokens only: auto | on | off (dare_core/models/packing.py)
         self.packing = "off"
+        # scored tokens per chunk of the logits-free scoring path; 0 = whole [N, V] logits (model.logits_chunk)
+        self.logits_chunk = 0
         ids = {k: self.hf_config.get(v) for k, v in family.token_id_keys.items()}
         self.mask_token_id: int = ids["mask"]
         self.eos_token_id: int = ids["eos"]
@@ -104,19 +106,25 @@ class DiffusionLM(nn.Module):
 
     def scored_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Logits [N, V] for the real positions in the boolean [B, S] `rows` (row-major order),
-        position i predicting token i: what training scores. Under `self.packing` the forward runs
-        over the real tokens only (`dare_core.models.packing`), else over the padded batch."""
+        position i predicting token i: the output head over `scored_hidden`."""
+        return self.net.lm_head(self.scored_hidden(input_ids, attention_mask, rows))
+
+    def scored_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [N, d] whose output-head projection predicts the tokens at the real
+        positions in the boolean [B, S] `rows` (row-major order; a shifted family's come from the
+        column before): what training scores. Under `self.packing` the forward runs over the real
+        tokens only (`dare_core.models.packing`), else over the padded batch."""
         from dare_core.models.packing import PackedLayout, packed_backend
 
         backend = packed_backend(self.packing, input_ids.device, self.block_size is not None)
         if backend is None:
-            return self.logits_at(self.hidden_states(input_ids, attention_mask), rows, attention_mask)
+            return self.hidden_at(self.hidden_states(input_ids, attention_mask), rows, attention_mask)
         from dare_core.models.attention import packed_context
 
         layout = PackedLayout.of(attention_mask)
         ctx = packed_context(layout.lens, backend, input_ids.device, self.block_size, layout.positions)
         hidden = self.net.hidden_states(input_ids[layout.valid][None], None, layout.positions[None], ctx)[0]
-        return self.net.lm_head(hidden[layout.sources(rows, self.family.shift_logits)])
+        return hidden[layout.sources(rows, self.family.shift_logits)]
 
     def forward_packed(self, input_ids: torch.Tensor, seq_lens: list[int], backend: str = "sdpa") -> torch.Tensor:
         """Logits [T, V] of sequences packed back to back in the 1-D `input_ids` (no padding);
@@ -142,12 +150,16 @@ class DiffusionLM(nn.Module):
             src = torch.where(i == first_real[b], i, src)
         return src
 
+    def hidden_at(self, hidden: torch.Tensor, rows: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The hidden states [N, d] predicting the positions in the boolean [B, S] `rows`, in row-major order."""
+        if not self.family.shift_logits:
+            return hidden[rows]
+        b, i = rows.nonzero(as_tuple=True)
+        return hidden[b, self._shift_source(b, i, attention_mask)]
+
     def logits_at(self, hidden: torch.Tensor, rows: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits for the positions in the boolean [B, S] `rows`, in row-major order."""
-        if not self.family.shift_logits:
-            return self.net.lm_head(hidden[rows])
-        b, i = rows.nonzero(as_tuple=True)
-        return self.net.lm_head(hidden[b, self._shift_source(b, i, attention_mask)])
+        return self.net.lm_head(self.hidden_at(hidden, rows, attention_mask))
 
     def forward(
         self,

@@ -98,7 +98,7 @@ def _show(settings: dict, key: str) -> str:
 COSMETIC_KEYS = ("log_every", "save_every", "keep_last")
 # model settings that change what a step costs, not what it computes (up to float rounding): a run
 # resumes across a change of them
-EXECUTION_KEYS = ("packing", "compile", "gradient_checkpointing")
+EXECUTION_KEYS = ("packing", "logits_chunk", "compile", "gradient_checkpointing")
 
 
 def stage_fingerprint(cfg: DareConfig, stage: str, inputs: dict[str, Path], cosmetic: tuple = ()) -> Fingerprint:

@@ -65,8 +65,9 @@ def initial_model(cfg: DareConfig, tokenizer: Tokenizer, device: Optional[torch.
 
 
 def prepare_for_training(model: DiffusionLM, cfg: DareConfig) -> DiffusionLM:
-    """Packing, compilation, gradient checkpointing and LoRA, as configured."""
+    """Packing, logits-free scoring, compilation, gradient checkpointing and LoRA, as configured."""
     model.packing = cfg.model.packing
+    model.logits_chunk = cfg.model.logits_chunk
     model.net.compile_training = cfg.model.compile
     if cfg.model.gradient_checkpointing:
         model.set_gradient_checkpointing(True)

@@ -25,7 +25,7 @@ class TableModel:
     """A toy masked-diffusion model: its logits at every position are a fixed random table entry
     keyed by the set of masked response positions, so log p_i(S) is known for every S."""
 
-    block_size = None
+    block_size, logits_chunk = None, 0
 
     def __init__(self, prompt_len: int, resp_len: int, seed: int = 0):
         self.P, self.L = prompt_len, resp_len
@@ -283,7 +283,7 @@ def test_coupled_constant_logit_stub():
     from dare_core.batch import Batch
 
     class Stub:
-        block_size, mask_token_id, eos_token_id = None, MASK, EOS
+        block_size, logits_chunk, mask_token_id, eos_token_id = None, 0, MASK, EOS
 
         def __init__(self):
             self.logits = torch.randn(V, generator=torch.Generator().manual_seed(3))
