@@ -214,6 +214,11 @@ class LaunchConfig:
     # deepspeed: start only this node's ranks (node_rank: its line in the hostfile), no ssh; run
     # `dare stage` on every node, as with torchrun
     no_ssh: bool = False
+    # Ulysses sequence parallelism (issue 34): groups of this many ranks of one node each hold 1/N of
+    # every sequence, attention trading sequence slices for head slices (dare_core/models/ulysses.py).
+    # It must divide nproc, the attention and key/value heads, and the padded sequence length (the
+    # last two are checked at the first forward). The stages do not split batches by sequence yet: only 1 runs
+    sequence_parallel: int = 1
 
     def __post_init__(self) -> None:
         _one_of(self, "launcher", ("local", "torchrun", "deepspeed"))
@@ -227,7 +232,8 @@ class LaunchConfig:
         if self.offload_params != "none" and self.zero_stage != 3:
             raise FieldError("offload_params", "needs launch.zero_stage 3 (only ZeRO-3 partitions the weights), got "
                                                f"zero_stage {self.zero_stage}")
-        _at_least(self, 1, "nproc", "threads", "timeout_s", "nnodes", "master_port")
+        _at_least(self, 1, "nproc", "threads", "timeout_s", "nnodes", "master_port", "sequence_parallel")
+        self._check_sequence_parallel()
         _at_least(self, 0, "node_rank")
         if isinstance(self.threads, str) and self.threads != "auto":
             raise FieldError("threads", f"must be 'auto' or a number of threads, got {self.threads!r}")
@@ -257,6 +263,16 @@ class LaunchConfig:
         if self.launcher == "local" and (self.master_addr or self.master_port):
             raise FieldError("master_addr" if self.master_addr else "master_port",
                              "is for torchrun or the deepspeed launcher; launch.launcher is 'local'")
+
+    def _check_sequence_parallel(self) -> None:
+        n = self.sequence_parallel
+        if not isinstance(n, int) or not isinstance(self.nproc, int) or n == 1:
+            return
+        if self.nproc % n:
+            raise FieldError("sequence_parallel", f"({n}) must divide launch.nproc ({self.nproc}): a sequence-parallel "
+                                                  "group is made of ranks of one node, whose all-to-alls are the fastest")
+        raise FieldError("sequence_parallel", f"is {n}, but the sft, preference and rl stages do not split their "
+                                              "batches by sequence yet (issue 34): only 1 runs")
 
 
 @dataclass

@@ -6,7 +6,10 @@
           installed, else PyTorch's varlen_attn (CUDA only); bidirectional attention only
 
 An `AttentionContext` is built once per forward from the attention pattern (padding, packing,
-block-causal) and handed to every layer, so masks are never rebuilt per layer.
+block-causal) and handed to every layer, so masks are never rebuilt per layer. Its masks always
+describe the whole sequence: under sequence parallelism (`sequence_parallel`, models/ulysses.py)
+`attend` receives this rank's slice of the sequence for all heads, trades it for the whole sequence
+of its share of the heads, runs the backend there and trades back.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from dare_core.models.compiled import outside_graphs
+from dare_core.models.ulysses import SequenceShards, heads_to_sequence, sequence_to_heads
 
 BACKENDS = ("sdpa", "flex", "varlen")
 
@@ -33,6 +37,7 @@ class AttentionContext:
     block_mask: object = None  # flex: torch.nn.attention.flex_attention.BlockMask
     cu_seqlens: Optional[torch.Tensor] = None  # varlen: int32 [n_seqs + 1]
     max_seqlen: int = 0
+    sequence_parallel: Optional[SequenceShards] = None  # q/k/v hold this rank's slice of the sequence
 
 
 def packed_context(seq_lens: list[int], backend: str, device, block_size: Optional[int] = None,
@@ -110,9 +115,18 @@ def _varlen(q, k, v, ctx: AttentionContext):
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx) -> torch.Tensor:
     """q: [B, H, Sq, D], k/v: [B, Hkv, Sk, D] -> [B, H, Sq, D]. `ctx` is an AttentionContext, or
-    (sdpa shorthand) a boolean mask / None."""
+    (sdpa shorthand) a boolean mask / None. Under `ctx.sequence_parallel` Sq = Sk = this rank's slice of
+    the sequence, and the masks are those of the whole sequence."""
     if not isinstance(ctx, AttentionContext):
         ctx = AttentionContext(mask=ctx)
+    shards = ctx.sequence_parallel
+    if shards is None:
+        return _attend_whole(q, k, v, ctx)
+    q, k, v = (sequence_to_heads(t, shards) for t in (q, k, v))
+    return heads_to_sequence(_attend_whole(q, k, v, ctx), shards)
+
+
+def _attend_whole(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
     if ctx.backend == "flex":
         return _flex(q, k, v, ctx.block_mask)
     if ctx.backend == "varlen":
