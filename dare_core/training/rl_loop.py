@@ -104,12 +104,16 @@ class RLStage(TrainingStage):
             log.warning("num_iterations = 1 with one mini-batch: the ratio is exactly 1 and clipping is inactive")
         run = RLRun(cfg, self.algo, engine, self.rollout_engine, tokenizer, self.plan.rows, self.ref, self.micro, timer, rank, self.world)
 
+        def validate(step: int) -> dict:
+            """Validation due after `step` updates ({} when none is), on the whole weights."""
+            with eng.rollout_weights(engine, cfg.launch, needed=due(step, rl)):
+                return validator(run.rollout_engine, tokenizer, step)
+
         bar = self.progress_bar(rl.num_steps, f"rl[{rl.algorithm}]")
         t_start = time.time()
         val_postfix: dict = {}
         if self.start == 0:  # the SFT model, before any update (a resumed run validated it already)
-            with eng.rollout_weights(engine, cfg.launch, needed=due(0, rl)):
-                val_metrics = validator(run.rollout_engine, tokenizer, 0)
+            val_metrics = validate(0)
             if val_metrics:
                 logger.log(0, val_metrics)
                 val_postfix = _val_postfix(val_metrics)
@@ -123,8 +127,7 @@ class RLStage(TrainingStage):
             metrics = reduce_step_metrics({"prompts": rollout.prompts, "metrics": metrics, "updates": update.metrics,
                                            "loss": update.loss}, rl.num_iterations * rl.mini_batches)
             # before the checkpoint: a run resumed from it must not validate this step again
-            with eng.rollout_weights(engine, cfg.launch, needed=due(step + 1, rl)):
-                val_metrics = validator(run.rollout_engine, tokenizer, step + 1)
+            val_metrics = validate(step + 1)
             metrics.update(val_metrics)
             val_postfix = _val_postfix(val_metrics) or val_postfix
             if (step + 1) % rl.log_every == 0 or step + 1 == rl.num_steps or val_metrics:
