@@ -9,20 +9,22 @@ Each run starts its ranks with torchrun (one process a GPU), and each rank runs 
 (`run_sft` / `run_rl`, DeepSpeed engine, checkpoints and export off) with phase timing on, on the
 model folders and data of bench/train_step.py (random weights in the real on-disk layout of
 LLaDA-8B-Instruct and SDAR-8B-Chat, loaded through `model.path`). The global batch is the same on
-every number of GPUs (SFT: fewer accumulation steps a rank; RL: the step's 16 prompts x 8 rollouts
-split by whole groups), so a run on N GPUs does the 1-GPU run's work, and its scaling efficiency
-is (1-GPU time) / (N x N-GPU time).
+every number of GPUs (SFT: 8 micro-batches of 16 sequences, fewer accumulation steps a rank; RL: the
+step's 16 prompts x 8 rollouts split by whole groups), so a run on N GPUs does the 1-GPU run's work,
+and its scaling efficiency is (1-GPU time) / (N x N-GPU time).
 
 Parts:
-  sft-lora      LoRA SFT at LLaDA-8B, packed, on each --gpus count (the scaling pair)
+  sft-lora      LoRA SFT at LLaDA-8B, packed, on each --gpus count (the scaling pair), at each
+                --lora-zero stage (ZeRO-0: a whole optimizer a rank; ZeRO-2: 1/N of it a rank)
   sft-full      full-parameter SFT at each shape, ZeRO-3, the optimizer state on the CPU
                 (launch.offload_optimizer), packed, on the largest --gpus count
   rl-lora       one d1 step at LLaDA-8B, LoRA, dual cache and CUDA graphs, on each --gpus count
   rl-full       the same step, full-parameter, ZeRO-3 with the optimizer on the CPU, on each count
   rl-threshold  the LoRA step under ZeRO-3 with threshold unmasking (each rank decodes on the whole
                 weights, gathered once a step: launch.rollout_weights)
-  multinode     the embedded tiny model: SFT and RL as one node of N ranks, and as N "nodes" of one
-                GPU each started as the README tells (torchrun nnodes/node_rank, master 127.0.0.1)
+  multinode     the embedded tiny model: SFT and RL as one node of N ranks, and as 2 "nodes" of N/2
+                GPUs each (N of one GPU when N < 4) started as the README tells (torchrun
+                nnodes/node_rank, master 127.0.0.1)
 The file is rewritten after every run, so a run stopped by a time limit keeps what it measured.
 """
 from __future__ import annotations
@@ -50,6 +52,9 @@ from stamp import fmt as stamp_fmt, git_commit, library_versions, markdown_table
 
 PARTS = ("sft-lora", "sft-full", "rl-lora", "rl-full", "rl-threshold", "multinode")
 OFFLOAD = {"launch.zero_stage": 3, "launch.offload_optimizer": "cpu"}
+# this bench's own batch (over train_step's Settings): a global SFT batch of 128 sequences, so that
+# 4 GPUs still run 2 micro-batches of 16 a rank, as a user scaling out keeps the micro-batch
+DEFAULTS = {"sft_accum": 8}
 # what a multi-rank run used to end with on success, and NCCL's watchdog on a timeout: counted in each
 # run's log (the stage's own stderr), where a user would read them as a crash
 CPP_NOISE = ("TCPStore", "destroy_process_group", "Guessing device ID", "frame #", "Exception raised from", "terminate called")
@@ -180,7 +185,7 @@ def rl_row(name: str, training: str, gpus: int, extra: dict, result: dict) -> di
 def measure(parts: list[str], gpu_counts: list[int], shapes: list[str], s: ts.Settings, workdir: Path, args, rows: list) -> None:
     runner_dir = workdir / "tasks"
     runner_dir.mkdir(parents=True, exist_ok=True)
-    data = workdir / "data"
+    data = workdir / f"data-{s.sft_micro * s.sft_accum * (s.sft_warmup + s.sft_steps)}"  # rows the SFT runs read
     if not (data / "rl.parquet").exists():
         data.mkdir(parents=True, exist_ok=True)
         ts.write_data(data, s)
@@ -207,10 +212,11 @@ def measure(parts: list[str], gpu_counts: list[int], shapes: list[str], s: ts.Se
         return launch(runner_dir, name, sp, gpus, args.task_timeout or None, args.verbose)
 
     if "sft-lora" in parts:
-        for g in gpu_counts:
-            extra = split_batch(s, g)
-            name = f"sft-lora-llada-{g}gpu"
-            rows.append(sft_row(name, "llada", "lora", g, extra, run(name, g, spec(name, "sft", "llada", "lora", extra)), s))
+        for zero in args.lora_zero:
+            for g in gpu_counts:
+                extra = {**split_batch(s, g), **({"launch.zero_stage": zero} if zero else {})}
+                name = f"sft-lora{f'-z{zero}' if zero else ''}-llada-{g}gpu"
+                rows.append(sft_row(name, "llada", "lora", g, extra, run(name, g, spec(name, "sft", "llada", "lora", extra)), s))
     if "sft-full" in parts:
         for shape in shapes:
             extra = {**split_batch(s, top), **OFFLOAD}
@@ -305,20 +311,23 @@ def scaling_lines(rows: list[dict]) -> list[str]:
     ok = [r for r in rows if "error" not in r and "step_s" in r]
     cells = []
     shortfalls = []
-    for part in ("sft-lora", "rl-lora", "rl-full"):
-        base = next((r for r in ok if r["part"] == part and r["gpus"] == 1), None)
-        for r in (r for r in ok if r["part"] == part and r["gpus"] > 1 and base):
+    setups = sorted({(r["part"], r["zero"]) for r in ok if r["part"] in ("sft-lora", "rl-lora", "rl-full")},
+                    key=lambda ps: (("sft-lora", "rl-lora", "rl-full").index(ps[0]), ps[1]))
+    for part, zero in setups:
+        same = [r for r in ok if r["part"] == part and r["zero"] == zero]
+        base = next((r for r in same if r["gpus"] == 1), None)
+        for r in (r for r in same if r["gpus"] > 1 and base):
             eff = efficiency(base["step_s"], r["step_s"], r["gpus"])
             phases = (*ts.RL_PHASES, "other") if part.startswith("rl") else ("fwd_bwd_s", "optimizer_s")
             lost = sorted(((r["gpus"] * (r.get(p) or 0) - (base.get(p) or 0), p) for p in phases), reverse=True)
             where = ", ".join(f"{p}: {fmt(base.get(p))} / {fmt(r['gpus'] * (r.get(p) or 0))}" for _, p in lost[:3])
             verdict = "meets it" if eff and eff >= 0.9 else "short"
-            cells.append([part, r["gpus"], fmt(base["step_s"]), fmt(r["step_s"]), fmt(eff and 100 * eff, ".1f") + "%", verdict, where])
+            cells.append([part, zero, r["gpus"], fmt(base["step_s"]), fmt(r["step_s"]), fmt(eff and 100 * eff, ".1f") + "%", verdict, where])
             if verdict == "short":
-                shortfalls.append((part, r, [p for extra, p in lost[:2] if extra > 0]))
+                shortfalls.append((f"{part} (ZeRO-{zero})", r, [p for extra, p in lost[:2] if extra > 0]))
     if not cells:
         return []
-    columns = ["part", "GPUs", "1-GPU step (s)", "N-GPU step (s)", "efficiency per GPU", "verdict",
+    columns = ["part", "ZeRO", "GPUs", "1-GPU step (s)", "N-GPU step (s)", "efficiency per GPU", "verdict",
                "where it is lost (phase: 1-GPU s / N x N-GPU s)"]
     out = ["## Scaling from 1 GPU (target: at least 90 % per GPU)", ""] + markdown_table(columns, cells)
     if shortfalls:
@@ -335,15 +344,20 @@ def why_lost(phase: str, row: dict) -> str:
             return ("the optimizer steps on the host's CPUs (launch.offload_optimizer: cpu); the ranks of one host share its "
                     "cores and memory bandwidth (each rank gets 1/N of the threads), so the CPU side does not grow with the GPUs "
                     "as it would with more nodes")
-        return ("every rank steps all the trainable weights (ZeRO-0 keeps a whole optimizer per rank), a fixed cost per "
-                "step that more GPUs do not divide")
+        if row["zero"] == 0:
+            return ("every rank steps all the trainable weights (ZeRO-0 keeps a whole optimizer per rank), a fixed cost per "
+                    "step that more GPUs do not divide")
+        return ("each rank steps its 1/N of the trainable weights, then the updated weights are all-gathered; the "
+                "gather and the step's fixed launch costs do not divide")
     if phase in ("forward_backward", "fwd_bwd_s"):
         if zero3:
             return ("under ZeRO-3 each layer's weights are gathered from the other ranks before its forward and backward, "
                     "and the gradients are reduce-scattered; one GPU holds everything and does neither")
-        return ("the gradients are all-reduced across the ranks at the end of each step (DeepSpeed runs it after the last "
-                "backward at ZeRO-0, not overlapped with it); each rank also runs fewer micro-batches, over which its fixed "
-                "per-step costs spread")
+        how = ("all-reduced across the ranks at the end of each step (DeepSpeed runs it after the last backward at "
+               "ZeRO-0, not overlapped with it)") if row["zero"] == 0 else "reduce-scattered across the ranks in the last backward"
+        return (f"the gradients are {how}, and every rank waits there for the slowest one (equal tokens, but not equal "
+                "attention work: a rank's cost grows with its sequences' squared lengths); each rank also runs fewer "
+                "micro-batches, over which its fixed per-step costs spread")
     if phase == "rollout":
         if zero3:
             return ("under ZeRO-3 the rollout begins by gathering the whole weights on every rank and ends by partitioning "
@@ -382,6 +396,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--task", type=Path, help=argparse.SUPPRESS)  # a rank of one run
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     p.add_argument("--gpus", nargs="+", type=int, default=None, help="GPU counts to run on (default: 1 and all of them)")
+    p.add_argument("--lora-zero", nargs="+", type=int, choices=[0, 1, 2], default=[0, 2], help="ZeRO stages of sft-lora")
     p.add_argument("--shapes", nargs="+", choices=list(ts.SHAPES), default=list(ts.SHAPES), help="shapes of sft-full")
     p.add_argument("--workdir", default="/tmp/dare-multi-gpu", help="model folders, data and runs (kept between runs)")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "multi_gpu.md"))
@@ -394,7 +409,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = p.parse_args(argv)
     if args.task is not None:
         return rank_main(args.task)
-    s = (ts.Settings.tiny() if args.tiny else ts.Settings()).with_overrides(args.set)
+    s = (ts.Settings.tiny() if args.tiny else dataclasses.replace(ts.Settings(), **DEFAULTS)).with_overrides(args.set)
     if args.render:
         return render(Path(args.out))
     available = torch.cuda.device_count()

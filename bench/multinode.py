@@ -1,9 +1,9 @@
 """Several nodes rehearsed on one host (bench/multi_gpu.py's `multinode` part): the embedded tiny
-model's SFT and RL stages as one node of N ranks, and as N "nodes" of one rank each, started the
-way the README tells a user to start them on a cluster: the same `dare stage` command on every node,
-each with its own `launch.node_rank`, `launch.nnodes: N` and the first node's address
-(127.0.0.1 here). On a GPU host each "node" sees one GPU of its own (CUDA_VISIBLE_DEVICES), as it
-would on its own machine; the ranks then talk through NCCL's network transport, not NVLink.
+model's SFT and RL stages as one node of N ranks, and as several "nodes" (2 of N/2 ranks from N = 4,
+else N of one rank), started the way the README tells a user to start them on a cluster: the same
+`dare stage` command on every node, each with its own `launch.node_rank`, `launch.nnodes` and the
+first node's address (127.0.0.1 here). On a GPU host each "node" sees GPUs of its own
+(CUDA_VISIBLE_DEVICES), as it would on its own machine.
 Both layouts must log the same losses (SFT) and rewards (RL)."""
 from __future__ import annotations
 
@@ -38,11 +38,17 @@ def dare_stage(stage: str, root: Path, name: str, **over) -> list[str]:
     return [sys.executable, "-m", "dare_core.cli", "stage", stage, "--params", str(REPO / "params.yaml"), *sets]
 
 
-def env_for(gpu: Optional[int]) -> dict:
+def env_for(gpus: Optional[range]) -> dict:
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "PYTHONUNBUFFERED": "1"}
-    if gpu is not None:
-        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
     return env
+
+
+def node_layout(n: int) -> tuple[int, int]:
+    """(nodes, ranks a node) that rehearse N ranks: 2 nodes of N/2 from N = 4 (the intra-node and
+    the inter-node links both in play), else N nodes of one rank."""
+    return (2, n // 2) if n >= 4 and n % 2 == 0 else (n, 1)
 
 
 def logged(root: Path, name: str, stage: str, keys: tuple[str, ...]) -> list[float]:
@@ -60,13 +66,15 @@ def one_node(stage: str, root: Path, n: int, timeout: Optional[float]) -> tuple[
 
 
 def several_nodes(stage: str, root: Path, n: int, timeout: Optional[float]) -> tuple[int, float, str]:
-    """N `dare stage` processes, one a node, started together as on N machines."""
+    """One `dare stage` process a node (node_layout), started together as on separate machines."""
     port = free_port()
-    gpus = n if _cuda() else 0
+    nodes, per_node = node_layout(n)
+    cuda = _cuda()
     t0 = time.perf_counter()
-    procs = [subprocess.Popen(dare_stage(stage, root, "nodes", **{"launch.nproc": 1, "launch.nnodes": n, "launch.node_rank": i,
+    procs = [subprocess.Popen(dare_stage(stage, root, "nodes", **{"launch.nproc": per_node, "launch.nnodes": nodes, "launch.node_rank": i,
                                                                   "launch.master_addr": "127.0.0.1", "launch.master_port": port}),
-                              env=env_for(i if gpus else None), cwd=REPO, stderr=subprocess.PIPE, text=True) for i in range(n)]
+                              env=env_for(range(i * per_node, (i + 1) * per_node) if cuda else None), cwd=REPO,
+                              stderr=subprocess.PIPE, text=True) for i in range(nodes)]
     errors = [p.communicate(timeout=timeout)[1] for p in procs]
     code = max(abs(p.returncode) for p in procs)
     return code, time.perf_counter() - t0, "\n".join(e[-1500:] for e in errors)
@@ -88,7 +96,8 @@ def rehearse(root: Path, n: int, timeout: Optional[float]) -> list[dict]:
     rows = []
     for stage, keys in (("sft", ("loss",)), ("rl", ("reward", "loss"))):
         ref = None
-        for layout, fn in ((f"1 node x {n} ranks", one_node), (f"{n} nodes x 1 rank", several_nodes)):
+        nodes, per_node = node_layout(n)
+        for layout, fn in ((f"1 node x {n} ranks", one_node), (f"{nodes} nodes x {per_node} rank{'s' if per_node > 1 else ''}", several_nodes)):
             name = "one-node" if fn is one_node else "nodes"
             row = {"part": "multinode", "name": f"multinode-{stage}-{name}", "stage": stage, "layout": layout,
                    "logged": "/".join(keys)}

@@ -32,14 +32,17 @@ def test_scaling_names_the_phase_that_loses_efficiency():
     # rollouts scale perfectly (15 s on each of 2 GPUs); the update does not (15 s instead of 10)
     two = _rl(2, 30.0, rollout=15.0, forward_backward=15.0)
     lines = multi_gpu.scaling_lines([one, two])
-    row = next(line for line in lines if line.startswith("| rl-lora | 2 |"))
+    row = next(line for line in lines if line.startswith("| rl-lora | 0 | 2 |"))
     assert "83.3%" in row and "| short |" in row  # 50 / (2 x 30)
     assert row.split("| ")[-1].startswith("forward_backward: 20.00 / 30.00")
     # and why: the one losing phase's mechanism under the run's ZeRO stage, and no line for a phase that scaled
-    why = [line for line in lines if line.startswith("- rl-lora on 2 GPUs")]
-    assert len(why) == 1 and why[0].startswith("- rl-lora on 2 GPUs, forward_backward:") and "all-reduced" in why[0]
-    zero3 = multi_gpu.scaling_lines([one, _rl(2, 30.0, rollout=15.0, forward_backward=15.0, zero=3)])
-    assert "reduce-scattered" in next(line for line in zero3 if line.startswith("- rl-lora on 2 GPUs"))
+    why = [line for line in lines if line.startswith("- rl-lora (ZeRO-0) on 2 GPUs")]
+    assert len(why) == 1 and why[0].startswith("- rl-lora (ZeRO-0) on 2 GPUs, forward_backward:") and "all-reduced" in why[0]
+    one_zero3 = _rl(1, 50.0, rollout=30.0, forward_backward=20.0, zero=3)
+    zero3 = multi_gpu.scaling_lines([one, one_zero3, _rl(2, 30.0, rollout=15.0, forward_backward=15.0, zero=3)])
+    assert "reduce-scattered" in next(line for line in zero3 if line.startswith("- rl-lora (ZeRO-3) on 2 GPUs"))
+    # a run is paired with the 1-GPU run of its own ZeRO stage only
+    assert not any(line.startswith("- rl-lora (ZeRO-0) on 2 GPUs") for line in zero3)
     assert "| meets it |" in multi_gpu.scaling_lines([one, _rl(2, 26.0, rollout=15.0, forward_backward=11.0)])[-2]
 
 
@@ -54,4 +57,4 @@ def test_render_lays_out_measured_rows_again_and_says_by_which_commit(tmp_path, 
     monkeypatch.setenv("DARE_COMMIT", "b" * 40)
     assert multi_gpu.main(["--render", "--out", str(tmp_path / "multi_gpu.md")]) == 0
     text = (tmp_path / "multi_gpu.md").read_text()
-    assert "a" * 40 in text and f"Laid out by commit {'b' * 40}" in text and "- rl-lora on 2 GPUs, forward_backward:" in text
+    assert "a" * 40 in text and f"Laid out by commit {'b' * 40}" in text and "- rl-lora (ZeRO-0) on 2 GPUs, forward_backward:" in text
