@@ -108,7 +108,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
     if not distributed:
         import importlib
 
-        from dare_core.workers.lifeline import watch_parent
+        from dare_core.lifeline import watch_parent
 
         watch_parent()  # killing dvc (or whatever started this) ends the stage
         code = importlib.import_module(module).main(worker_args)
@@ -121,12 +121,12 @@ def cmd_stage(args: argparse.Namespace) -> int:
 
 def _launch(cmd: list[str], env: dict, what: str = "the worker") -> int:
     """Run the launcher (or the one worker) to its end; its exit code. It ends with this process,
-    and this process with its parent (workers/lifeline.py); the watch starts after the fork (a
+    and this process with its parent (lifeline.py); the watch starts after the fork (a
     preexec_fn is only safe while no other thread runs). Killed by a signal, it printed nothing
     about it: this names the signal in an `error:` line and exits as a shell would, 128 + N
     (`sys.exit(-9)` would end this process with 247, which reads as an ordinary exit code)."""
     from dare_core.exits import killed_by, signal_of
-    from dare_core.workers.lifeline import dies_with_parent, watch_parent
+    from dare_core.lifeline import dies_with_parent, watch_parent
 
     launcher = subprocess.Popen(cmd, env=env, preexec_fn=dies_with_parent())
     watch_parent()

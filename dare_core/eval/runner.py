@@ -28,6 +28,7 @@ from dare_core.errors import UserError
 from dare_core.eval.configs import get_benchmark, parse_benchmarks
 from dare_core.exits import is_progress_bar, killed_by, signal_of
 from dare_core.storage import atomic_dir, atomic_write_json, atomic_write_text
+from dare_core.lifeline import dies_with_parent
 
 
 # the OpenCompass classes, by dotted path: this module never imports OpenCompass itself (its import
@@ -183,7 +184,9 @@ def run_opencompass(config: dict, work_dir: Path, run_name: str = "run", reuse: 
 
 def _run_logged(cmd: list, env: dict, log_path: Path, quiet: bool) -> int:
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1)
+        # it ends with the stage (or `dare eval`) that started it: a killed run leaves no evaluator on
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1,
+                                preexec_fn=dies_with_parent())
         for line in proc.stdout:  # type: ignore[union-attr]
             log.write(line)
             if not quiet and _worth_showing(line):
