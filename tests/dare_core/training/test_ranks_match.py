@@ -141,14 +141,17 @@ def base(tmp_path_factory) -> Path:
 
 
 def _train(base: Path, dest: Path, stage: str, ranks: int, zero: int = 0, launcher: str = "local",
-           nodes: int = 1) -> Path:
+           nodes: int = 1, sequence_parallel: int = 1) -> Path:
     """`stage` (sft, preference, d1, bgpo) from `base`'s data (and SFT model) in `dest`, its `ranks`
-    spread over `nodes` nodes (rehearsed on this machine)."""
+    spread over `nodes` nodes (rehearsed on this machine), in sequence-parallel groups of
+    `sequence_parallel` ranks (packed: its scoring streams are the real tokens)."""
     shutil.copytree(base / "data", dest / "data")
     if stage != "sft":
         shutil.copytree(base / "runs" / "t" / "sft" / "model", dest / "runs" / "t" / "sft" / "model")
     common, one_rank = STAGES[stage]
     launch = {"launch__launcher": launcher, "launch__nproc": ranks // nodes, "launch__zero_stage": zero}
+    if sequence_parallel > 1:
+        launch.update(launch__sequence_parallel=sequence_parallel, model__packing="on")
     if launcher == "deepspeed" or nodes > 1:  # the default port, 29500, may be taken by another run on this machine
         launch["launch__master_port"] = _free_port()
     if nodes > 1:  # as README "Several nodes" has it, with this machine as every node
@@ -160,7 +163,8 @@ def _train(base: Path, dest: Path, stage: str, ranks: int, zero: int = 0, launch
             hostfile = dest / "hostfile"  # (no ssh: the names are never looked up)
             hostfile.write_text("".join(f"node-{n} slots={ranks // nodes}\n" for n in range(nodes)))
             launch.update(launch__hostfile=str(hostfile), launch__no_ssh=True)
-    params = write_params(dest / "params.yaml", tiny_params(dest, **DATA, **MODEL, **common, **(one_rank if ranks == 1 else {}), **launch))
+    params = write_params(dest / "params.yaml", tiny_params(dest, **DATA, **MODEL, **common, **(one_rank if ranks == sequence_parallel else {}),
+                                                       **launch))
     _run(params, stage, nodes)
     return dest
 
@@ -233,6 +237,26 @@ def test_two_ranks_match_one(base, reference, tmp_path, stage, zero):
     else:
         assert ref["exported"]
     assert moved > 100 * WEIGHT_ATOL
+
+
+# Ulysses sequence parallelism: 2 ranks in one group hold half of every (packed) sequence each, and
+# train on the one rank's micro-batches (one data-parallel unit: its grad_accum); SFT at ZeRO-0 and
+# RL (d1: old and reference scores, the update) at ZeRO-3, whose gathers meet the all-to-alls
+SP_CASES = [("sft", 0, "torchrun"), ("d1", 3, "deepspeed")]
+
+
+@pytest.mark.parametrize("stage,zero,launcher", SP_CASES, ids=[f"{s}-zero{z}-{la}" for s, z, la in SP_CASES])
+def test_a_sequence_parallel_group_matches_one_rank(base, reference, tmp_path, stage, zero, launcher):
+    ref = reference(stage)
+    t0 = time.time()
+    got = _outcome(_train(base, tmp_path, stage, 2, zero, launcher, sequence_parallel=2), stage)
+    weight_diff = _max_diff(got["weights"], ref["weights"])
+    print(f"\n{stage} sequence-parallel zero{zero} {launcher}: {time.time() - t0:.1f} s; weights {weight_diff:.2e}")
+    for k in ref["metrics"]:
+        assert got["metrics"][k] == pytest.approx(ref["metrics"][k], rel=0, abs=LOSS_ATOL), k
+    assert weight_diff <= WEIGHT_ATOL
+    if ref["exported"]:
+        assert _max_diff(got["exported"], ref["exported"]) <= WEIGHT_ATOL
 
 
 @pytest.mark.parametrize("launcher,zero", [
