@@ -7,8 +7,8 @@ a rank computes the loss and gradients of one micro-batch as one rank does (no s
 over the group, and sums its parameter gradients over the group (what the engine's all-reduce
 does); rank 0 writes the largest differences to <out>/errors.json. The objectives: SFT, d1 (token
 ratios, old and reference scores, entropy), CJ-GRPO (trajectory replay: tempered scores with MASK
-excluded, rows one chunk at a time) and ESPO (Monte-Carlo ELBO rows through the proxy-gradient
-replay); and the scores alone of the shifted Dream, whose scored positions read the hidden state
+excluded, rows one chunk at a time), ESPO (Monte-Carlo ELBO rows through the proxy-gradient
+replay) and VRPO preference optimisation with a LoRA adapter (the reference: the adapter disabled); and the scores alone of the shifted Dream, whose scored positions read the hidden state
 before them, across the ranks' slices.
 """
 import json
@@ -19,12 +19,15 @@ import torch
 import torch.distributed as dist
 
 from algo_helpers import make_algo, run_update
+from dare_core.algorithms.preference import build_preference
 from dare_core.algorithms.registry import build_options, get_sft_objective
-from dare_core.config import RLConfig
-from dare_core.data.batching import sft_batch
+from dare_core.config import PreferenceConfig, RLConfig
+from dare_core.data.batching import pair_batch, sft_batch
 from dare_core.diffusion.likelihood import token_logprobs
 from dare_core.diffusion.seeding import generator, sample_generators
+from dare_core.models.lora import LoraSettings, apply_lora
 from dare_core.models.ulysses import SequenceShards
+from dare_core.training.reference import reference_model
 from rollout_helpers import rollout_batch, sampler_for
 from tiny_models import EOS, VOCAB, tiny
 
@@ -32,7 +35,7 @@ from tiny_models import EOS, VOCAB, tiny
 HEADS = {"llada": {"n_kv_heads": 2}, "sdar": {}, "Dream": {"num_key_value_heads": 2}}
 
 
-def model_of(family: str, packing: str, chunk: int = 0):
+def model_of(family: str, packing: str, chunk: int = 0, lora: bool = False):
     model = tiny(family)
     if HEADS[family]:  # rebuilt with the wider key/value heads
         from dare_core.models.family import get_family
@@ -42,6 +45,12 @@ def model_of(family: str, packing: str, chunk: int = 0):
         model = build_model(get_family(family).tiny_config(VOCAB, MASK, EOS, **{**SMALL[family], **HEADS[family]}))
         model.net.init_weights(generator(0, family), std=0.3)
     model.packing, model.logits_chunk = packing, chunk
+    if lora:  # an adapter that has moved: the policy differs from the adapter-disabled reference
+        apply_lora(model, LoraSettings(r=4, alpha=8))
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.copy_(0.05 * torch.randn(p.shape, generator=generator(9, n)))
     return model.train()
 
 
@@ -78,6 +87,24 @@ def rl_case(model, name: str, **opts):
         with torch.no_grad():
             old = algo.score(model, batch, corruption)
         return run_update(algo, model, batch, corruption, old=old, ref=old.detach() * 0.9).loss
+
+    return loss
+
+
+def preference_case(model):
+    """One VRPO update of 2 pairs, the reference the adapter-disabled policy (LoRA), its ELBOs over 4
+    Monte-Carlo rows replayed 2 rows at a time (proxy-gradient replay)."""
+    g = generator(6, "pairs")
+    draw = lambda *lens: [torch.randint(0, 60, (n,), generator=g).tolist() for n in lens]  # noqa: E731
+    batch = pair_batch(draw(4, 6), draw(5, 2), draw(3, 7), ["p", "q"], 10, EOS, model.pad_token_id,
+                       eos_padding=model.block_size is None)
+    objective = build_preference(PreferenceConfig(algorithm="vrpo", pad_to=10, mc_num=4, rows_per_forward=2), model)
+    corruption = objective.corrupt(batch, (0, 0))
+
+    def loss():
+        with reference_model(model, None) as ref:
+            ref_elbos = objective.reference_elbos(ref, batch, corruption)
+        return objective.update(model, batch, corruption, ref_elbos, 2, lambda loss: loss.backward()).loss
 
     return loss
 
@@ -144,6 +171,8 @@ CASES = {
     "sdar/packed/cj_grpo": ("sdar", "on", 0, lambda m: rl_case(m, "cj_grpo")),
     "llada/packed/espo": ("llada", "on", 0, lambda m: rl_case(m, "espo", mc_num=2)),
     "sdar/packed/espo": ("sdar", "on", 0, lambda m: rl_case(m, "espo", mc_num=2)),
+    "llada/packed/vrpo+lora": ("llada", "on", 0, preference_case, True),
+    "sdar/packed/vrpo+lora": ("sdar", "on", 0, preference_case, True),
 }
 
 
@@ -152,8 +181,8 @@ def main(out_dir: Path) -> None:
     torch.manual_seed(0)
     shards = SequenceShards.of()
     errors = {}
-    for case, (family, packing, chunk, make_loss) in CASES.items():
-        errors[case] = compare(model_of(family, packing, chunk), make_loss, shards)
+    for case, (family, packing, chunk, make_loss, *lora) in CASES.items():
+        errors[case] = compare(model_of(family, packing, chunk, *lora), make_loss, shards)
     errors.update(shifted_scores(shards))
     if dist.get_rank() == 0:
         (out_dir / "errors.json").write_text(json.dumps(errors, indent=1))
