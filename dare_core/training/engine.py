@@ -41,10 +41,10 @@ def build_engine(model: torch.nn.Module, optim: OptimConfig, total_steps: int, m
     import deepspeed
 
     init_distributed()
-    init_layout(launch.sequence_parallel if launch is not None else 1)
+    launch = launch or LaunchConfig()
+    init_layout(launch.sequence_parallel)
     params = [p for p in model.parameters() if p.requires_grad]
     dtype = next(model.parameters()).dtype
-    launch = launch or LaunchConfig()
     zero: dict = {"stage": launch.zero_stage}
     # pinned host memory: the copies to and from the GPU run asynchronously
     if launch.offload_optimizer != "none":

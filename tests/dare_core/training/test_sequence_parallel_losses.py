@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from dare_core.config import LaunchConfig
+from algo_helpers import make_algo
+from dare_core.config import LaunchConfig, RLConfig, SamplerConfig
 from dare_core.models.family import get_family
 from dare_core.models.lm import build_model
 from dare_core.training.parallel import check_sequence_parallel
@@ -55,3 +56,14 @@ def test_a_group_that_cannot_split_the_heads_is_refused(family, heads, named):
         check_sequence_parallel(launch, model)
     assert named in str(e.value)
     check_sequence_parallel(LaunchConfig(launcher="torchrun", nproc=2), model)  # 1: nothing to split
+
+
+def test_an_algorithm_scoring_outside_token_logprobs_is_refused():
+    """d-TreeRPO's distillation reads whole distributions from its own forward, which no group shards."""
+    model = build_model(get_family("llada").tiny_config(VOCAB, MASK, EOS, **{**SMALL["llada"], "n_kv_heads": 2}))
+    launch = LaunchConfig(launcher="torchrun", nproc=2, sequence_parallel=2)
+    rl = RLConfig(group_size=4, sampler=SamplerConfig(gen_length=8, steps=8, block_length=8))
+    tree = make_algo("d_tree_rpo", model, rl, num_tree_samples=2, branch_factor=2)
+    with pytest.raises(ValueError, match=r"launch.sequence_parallel = 2: rl.algorithm 'd_tree_rpo' reads the model's logits"):
+        check_sequence_parallel(launch, model, tree)
+    check_sequence_parallel(launch, model, make_algo("d1", model, rl))
