@@ -26,6 +26,12 @@ class Batch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def to(self, device) -> "Batch":
+        """The batch with every tensor (records included) on `device`."""
+        return Batch(self.input_ids.to(device), self.attention_mask.to(device), self.prompt_len, self.response_mask.to(device),
+                     list(self.uids), None if self.advantages is None else self.advantages.to(device),
+                     {k: v.to(device) for k, v in self.records.items()})
+
     def select(self, idx: torch.Tensor) -> "Batch":
         return Batch(
             self.input_ids[idx], self.attention_mask[idx], self.prompt_len, self.response_mask[idx],

@@ -214,10 +214,11 @@ class LaunchConfig:
     # deepspeed: start only this node's ranks (node_rank: its line in the hostfile), no ssh; run
     # `dare stage` on every node, as with torchrun
     no_ssh: bool = False
-    # Ulysses sequence parallelism (issue 34): groups of this many ranks of one node each hold 1/N of
-    # every sequence, attention trading sequence slices for head slices (dare_core/models/ulysses.py).
-    # It must divide nproc, the attention and key/value heads, and the padded sequence length (the
-    # last two are checked at the first forward). The stages do not split batches by sequence yet: only 1 runs
+    # Ulysses sequence parallelism: groups of this many consecutive ranks of one node each hold 1/N of
+    # every sequence in the training forwards, attention trading sequence slices for head slices
+    # (dare_core/models/ulysses.py); a group sees one batch, the groups split the data
+    # (docs/diffusion.md#sequence-parallelism). It must divide nproc and the attention and key/value
+    # heads (checked when a stage starts); sequences are padded to a multiple of it
     sequence_parallel: int = 1
 
     def __post_init__(self) -> None:
@@ -271,8 +272,6 @@ class LaunchConfig:
         if self.nproc % n:
             raise FieldError("sequence_parallel", f"({n}) must divide launch.nproc ({self.nproc}): a sequence-parallel "
                                                   "group is made of ranks of one node, whose all-to-alls are the fastest")
-        raise FieldError("sequence_parallel", f"is {n}, but the sft, preference and rl stages do not split their "
-                                              "batches by sequence yet (issue 34): only 1 runs")
 
 
 @dataclass

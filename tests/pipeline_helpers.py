@@ -67,6 +67,17 @@ def worker_env(venv_on_path: bool = True) -> dict:
     return env
 
 
+def two_cpu_ranks(script: str, out_dir: Path, timeout: float, **env_vars: str) -> None:
+    """`tests/<script> <out_dir>` as two gloo ranks on the CPU (torchrun, one thread each, the tests
+    folder importable); fails with the ranks' stderr unless both succeed."""
+    env = {**worker_env(), "OMP_NUM_THREADS": "1", **env_vars}
+    env["PYTHONPATH"] = f"{env['PYTHONPATH']}{os.pathsep}{REPO / 'tests'}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(REPO / "tests" / script), str(out_dir)]
+    r = subprocess.run(cmd, env=env, cwd=out_dir, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-6000:]
+
+
 # what torch's C++ side prints when ranks end untidily (or would, unfiltered: workers/rank_output.py)
 NATIVE_NOISE = re.compile(r"TCPStore|destroy_process_group|frame #\d|Exception raised from|terminate called"
                           r"|\[[EWIF]\d{4} \d\d:|Guessing device ID")

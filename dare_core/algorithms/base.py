@@ -45,6 +45,9 @@ class RLAlgorithm(Algorithm):
     token_level: ClassVar[bool] = True
     #: may the objective carry a KL term to the reference (SPG forbids it)
     allows_kl: ClassVar[bool] = True
+    #: every score goes through diffusion/likelihood.py `token_logprobs`, which runs sequence-parallel
+    #: (launch.sequence_parallel); one that reads the model's logits another way cannot
+    sequence_parallel: ClassVar[bool] = True
 
     def __init__(self, options, rl_cfg, model):
         super().__init__(options)

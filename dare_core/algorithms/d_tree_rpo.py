@@ -145,6 +145,8 @@ def distill_targets(shape: TreeShape, states: torch.Tensor, adv: torch.Tensor, t
 @register_rl("d_tree_rpo")
 class DTreeRPO(RLAlgorithm):
     families = frozenset({"masked"})
+    # the distillation term reads whole log-softmax rows of `scored_logits`, not token_logprobs' scores
+    sequence_parallel = False
     requires = frozenset({"tree"})
 
     @dataclass

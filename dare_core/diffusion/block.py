@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from dare_core.models.attention import AttentionContext
+from dare_core.models.lm import ScoredStream
 from dare_core.models.packing import PackedLayout, packed_backend
 from dare_core.models.transformer import default_position_ids
 
@@ -39,15 +40,6 @@ def two_stream_mask(position_ids: torch.Tensor, block_size: int, attention_mask:
         eye = torch.eye(mask.shape[-1], dtype=torch.bool, device=mask.device)
         mask = mask | (eye & ~keys[:, :, None])
     return mask[:, None]
-
-
-def two_stream_hidden(model, noisy_ids: torch.Tensor, clean_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Hidden states of the noisy stream [B, S, d] under the two-stream mask."""
-    pos = default_position_ids(noisy_ids, attention_mask)
-    mask = two_stream_mask(pos, model.block_size, attention_mask)
-    ids = torch.cat([noisy_ids, clean_ids], dim=1)
-    hidden = model.net.hidden_states(ids, None, pos.repeat(1, 2), mask)
-    return hidden[:, : noisy_ids.shape[1]]
 
 
 def two_stream_context(doc: torch.Tensor, block: torch.Tensor, clean: torch.Tensor, backend: str) -> AttentionContext:
@@ -81,9 +73,20 @@ def two_stream_scored_hidden(model, noisy_ids: torch.Tensor, clean_ids: torch.Te
                              rows: torch.Tensor) -> torch.Tensor:
     """Hidden states [N, d] of the noisy stream predicting the boolean [B, S] `rows` (row-major),
     padded or packed: what the output head scores."""
+    return model.stream_hidden(two_stream_scored_stream(model, noisy_ids, clean_ids, attention_mask, rows))
+
+
+def two_stream_scored_stream(model, noisy_ids: torch.Tensor, clean_ids: torch.Tensor, attention_mask: torch.Tensor,
+                             rows: torch.Tensor) -> ScoredStream:
+    """The `ScoredStream` of `two_stream_scored_hidden`: [x_t ; x_0] per row of the padded batch, or
+    under `model.packing` each sequence's [noisy ; clean] packed back to back in one row."""
     backend = packed_backend(model.packing, noisy_ids.device, block_diffusion=True)
     if backend is None:
-        return model.hidden_at(two_stream_hidden(model, noisy_ids, clean_ids, attention_mask), rows, attention_mask)
+        pos = default_position_ids(noisy_ids, attention_mask)
+        mask = two_stream_mask(pos, model.block_size, attention_mask)
+        ids = torch.cat([noisy_ids, clean_ids], dim=1)
+        # the noisy stream is the first half of each row of 2S
+        return ScoredStream(ids, pos.repeat(1, 2), mask, model.flat_sources(rows, attention_mask, ids.shape[1]))
     layout = PackedLayout.of(attention_mask)
     lens = torch.tensor(layout.lens, device=noisy_ids.device)
     per_token = lambda values: torch.repeat_interleave(values, lens)  # noqa: E731
@@ -99,5 +102,4 @@ def two_stream_scored_hidden(model, noisy_ids: torch.Tensor, clean_ids: torch.Te
     clean[clean_slot] = True
     doc = torch.repeat_interleave(torch.arange(len(layout.lens), device=ids.device), 2 * lens)
     ctx = two_stream_context(doc, pos // model.block_size, clean, backend)
-    hidden = model.net.hidden_states(ids[None], None, pos[None], ctx)[0]
-    return hidden[noisy_slot[layout.sources(rows, model.family.shift_logits)]]
+    return ScoredStream(ids[None], pos[None], ctx, noisy_slot[layout.sources(rows, model.family.shift_logits)])

@@ -17,8 +17,11 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from dare_core.diffusion.block import two_stream_logits, two_stream_scored_hidden
+from dare_core.diffusion.block import two_stream_logits, two_stream_scored_hidden, two_stream_scored_stream
 from dare_core.diffusion.masking import Corruption, CorruptionSet
+from dare_core.models.packing import packed_backend
+from dare_core.models.sequence_parallel import pad_for_shards, shard_stream_hidden
+from dare_core.models.ulysses import sum_over_group
 
 
 # [N, V] temporaries of the entropy are made this many elements at a time (64 MiB in float32)
@@ -74,9 +77,12 @@ def logits_scores(logits: torch.Tensor, targets: torch.Tensor, temperature: floa
 
 
 def head_scores(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, chunk: int, temperature: float = 1.0,
-                exclude: Sequence[int] = (), entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                exclude: Sequence[int] = (), entropy: bool = False,
+                pieces: Optional[int] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """`logits_scores` of head(hidden) for hidden states [N, d], `chunk` rows at a time, so that no
-    more than [chunk, V] logits exist at once, in the forward and in the backward.
+    more than [chunk, V] logits exist at once, in the forward and in the backward. `pieces`: in
+    exactly that many chunks instead (some perhaps empty; none over `chunk` rows where the caller
+    sized it so), where ranks must call the head equally often.
 
     Each chunk runs under non-reentrant activation checkpointing: its forward keeps only its
     hidden-state slice and the backward recomputes its logits. Checkpointing rather than a custom
@@ -89,8 +95,9 @@ def head_scores(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tens
         return logits_scores(head(h), t, temperature, exclude, entropy)
 
     # split (not slicing per chunk): its backward concatenates the chunks' gradients in one [N, d]
+    cut = (lambda x: x.tensor_split(pieces)) if pieces is not None else (lambda x: x.split(chunk))  # noqa: E731
     parts = [checkpoint(one_chunk, h, t, use_reentrant=False, preserve_rng_state=False)  # the head draws nothing random
-             for h, t in zip(hidden.split(chunk), targets.split(chunk))]
+             for h, t in zip(cut(hidden), cut(targets))]
     logp = torch.cat([p[0] for p in parts])
     return logp, torch.cat([p[1] for p in parts]) if entropy else None
 
@@ -113,6 +120,9 @@ def token_logprobs(model, corruption: Corruption, targets: torch.Tensor, attenti
     states a chunk of tokens at a time (`head_scores`), never from the whole [N, V] logits."""
     if corruption.targets is not None:
         targets = corruption.targets
+    if getattr(model, "sequence_shards", None) is not None:
+        return _sharded_token_logprobs(model, corruption.noisy_ids, targets, attention_mask, corruption.scored, temperature,
+                                       exclude, entropy)
     rows = corruption.scored
     block = model.block_size is not None
     if model.logits_chunk > 0:
@@ -127,6 +137,37 @@ def token_logprobs(model, corruption: Corruption, targets: torch.Tensor, attenti
     if not entropy:
         return zeros.masked_scatter(rows, logp)
     return zeros.masked_scatter(rows, logp), zeros.masked_scatter(rows, ent)
+
+
+def _sharded_token_logprobs(model, noisy_ids: torch.Tensor, targets: torch.Tensor, attention_mask: torch.Tensor,
+                            rows: torch.Tensor, temperature: float, exclude: Sequence[int], entropy: bool):
+    """`token_logprobs` under sequence parallelism (`model.sequence_shards`): this rank runs its slice
+    of the scoring stream, scores the positions whose hidden state it holds, and the group's sum of
+    the [B, S] scores (each position scored by one rank) gives every rank the whole batch's scores,
+    so every estimator built on them runs unchanged (docs/diffusion.md#sequence-parallelism)."""
+    shards = model.sequence_shards
+    block = model.block_size is not None
+    packed = packed_backend(model.packing, noisy_ids.device, block) is not None
+    ids, clean, mask, scored = pad_for_shards(noisy_ids, targets, attention_mask, rows, shards.size, packed)
+    stream = (two_stream_scored_stream(model, ids, clean, mask, scored) if block else model.scored_stream(ids, mask, scored))
+    hidden, kept = shard_stream_hidden(model, stream, shards)
+    mine = clean[scored][kept]
+    if model.logits_chunk > 0:
+        # as many head calls on every rank (ZeRO-3 gathers the head's weights at each: a collective)
+        most = torch.tensor(float(hidden.shape[0]), device=hidden.device)
+        torch.distributed.all_reduce(most, torch.distributed.ReduceOp.MAX, group=shards.group)
+        pieces = max(1, -(-int(most) // model.logits_chunk))
+        logp, ent = head_scores(model.net.lm_head, hidden, mine, model.logits_chunk, temperature, exclude, entropy, pieces)
+    else:
+        logp, ent = logits_scores(model.net.lm_head(hidden), mine, temperature, exclude, entropy)
+    b, s = rows.shape
+
+    def whole(values: torch.Tensor) -> torch.Tensor:
+        per_scored = torch.zeros(kept.shape, dtype=torch.float32, device=values.device).masked_scatter(kept, values)
+        grid = torch.zeros(scored.shape, dtype=torch.float32, device=values.device).masked_scatter(scored, per_scored)
+        return sum_over_group(grid, shards)[:b, :s]
+
+    return (whole(logp), whole(ent)) if entropy else whole(logp)
 
 
 def rows_logprobs(model, rows: Sequence[Corruption], targets: torch.Tensor, attention_mask: torch.Tensor,

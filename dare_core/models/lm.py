@@ -2,6 +2,7 @@
 the one model class every stage trains, samples and exports."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterator, Optional, Union
 
 import torch
@@ -10,6 +11,20 @@ import torch.nn as nn
 from dare_core.errors import ModelLoadError
 from dare_core.models.family import Family, family_of
 from dare_core.models.transformer import KVCache, Transformer, default_position_ids
+from dare_core.models.ulysses import SequenceShards
+
+
+@dataclass
+class ScoredStream:
+    """What a scoring forward runs, and which of its hidden states the scores read: the token
+    stream (a padded batch, one packed row, the two-stream [x_t ; x_0] layout), its positions and
+    its mask, all of the whole stream, and per scored position the flat index r * T + t of the
+    hidden state that predicts it (row-major over the scored positions)."""
+
+    ids: torch.Tensor  # [R, T]
+    positions: torch.Tensor  # [R, T]
+    attn: object  # boolean mask broadcastable to [R, H, T, T], or an AttentionContext
+    sources: torch.Tensor  # long [N]
 
 
 class DiffusionLM(nn.Module):
@@ -24,6 +39,9 @@ class DiffusionLM(nn.Module):
         self.packing = "off"
         # scored tokens per chunk of the logits-free scoring path; 0 = whole [N, V] logits (model.logits_chunk)
         self.logits_chunk = 0
+        # this rank's place in its sequence-parallel group (launch.sequence_parallel > 1): the training
+        # scores (diffusion/likelihood.py) then run this rank's slice of every stream only; rollouts never
+        self.sequence_shards: Optional[SequenceShards] = None
         ids = {k: self.hf_config.get(v) for k, v in family.token_id_keys.items()}
         self.mask_token_id: int = ids["mask"]
         self.eos_token_id: int = ids["eos"]
@@ -114,17 +132,35 @@ class DiffusionLM(nn.Module):
         positions in the boolean [B, S] `rows` (row-major order; a shifted family's come from the
         column before): what training scores. Under `self.packing` the forward runs over the real
         tokens only (`dare_core.models.packing`), else over the padded batch."""
+        return self.stream_hidden(self.scored_stream(input_ids, attention_mask, rows))
+
+    def stream_hidden(self, stream: ScoredStream) -> torch.Tensor:
+        """The hidden states [N, d] at `stream.sources`, from one forward over the whole stream."""
+        hidden = self.net.hidden_states(stream.ids, None, stream.positions, stream.attn)
+        return hidden.flatten(0, 1)[stream.sources]
+
+    def scored_stream(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: torch.Tensor) -> ScoredStream:
+        """The `ScoredStream` of `scored_hidden`: the padded batch under the family's pattern, or
+        under `self.packing` its real tokens packed into one row."""
+        from dare_core.models.attention import key_padding_mask, packed_context
         from dare_core.models.packing import PackedLayout, packed_backend
 
         backend = packed_backend(self.packing, input_ids.device, self.block_size is not None)
         if backend is None:
-            return self.hidden_at(self.hidden_states(input_ids, attention_mask), rows, attention_mask)
-        from dare_core.models.attention import packed_context
-
+            pos = default_position_ids(input_ids, attention_mask)
+            mask = (block_causal_mask(pos, self.block_size, attention_mask) if self.block_size is not None
+                    else key_padding_mask(attention_mask))
+            return ScoredStream(input_ids, pos, mask, self.flat_sources(rows, attention_mask, input_ids.shape[1]))
         layout = PackedLayout.of(attention_mask)
         ctx = packed_context(layout.lens, backend, input_ids.device, self.block_size, layout.positions)
-        hidden = self.net.hidden_states(input_ids[layout.valid][None], None, layout.positions[None], ctx)[0]
-        return hidden[layout.sources(rows, self.family.shift_logits)]
+        return ScoredStream(input_ids[layout.valid][None], layout.positions[None], ctx, layout.sources(rows, self.family.shift_logits))
+
+    def flat_sources(self, rows: torch.Tensor, attention_mask: Optional[torch.Tensor], width: int) -> torch.Tensor:
+        """Flat index b * width + j of the output position predicting each position of the boolean
+        [B, S] `rows` (row-major) in a padded forward of rows `width` wide: what `hidden_at` reads."""
+        b, i = rows.nonzero(as_tuple=True)
+        src = self._shift_source(b, i, attention_mask) if self.family.shift_logits else i
+        return b * width + src
 
     def forward_packed(self, input_ids: torch.Tensor, seq_lens: list[int], backend: str = "sdpa") -> torch.Tensor:
         """Logits [T, V] of sequences packed back to back in the 1-D `input_ids` (no padding);

@@ -9,6 +9,7 @@ all-to-all's backward is the other one, so gradients flow through both exactly.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -29,10 +30,10 @@ class SequenceShards:
     def of(cls, group=None) -> "SequenceShards":
         return cls(group, dist.get_world_size(group), dist.get_rank(group))
 
-    def check(self, n_heads: int, n_kv_heads: int, seq_len: int) -> None:
-        """ValueError unless the heads, the key/value heads and the sequence split evenly."""
+    def check(self, n_heads: int, n_kv_heads: int, seq_len: Optional[int] = None) -> None:
+        """ValueError unless the heads, the key/value heads and the sequence (where given) split evenly."""
         for count, what in ((n_heads, "the number of attention heads"), (n_kv_heads, "the number of key/value heads"),
-                            (seq_len, "the sequence length (pad the batch to a multiple of it)")):
+                            (seq_len or 0, "the sequence length (pad the batch to a multiple of it)")):
             if count % self.size:
                 raise ValueError(f"launch.sequence_parallel ({self.size}) must divide {what}, {count}: each rank of a "
                                  f"sequence-parallel group takes an equal share")
@@ -113,3 +114,23 @@ def gather_sequence(x: torch.Tensor, shards: SequenceShards, dim: int = 1) -> to
     keeps its own slice of the gradient, so summing the parameter gradients over the group (what
     the gradient all-reduce does) gives the gradient of that one loss."""
     return _GatherSequence.apply(x, shards, dim)
+
+
+class _SumOverGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, shards):
+        out = x.clone()
+        dist.all_reduce(out, group=shards.group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def sum_over_group(x: torch.Tensor, shards: SequenceShards) -> torch.Tensor:
+    """The sum of every rank's `x` (each rank's part zero where another rank's is not), on every
+    rank of the group, differentiable under `gather_sequence`'s convention: every rank computes the
+    same loss from the sum, and each rank's backward passes the loss's gradient to its own part
+    alone (the identity), so the group's parameter gradients sum to that one loss's gradient."""
+    return _SumOverGroup.apply(x, shards)

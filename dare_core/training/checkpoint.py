@@ -103,9 +103,9 @@ EXECUTION_KEYS = ("packing", "logits_chunk", "compile", "gradient_checkpointing"
 
 def stage_fingerprint(cfg: DareConfig, stage: str, inputs: dict[str, Path], cosmetic: tuple = ()) -> Fingerprint:
     """The fingerprint of a training stage: the model section, the stage's section without its
-    cosmetic keys (`COSMETIC_KEYS` and the stage's own `cosmetic`), the seed, the ZeRO stage and the
-    number of ranks (they decide the data order and the checkpoint layout), the optimizer's offload,
-    and `inputs`. (launch.offload_params is left out: the checkpoints of ZeRO-3 with and without it
+    cosmetic keys (`COSMETIC_KEYS` and the stage's own `cosmetic`), the seed, the ZeRO stage, the
+    number of ranks and of sequence-parallel ranks (they decide the data order and the checkpoint
+    layout), the optimizer's offload, and `inputs`. (launch.offload_params is left out: the checkpoints of ZeRO-3 with and without it
     are the same, and resume to the same weights.)"""
     section = {k: v for k, v in to_dict(getattr(cfg, stage)).items() if k not in COSMETIC_KEYS + cosmetic}
     model = {k: v for k, v in to_dict(cfg.model).items() if k not in EXECUTION_KEYS}
@@ -114,6 +114,9 @@ def stage_fingerprint(cfg: DareConfig, stage: str, inputs: dict[str, Path], cosm
         # another optimizer (DeepSpeedCPUAdam): DeepSpeed cannot load torch AdamW's state into it.
         # Recorded only when on, so that checkpoints made before the setting existed still resume
         launch["offload_optimizer"] = cfg.launch.offload_optimizer
+    if cfg.launch.sequence_parallel > 1:
+        # the groups divide the data (training/parallel.py): another N is another data order
+        launch["sequence_parallel"] = cfg.launch.sequence_parallel
     settings = {"model": model, stage: section, "run": {"seed": cfg.run.seed}, "launch": launch,
                 "world_size": planned_world_size()}
     return Fingerprint.of(settings, inputs)

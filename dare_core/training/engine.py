@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from dare_core.config import LaunchConfig, OptimConfig
+from dare_core.training.parallel import init_layout, layout
 from dare_core.training.process_group import ensure_dist_env, init_distributed
 from dare_core.threads import log_threads
 
@@ -40,9 +41,10 @@ def build_engine(model: torch.nn.Module, optim: OptimConfig, total_steps: int, m
     import deepspeed
 
     init_distributed()
+    launch = launch or LaunchConfig()
+    init_layout(launch.sequence_parallel)
     params = [p for p in model.parameters() if p.requires_grad]
     dtype = next(model.parameters()).dtype
-    launch = launch or LaunchConfig()
     zero: dict = {"stage": launch.zero_stage}
     # pinned host memory: the copies to and from the GPU run asynchronously
     if launch.offload_optimizer != "none":
@@ -83,6 +85,12 @@ def planned_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def planned_data_ranks(launch: LaunchConfig) -> int:
+    """The number of data-parallel units, known before the process group starts: the ranks, or
+    their sequence-parallel groups (training/parallel.py), among which the data is split."""
+    return planned_world_size() // launch.sequence_parallel
+
+
 def rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
@@ -91,24 +99,38 @@ def world_size() -> int:
     return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
 
+def data_units() -> int:
+    """The number of data-parallel units: the ranks, or their sequence-parallel groups."""
+    return layout().dp_size if layout().sp_size > 1 else world_size()
+
+
+def data_rank() -> int:
+    """This rank's data-parallel unit (its own index, or its sequence-parallel group's)."""
+    return layout().dp_rank if layout().sp_size > 1 else rank()
+
+
 def all_reduce_sum(value):
-    """Global sums (e.g. loss denominators) must be known on every rank before the backward pass.
-    A float gives a float; a tensor a float64 tensor on the CPU."""
+    """Global sums (e.g. loss denominators) must be known on every rank before the backward pass:
+    the sum over the data-parallel units (the ranks of a sequence-parallel group hold the same
+    value, counted once). A float gives a float; a tensor a float64 tensor on the CPU."""
     scalar = not isinstance(value, torch.Tensor)
-    if world_size() == 1:
+    if data_units() == 1:
         return value
     t = torch.as_tensor(value, dtype=torch.float64).reshape(-1).to("cuda" if torch.cuda.is_available() else "cpu")
-    torch.distributed.all_reduce(t)
+    torch.distributed.all_reduce(t, group=layout().dp_group)
     return t.item() if scalar else t.cpu()
 
 
-def all_gather_objects(obj) -> list:
-    """Every rank's `obj` (picklable: small dicts of metrics), in rank order, on every rank; [obj]
-    with one process."""
-    if world_size() == 1:
+def all_gather_objects(obj, every_rank: bool = False) -> list:
+    """Every data-parallel unit's `obj` (picklable: small dicts of metrics), in order, on every
+    rank (under sequence parallelism one per group: its ranks hold the same); `every_rank`: every
+    rank's, for work split over all the ranks (validation). [obj] with one."""
+    group = None if every_rank or layout().sp_size == 1 else layout().dp_group
+    n = world_size() if group is None else data_units()
+    if n == 1:
         return [obj]
-    out: list = [None] * world_size()
-    torch.distributed.all_gather_object(out, obj)
+    out: list = [None] * n
+    torch.distributed.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -116,7 +138,10 @@ def backward_global(engine, loss: torch.Tensor) -> None:
     """Backward of this rank's share of a loss normalised by a global denominator (`all_reduce_sum`
     over the ranks): DeepSpeed averages the ranks' gradients, so the share is scaled by the number
     of ranks for the update to follow the gradient of the sum itself (what one rank computes on
-    all the rows). Gradient accumulation is not rescaled either: the denominator already covers it."""
+    all the rows). Gradient accumulation is not rescaled either: the denominator already covers it.
+    Under sequence parallelism every rank of a group computes the group's loss, and its backward
+    reaches the parameters through its own positions only (models/ulysses.py `sum_over_group`):
+    the group's gradients sum to the group's, so the scale is still the number of ranks."""
     world = world_size()
     engine.backward(loss * world if world > 1 else loss, scale_wrt_gas=False)
 

@@ -30,6 +30,7 @@ from dare_core.models.hf_folder import inspect_model, load_model
 from dare_core.training import engine as eng
 from dare_core.training.checkpoint import CheckpointManager, SavePolicy, stage_fingerprint
 from dare_core.training.metrics import last_logged
+from dare_core.training.parallel import check_sequence_parallel
 from dare_core.training.plots import STAGE_PLOTS
 from dare_core.training.preference_off import off_reason, write_off_stage
 from dare_core.training.preflight import check_outputs, checkpoint_bytes, model_bytes, stage_writes, training_need
@@ -104,6 +105,7 @@ def check_preference(cfg: DareConfig, save_checkpoints: bool = True, export: boo
     spec = prepare_for_training(inspect_model(start_folder), cfg)
     check_pairs(data_path, prompts, chosen, rejected, pcfg.pad_to, spec.max_sequence_length)
     build_preference(pcfg, spec)  # its options, checked on the weightless model
+    check_sequence_parallel(cfg.launch, spec)
 
     fingerprint = stage_fingerprint(cfg, "preference", {"data file": data_path, "start model": start_folder})
     dtype = resolve_dtype(cfg.model.dtype)
@@ -159,6 +161,9 @@ class PreferenceStage(TrainingStage):
         pcfg = self.cfg.preference
         return eng.build_engine(model, pcfg.optim, pcfg.max_steps, pcfg.micro_batch_size, pcfg.grad_accum, self.cfg.launch)
 
+    def frozen_models(self) -> list:
+        return [self.frozen] if self.frozen is not None else []
+
     def plots(self) -> tuple[tuple, dict]:
         return PLOT_KEYS, STAGE_PLOTS["preference"]
 
@@ -166,8 +171,9 @@ class PreferenceStage(TrainingStage):
         cfg, pcfg, timer, engine, logger = self.cfg, self.cfg.preference, self.timer, self.engine, self.logger
         rows, prompts, chosen, rejected = self.plan.rows, self.plan.prompts, self.plan.chosen, self.plan.rejected
         policy, frozen, objective = self.policy, self.frozen, self.objective
-        world, rank, start, out_dir = self.world, self.rank, self.start, self.out_dir
-        global_pairs = pcfg.micro_batch_size * pcfg.grad_accum * world
+        # the ranks of a sequence-parallel group train on the same micro-batches (training/parallel.py)
+        units, unit, start, out_dir = self.data_units, self.data_rank, self.start, self.out_dir
+        global_pairs = pcfg.micro_batch_size * pcfg.grad_accum * units
 
         def backward(loss: torch.Tensor) -> None:  # a share of a sum over the global number of pairs
             eng.backward_global(engine, loss)
@@ -182,7 +188,7 @@ class PreferenceStage(TrainingStage):
             timer.step_begin()
             idx = global_batch_indices(step, global_pairs, len(rows), cfg.run.seed)
             batches, corruptions = [], []
-            for m in balanced_micro_batches(idx, pair_cost, pcfg.micro_batch_size)[rank::world]:
+            for m in balanced_micro_batches(idx, pair_cost, pcfg.micro_batch_size)[unit::units]:
                 b = _to(pair_batch([prompts[i] for i in m], [chosen[i] for i in m], [rejected[i] for i in m],
                                    [rows[i]["uid"] for i in m], pcfg.pad_to, policy.eos_token_id, policy.pad_token_id,
                                    eos_padding=policy.block_size is None), engine.device)

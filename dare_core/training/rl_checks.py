@@ -16,6 +16,7 @@ from dare_core.rl_rules import check_rl_config
 from dare_core.sampling.cache import check_cache_fits
 from dare_core.training import engine as eng
 from dare_core.training.checkpoint import CheckpointManager, SavePolicy, stage_fingerprint
+from dare_core.training.parallel import check_sequence_parallel
 from dare_core.training.preflight import check_outputs, checkpoint_bytes, model_bytes, stage_writes, training_need
 from dare_core.training.rl_validation import RLValidator
 from dare_core.training.setup import prepare_for_training, stage_tokenizer
@@ -75,6 +76,7 @@ def check_rl(cfg: DareConfig, save_checkpoints: bool = True) -> RLPlan:
     algo = build_algorithm(rl, spec)
     check_rl_config(cfg, algo.rows_per_prompt)
     check_rl_ranks(cfg, algo.rows_per_prompt)
+    check_sequence_parallel(cfg.launch, spec, algo)
 
     data_path = Path(cfg.data.prepared_dir) / "rl.parquet"
     rows = read_rows(data_path, "rl")
@@ -107,8 +109,9 @@ def check_rl_ranks(cfg: DareConfig, rows_per_prompt: int) -> None:
     """Each rank walks its own share of every mini-batch, so the shares must be whole."""
     rl = cfg.rl
     mini = rl.prompts_per_step * rows_per_prompt // rl.mini_batches
-    ranks = eng.planned_world_size()
+    ranks = eng.planned_data_ranks(cfg.launch)
     if rl.prompts_per_step % ranks or mini % ranks:
-        raise ValueError(f"rl.prompts_per_step = {rl.prompts_per_step} (mini-batch {mini}) must be divisible by the {ranks} ranks")
+        what = f"{ranks} ranks" if cfg.launch.sequence_parallel == 1 else f"{ranks} sequence-parallel groups"
+        raise ValueError(f"rl.prompts_per_step = {rl.prompts_per_step} (mini-batch {mini}) must be divisible by the {what}")
     # validation runs on every rank (each its share of the val prompts, padded to one length: the
     # same sampling calls everywhere), so ZeRO-3's collective forwards are no obstacle to it

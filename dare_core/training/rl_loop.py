@@ -65,12 +65,15 @@ class RLStage(TrainingStage):
         rl = self.cfg.rl
         rollouts = rl.prompts_per_step * self.algo.rows_per_prompt
         mini = rollouts // rl.mini_batches
-        local_mini = mini // eng.planned_world_size()
+        local_mini = mini // eng.planned_data_ranks(self.cfg.launch)
         self.micro = min(rl.micro_batch_size, local_mini)
         updates = rl.num_steps * rl.num_iterations * rl.mini_batches
         engine = eng.build_engine(model, rl.optim, updates, self.micro, -(-local_mini // self.micro), self.cfg.launch)
         self.rollout_engine = build_engine(rl.sampler.engine, engine.module, **rl.sampler.engine_args)
         return engine
+
+    def frozen_models(self) -> list:
+        return [self.ref] if self.ref is not None else []
 
     def plots(self) -> tuple[tuple, dict]:
         return ("reward", "accuracy"), STAGE_PLOTS["rl"]
@@ -102,7 +105,8 @@ class RLStage(TrainingStage):
         validator.open(self.start, writer=rank == 0)
         if ratio_is_trivial(rl):
             log.warning("num_iterations = 1 with one mini-batch: the ratio is exactly 1 and clipping is inactive")
-        run = RLRun(cfg, self.algo, engine, self.rollout_engine, tokenizer, self.plan.rows, self.ref, self.micro, timer, rank, self.world)
+        run = RLRun(cfg, self.algo, engine, self.rollout_engine, tokenizer, self.plan.rows, self.ref, self.micro, timer, self.data_rank,
+                    self.data_units)
 
         def validate(step: int) -> dict:
             """Validation due after `step` updates ({} when none is), on the whole weights."""

@@ -152,7 +152,7 @@ class RLValidator:
         groups, nfe = sample_groups(rollout_engine, tokenizer, rows, self.params, self.rl.validate_k, self.seed, step,
                                     self.rl.sampler.batch_size, self.rl.reward, self.rl.reward_args)
         mine = [(i, prompt_at_k(g)) for i, g in zip(share, groups) if i is not None]
-        parts = eng.all_gather_objects({"scores": mine, "nfe": nfe})
+        parts = eng.all_gather_objects({"scores": mine, "nfe": nfe}, every_rank=True)  # split over every rank
         graded = [item for part in parts for item in part["scores"]]
         if sorted(i for i, _ in graded) != list(range(len(self.rows))):  # every prompt on exactly one rank
             raise RuntimeError(f"validation: the ranks graded prompts {sorted(i for i, _ in graded)} of {len(self.rows)}")

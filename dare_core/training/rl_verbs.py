@@ -20,6 +20,7 @@ from dare_core.config import DareConfig, RLConfig
 from dare_core.data.batching import global_batch_indices
 from dare_core.timing import PhaseTimer
 from dare_core.training import engine as eng
+from dare_core.training.parallel import from_group_first, layout
 from dare_core.training.reference import reference_model, sync_reference
 from dare_core.training.rl_ranks import rank_prompts
 
@@ -37,8 +38,8 @@ class RLRun:
     ref: Optional[torch.nn.Module]  # the frozen reference copy (None: no KL, or LoRA's adapter-disabled policy)
     micro: int  # rows per forward and per update micro-batch
     timer: PhaseTimer
-    rank: int = 0
-    world: int = 1
+    rank: int = 0  # this rank's data-parallel unit (its sequence-parallel group: training/parallel.py)
+    world: int = 1  # the data-parallel units
 
     @property
     def zero3(self) -> bool:
@@ -104,7 +105,7 @@ def ref_sync_due(step: int, every: int) -> bool:
 def collect(run: RLRun, step: int) -> Rollout:
     """Rollouts of step `step`'s prompts with the rollout engine's current weights, then rewards and
     advantages (`algo.prepare`). Every rank draws the same prompts and keeps its own share, whole
-    prompts (`rank_prompts`). Call inside `eng.rollout_weights`."""
+    prompts (`rank_prompts`), a sequence-parallel group one share. Call inside `eng.rollout_weights`."""
     cfg, rl = run.cfg, run.cfg.rl
     t0 = time.time()
     idx = global_batch_indices(step, rl.prompts_per_step, len(run.rows), cfg.run.seed)
@@ -116,6 +117,12 @@ def collect(run: RLRun, step: int) -> Rollout:
     with run.timer.phase("reward"):
         context = RolloutContext(run.tokenizer, prompt_rows_expanded(mine, rl.group_size), rl.reward, rl.reward_args)
         metrics.update(run.algo.prepare(batch, context))
+    if layout().sp_size > 1:
+        # the ranks of a sequence-parallel group decode the same prompts with the same seeds; they
+        # all keep the first one's rollouts, so that the scores they sum are of the same sequences
+        # even where a kernel is not bitwise reproducible
+        shared, metrics = from_group_first((batch.to("cpu"), metrics))
+        batch = shared.to(batch.input_ids.device)
     return Rollout(step, len(mine), batch, metrics, seconds)
 
 

@@ -22,6 +22,7 @@ from dare_core.models.hf_folder import save_model
 from dare_core.training import engine as eng
 from dare_core.training.checkpoint import CheckpointManager, SavePolicy, stage_fingerprint
 from dare_core.training.metrics import last_logged
+from dare_core.training.parallel import check_sequence_parallel
 from dare_core.training.plots import sft_plots
 from dare_core.training.preflight import check_outputs, checkpoint_bytes, model_bytes, stage_writes, training_need
 from dare_core.training.setup import initial_model, initial_spec, stage_tokenizer
@@ -65,6 +66,7 @@ def check_sft(cfg: DareConfig, save_checkpoints: bool = True, export: bool = Tru
     tokenizer = stage_tokenizer(cfg)
     prompts, responses = encode_sft_rows(rows, tokenizer)
     spec = initial_spec(cfg, tokenizer)
+    check_sequence_parallel(cfg.launch, spec)
     too_long = [i for i, p in enumerate(prompts) if len(p) + scfg.pad_to > spec.max_sequence_length]
     if too_long:
         i = too_long[0]
@@ -128,8 +130,9 @@ class SFTStage(TrainingStage):
     def train(self) -> dict:
         cfg, scfg, timer, engine, model, logger = self.cfg, self.cfg.sft, self.timer, self.engine, self.model, self.logger
         rows, prompts, responses, algo = self.plan.rows, self.plan.prompts, self.plan.responses, self.plan.algo
-        world, rank, start, out_dir = self.world, self.rank, self.start, self.out_dir
-        global_batch = scfg.micro_batch_size * scfg.grad_accum * world
+        # the ranks of a sequence-parallel group train on the same micro-batches (training/parallel.py)
+        units, unit, rank, start, out_dir = self.data_units, self.data_rank, self.rank, self.start, self.out_dir
+        global_batch = scfg.micro_batch_size * scfg.grad_accum * units
         row_cost = sft_row_cost(prompts, responses, scfg.pad_to, model.block_size is None)
         engine.train()
         bar = self.progress_bar(scfg.max_steps, "sft")
@@ -138,7 +141,7 @@ class SFTStage(TrainingStage):
         for step in bar:
             timer.step_begin()
             idx = global_batch_indices(step, global_batch, len(rows), cfg.run.seed)
-            mine = balanced_micro_batches(idx, row_cost, scfg.micro_batch_size)[rank::world]
+            mine = balanced_micro_batches(idx, row_cost, scfg.micro_batch_size)[unit::units]
             batches = [sft_batch([prompts[i] for i in m], [responses[i] for i in m], [rows[i]["uid"] for i in m], scfg.pad_to, model.eos_token_id, model.pad_token_id, eos_padding=model.block_size is None) for m in mine]
             denom = eng.all_reduce_sum(algo.global_denominator([b.response_mask for b in batches]))
             loss_sum = 0.0

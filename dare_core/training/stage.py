@@ -29,6 +29,7 @@ from dare_core.timing import PhaseTimer, phase_times_requested
 from dare_core.training import engine as eng
 from dare_core.training.checkpoint import CheckpointManager
 from dare_core.training.metrics import MetricsLogger
+from dare_core.training.parallel import layout
 
 
 class TrainingStage:
@@ -53,6 +54,9 @@ class TrainingStage:
         self.ckpt: Optional[CheckpointManager] = None
         self.engine = None
         self.world, self.rank, self.start, self.steps = 1, 0, 0, 0
+        # the data-parallel units (the ranks, or their sequence-parallel groups: training/parallel.py)
+        # and this rank's: what the data is split by
+        self.data_units, self.data_rank = 1, 0
         self.logger: Optional[MetricsLogger] = None
 
     # ------------------------------------------------------------------ the steps a stage fills in
@@ -67,6 +71,10 @@ class TrainingStage:
 
     def build_engine(self, model: torch.nn.Module):
         raise NotImplementedError
+
+    def frozen_models(self) -> list:
+        """The models scored beside the engine's (a frozen reference copy): sequence-parallel too."""
+        return []
 
     def plots(self) -> tuple[tuple, Mapping]:
         """(the keys written to <key>.csv, the PNGs drawn) of the metrics log."""
@@ -98,6 +106,9 @@ class TrainingStage:
             with self.timer.phase("engine"):
                 self.engine = self.build_engine(model)
             self.world, self.rank = eng.world_size(), eng.rank()
+            self.data_units, self.data_rank = eng.data_units(), eng.data_rank()
+            for module in (self.engine.module, *self.frozen_models()):
+                module.sequence_shards = layout().shards
             self.start = self.ckpt.begin(self.engine, self.title)
             plot_keys, pngs = self.plots()
             self.logger = MetricsLogger(self.out_dir, resume_step=self.start, plot_keys=plot_keys, enabled=self.rank == 0,

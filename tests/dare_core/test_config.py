@@ -78,12 +78,13 @@ def test_lengths_auto_is_one_key_for_every_length(tmp_path):
         load_config(shipped, ["lengths=fixed"], root=tmp_path)
 
 
-def test_sequence_parallel_must_divide_the_ranks_and_is_not_in_the_stages_yet(tmp_path):
+def test_sequence_parallel_must_divide_the_ranks(tmp_path):
     p = _write(tmp_path, "run: {seed: 0}\n")
     assert load_config(p).launch.sequence_parallel == 1
     with pytest.raises(ConfigError, match=r"launch\.sequence_parallel.*must be >= 1"):
         load_config(p, ["launch.sequence_parallel=0"])
     with pytest.raises(ConfigError, match=r"launch\.sequence_parallel.*\(2\) must divide launch\.nproc \(3\)"):
         load_config(p, ["launch.launcher=torchrun", "launch.nproc=3", "launch.sequence_parallel=2"])
-    with pytest.raises(ConfigError, match=r"launch\.sequence_parallel.*do not split their batches by sequence yet"):
-        load_config(p, ["launch.launcher=torchrun", "launch.nproc=4", "launch.sequence_parallel=2"])
+    assert load_config(p, ["launch.launcher=torchrun", "launch.nproc=4", "launch.sequence_parallel=2"]).launch.sequence_parallel == 2
+    with pytest.raises(ConfigError, match=r"launch\.sequence_parallel.*\(2\) must divide launch\.nproc \(1\)"):
+        load_config(p, ["launch.sequence_parallel=2"])  # one local process: no group to form

@@ -3,13 +3,11 @@ sequence, compute what one rank computes on the whole of it, forward and backwar
 LLaDA (bidirectional) and SDAR (block-causal, blocks straddling the ranks' halves) models, padded,
 in SDAR's two-stream layout and packed. Started through torchrun like tests/lockstep_ranks.py."""
 import json
-import subprocess
-import sys
 
 import pytest
 
 from dare_core.models.ulysses import SequenceShards
-from pipeline_helpers import REPO, worker_env
+from pipeline_helpers import two_cpu_ranks
 
 # Tolerances (float32). The logits: each head's attention runs over the same keys in the same order
 # as on one rank, so they come out equal (within 1e-6 of the largest, in case a kernel blocks its
@@ -22,12 +20,7 @@ CASES = ("llada/padded", "llada/packed", "sdar/padded", "sdar/two_stream", "sdar
 
 @pytest.mark.timeout(120)
 def test_two_sequence_parallel_ranks_match_one_rank(tmp_path):
-    env = {**worker_env(), "OMP_NUM_THREADS": "1"}
-    env["PYTHONPATH"] = f"{env['PYTHONPATH']}:{REPO / 'tests'}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(REPO / "tests" / "sequence_parallel_ranks.py"), str(tmp_path)]
-    r = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=110)
-    assert r.returncode == 0, r.stderr[-6000:]
+    two_cpu_ranks("sequence_parallel_ranks.py", tmp_path, 110)
     errors = json.loads((tmp_path / "errors.json").read_text())
     for case in CASES:
         e = errors[case]

@@ -3,14 +3,12 @@ still make the same forward calls (each gathers the partitioned weights from bot
 completes, and every row decodes as the one-rank run decodes it; on the whole weights (how RL
 decodes by default) each rank stops on its own, with the same rows."""
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from dare_core.sampling.lockstep import RankLockstep
-from pipeline_helpers import REPO, worker_env
+from pipeline_helpers import two_cpu_ranks
 
 
 def test_no_lockstep_without_several_ranks(tiny_llada):
@@ -20,12 +18,7 @@ def test_no_lockstep_without_several_ranks(tiny_llada):
 
 @pytest.mark.timeout(300)
 def test_two_zero3_ranks_stopping_apart_decode_as_one_rank(tmp_path):
-    env = {**worker_env(), "DARE_DIST_TIMEOUT_S": "60", "OMP_NUM_THREADS": "1"}
-    env["PYTHONPATH"] = f"{env['PYTHONPATH']}:{REPO / 'tests'}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(REPO / "tests" / "lockstep_ranks.py"), str(tmp_path)]
-    r = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=280)
-    assert r.returncode == 0, r.stderr[-6000:]
+    two_cpu_ranks("lockstep_ranks.py", tmp_path, 280, DARE_DIST_TIMEOUT_S="60")
     ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
     for family in ("llada", "sdar"):
         parts = [rank[family] for rank in ranks]

@@ -111,6 +111,19 @@ def test_the_fingerprint_holds_the_optimizer_offload_only():
     assert offloaded.changes(meta) == ['launch.offload_optimizer: (not set) -> "cpu"']
 
 
+def test_the_fingerprint_holds_sequence_parallelism_when_on():
+    """Groups of launch.sequence_parallel ranks divide the data: a checkpoint made with another N
+    trained on another data order (recorded only when on: checkpoints of N = 1 made before the
+    setting existed resume)."""
+    def fingerprint(n: int) -> Fingerprint:
+        return stage_fingerprint(DareConfig(launch=LaunchConfig(launcher="torchrun", nproc=2, sequence_parallel=n)), "sft", {})
+
+    plain = fingerprint(1)
+    assert "launch.sequence_parallel" not in plain.settings
+    assert fingerprint(2).changes({"settings": plain.settings, "inputs": plain.inputs}) == \
+        ["launch.sequence_parallel: (not set) -> 2"]
+
+
 def _weights(folder: Path) -> dict:
     return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
 

@@ -7,9 +7,10 @@ exported model of SFT and preference).
 Each (stage, ZeRO stage) pair runs once, its launcher alternating (`LAUNCHER`), so that every stage
 and every ZeRO stage runs under both launchers: 16 two-rank runs against 4 one-rank references,
 3 steps each (4 minutes on 2 cores, 7-8 when other work shares them). Two more SFT runs rehearse two
-nodes on this machine, a `dare stage` per node (10-15 s each). The 1-rank reference walks
-one after the other (grad_accum 2, or two RL micro-batches) the micro-batches that the 2 ranks walk
-side by side.
+nodes on this machine, a `dare stage` per node (10-15 s each), and two (SFT, d1 at ZeRO-3) run 2 ranks
+as one sequence-parallel group (launch.sequence_parallel: 2) that trains as the 1-rank run (10-20 s
+each). The 1-rank reference walks one after the other (grad_accum 2, or two RL micro-batches) the
+micro-batches that the 2 ranks walk side by side.
 
 The optimiser is set so that the comparison sees the gradients' scale: with its default eps, AdamW's
 step m / (sqrt(v) + eps) is nearly invariant to it (and so is a clipped step), so ranks that averaged
@@ -84,7 +85,8 @@ LAUNCHER = {(stage, zero): ("torchrun", "deepspeed")[(i + zero) % 2] for i, stag
 # weights within 1.5e-6 (d1 under ZeRO-3; 7.4e-7 under ZeRO 0-2; SFT, preference and BGPO within
 # 3e-8), weights that moved by up to 0.3. The bounds leave a margin of ~7x over that and are more
 # than 1000x below what a wrong gradient makes (ranks that average their gradients instead of
-# summing them: 0.16 on SFT's third loss, 0.025 on the weights).
+# summing them: 0.16 on SFT's third loss, 0.025 on the weights). A sequence-parallel group (packed,
+# against the padded 1-rank run: the same per-token sums, in another order): weights within 1.2e-7.
 LOSS_ATOL = 1e-5
 WEIGHT_ATOL = 1e-5
 TIMEOUT_S = 300  # a run that hangs (a rank waiting forever in a collective) fails the test
@@ -141,14 +143,17 @@ def base(tmp_path_factory) -> Path:
 
 
 def _train(base: Path, dest: Path, stage: str, ranks: int, zero: int = 0, launcher: str = "local",
-           nodes: int = 1) -> Path:
+           nodes: int = 1, sequence_parallel: int = 1) -> Path:
     """`stage` (sft, preference, d1, bgpo) from `base`'s data (and SFT model) in `dest`, its `ranks`
-    spread over `nodes` nodes (rehearsed on this machine)."""
+    spread over `nodes` nodes (rehearsed on this machine), in sequence-parallel groups of
+    `sequence_parallel` ranks (packed: its scoring streams are the real tokens)."""
     shutil.copytree(base / "data", dest / "data")
     if stage != "sft":
         shutil.copytree(base / "runs" / "t" / "sft" / "model", dest / "runs" / "t" / "sft" / "model")
     common, one_rank = STAGES[stage]
     launch = {"launch__launcher": launcher, "launch__nproc": ranks // nodes, "launch__zero_stage": zero}
+    if sequence_parallel > 1:
+        launch.update(launch__sequence_parallel=sequence_parallel, model__packing="on")
     if launcher == "deepspeed" or nodes > 1:  # the default port, 29500, may be taken by another run on this machine
         launch["launch__master_port"] = _free_port()
     if nodes > 1:  # as README "Several nodes" has it, with this machine as every node
@@ -160,7 +165,8 @@ def _train(base: Path, dest: Path, stage: str, ranks: int, zero: int = 0, launch
             hostfile = dest / "hostfile"  # (no ssh: the names are never looked up)
             hostfile.write_text("".join(f"node-{n} slots={ranks // nodes}\n" for n in range(nodes)))
             launch.update(launch__hostfile=str(hostfile), launch__no_ssh=True)
-    params = write_params(dest / "params.yaml", tiny_params(dest, **DATA, **MODEL, **common, **(one_rank if ranks == 1 else {}), **launch))
+    settings = {**common, **(one_rank if ranks == 1 else {}), **(SP_BATCH[stage] if sequence_parallel > 1 else {})}
+    params = write_params(dest / "params.yaml", tiny_params(dest, **DATA, **MODEL, **settings, **launch))
     _run(params, stage, nodes)
     return dest
 
@@ -233,6 +239,30 @@ def test_two_ranks_match_one(base, reference, tmp_path, stage, zero):
     else:
         assert ref["exported"]
     assert moved > 100 * WEIGHT_ATOL
+
+
+# Ulysses sequence parallelism: 2 ranks in one group hold half of every (packed) sequence each, and
+# train on the one rank's global batch (one data-parallel unit); SFT at ZeRO-0 and RL (d1: old and
+# reference scores, the update) at ZeRO-3, whose gathers meet the all-to-alls
+SP_CASES = [("sft", 0, "torchrun"), ("d1", 3, "deepspeed")]
+# the group's global batch as one micro-batch (the 1-rank run's two, the same rows): ZeRO-3 with
+# gradient accumulation does not update as ZeRO-0 does, on one rank as on several, sequence
+# parallelism or not (1 rank, grad_accum 2: weights 0.11 apart after a step), which is another matter
+SP_BATCH = {"sft": {"sft__micro_batch_size": 16}, "d1": {"rl__micro_batch_size": 16}}
+
+
+@pytest.mark.parametrize("stage,zero,launcher", SP_CASES, ids=[f"{s}-zero{z}-{la}" for s, z, la in SP_CASES])
+def test_a_sequence_parallel_group_matches_one_rank(base, reference, tmp_path, stage, zero, launcher):
+    ref = reference(stage)
+    t0 = time.time()
+    got = _outcome(_train(base, tmp_path, stage, 2, zero, launcher, sequence_parallel=2), stage)
+    weight_diff = _max_diff(got["weights"], ref["weights"])
+    print(f"\n{stage} sequence-parallel zero{zero} {launcher}: {time.time() - t0:.1f} s; weights {weight_diff:.2e}")
+    for k in ref["metrics"]:
+        assert got["metrics"][k] == pytest.approx(ref["metrics"][k], rel=0, abs=LOSS_ATOL), k
+    assert weight_diff <= WEIGHT_ATOL
+    if ref["exported"]:
+        assert _max_diff(got["exported"], ref["exported"]) <= WEIGHT_ATOL
 
 
 @pytest.mark.parametrize("launcher,zero", [
