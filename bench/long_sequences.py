@@ -110,6 +110,11 @@ def task_main(spec_path: Path) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     model, cfg = _model(task, device)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a sequence-parallel group of all the ranks, as the stages make it
+        from dare_core.training.parallel import init_layout
+
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+        model.sequence_shards = init_layout(torch.distributed.get_world_size()).shards
     algo = build_algorithm(RLConfig(algorithm="d1"), model)
     results = []
     for length in task.lengths:
@@ -134,6 +139,8 @@ def task_main(spec_path: Path) -> int:
         if "error" in row:
             break
         model.zero_grad(set_to_none=True)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     return 0
 
 
@@ -233,7 +240,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     gpus_here = torch.cuda.device_count()
     if not gpus_here and not args.tiny:
         p.error("no GPU here: use --tiny for the CPU smoke run")
-    modes = args.modes or [m for m, n in MODES.items() if n <= max(gpus_here, 1)]
+    # (--tiny: the SP modes run their ranks on the CPU, gloo)
+    modes = args.modes or [m for m, n in MODES.items() if n <= (max(gpus_here, 1) if not args.tiny else 2)]
     lengths = [n for n in (TINY_LENGTHS if args.tiny else LENGTHS) if not args.max_length or n <= args.max_length]
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
