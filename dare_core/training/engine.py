@@ -144,6 +144,12 @@ def backward_global(engine, loss: torch.Tensor) -> None:
     the group's gradients sum to the group's, so the scale is still the number of ranks."""
     world = world_size()
     engine.backward(loss * world if world > 1 else loss, scale_wrt_gas=False)
+    if engine.zero_optimization_stage() >= 3:
+        # ZeRO-3 adds a backward's gradients to the earlier ones of the step only once told that a new
+        # micro-batch began, which DeepSpeed's own forward (`engine(...)`) does; the loops call
+        # `engine.module` (several forwards a micro-batch, some without gradients), so without this
+        # each backward would replace the step's gradient: the last micro-batch (or row chunk) alone
+        engine.optimizer.clear_backward_seen_flag()
 
 
 def gathered(params, enabled: bool = True):
