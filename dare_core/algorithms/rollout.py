@@ -4,6 +4,7 @@ given group advantages, with the trajectory records the algorithm asked for. The
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -11,7 +12,7 @@ from dare_core.algorithms.common import group_advantages
 from dare_core.batch import Batch
 from dare_core.config import RLConfig, SamplerConfig
 from dare_core.rewards.grading import grade
-from dare_core.sampling.completions import Completions, generate
+from dare_core.sampling.completions import Completions, DecodeShare, generate
 from dare_core.sampling.decode import response_texts
 from dare_core.sampling.engines import RolloutEngine
 from dare_core.sampling.trajectory import record_width
@@ -28,6 +29,8 @@ class RolloutSpec:
     step: int  # the RL step (the seeds name it)
     reward: str = "auto"
     reward_args: dict = field(default_factory=dict)
+    # ranks that decode the prompts together, each a share (a sequence-parallel group); None: alone
+    share: Optional[DecodeShare] = None
 
     @classmethod
     def of(cls, rl: RLConfig, seed: int, step: int) -> "RolloutSpec":
@@ -48,7 +51,7 @@ def rollout(engine: RolloutEngine, tokenizer, rows: list[dict], spec: RolloutSpe
     uids = [f"{r['uid']}/{g}" for r in rows for g in range(spec.group_size)]
     prompts = [tokenizer.encode(r["prompt_text"]) for r in expanded]
     seeds = [(spec.seed, "rollout", spec.step, uid) for uid in uids]
-    done = generate(engine, tokenizer, prompts, spec.params, seeds, spec.params.batch_size, record_level(requires))
+    done = generate(engine, tokenizer, prompts, spec.params, seeds, spec.params.batch_size, record_level(requires), spec.share)
     with phase("reward"):
         batch, metrics = _rewarded_batch(done, expanded, uids, engine.model, spec, adv_estimator, requires)
     return batch, metrics

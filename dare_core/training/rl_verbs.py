@@ -8,6 +8,7 @@
 A schedule (training/rl_schedules.py) is the order it calls them in."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -20,7 +21,7 @@ from dare_core.config import DareConfig, RLConfig
 from dare_core.data.batching import global_batch_indices
 from dare_core.timing import PhaseTimer
 from dare_core.training import engine as eng
-from dare_core.training.parallel import from_group_first, layout
+from dare_core.training.parallel import from_group_first, group_decode_share, layout
 from dare_core.training.reference import reference_model, sync_reference
 from dare_core.training.rl_ranks import rank_prompts
 
@@ -112,15 +113,17 @@ def collect(run: RLRun, step: int) -> Rollout:
     prompt_rows = [run.rows[i] for i in idx]
     mine = [prompt_rows[i] for i in rank_prompts(len(prompt_rows), rl.mini_batches, run.rank, run.world)]
     with run.timer.phase("rollout"):  # less the reward, timed inside
-        batch, metrics = run.algo.rollout(run.rollout_engine, run.tokenizer, mine, RolloutSpec.of(rl, cfg.run.seed, step))
+        # a sequence-parallel group's ranks decode a share of its prompts each (group_decode_share)
+        spec = dataclasses.replace(RolloutSpec.of(rl, cfg.run.seed, step), share=group_decode_share())
+        batch, metrics = run.algo.rollout(run.rollout_engine, run.tokenizer, mine, spec)
     seconds = time.time() - t0
     with run.timer.phase("reward"):
         context = RolloutContext(run.tokenizer, prompt_rows_expanded(mine, rl.group_size), rl.reward, rl.reward_args)
         metrics.update(run.algo.prepare(batch, context))
     if layout().sp_size > 1:
-        # the ranks of a sequence-parallel group decode the same prompts with the same seeds; they
-        # all keep the first one's rollouts, so that the scores they sum are of the same sequences
-        # even where a kernel is not bitwise reproducible
+        # the ranks of a sequence-parallel group hold the same decoded rollouts; they all keep the
+        # first one's rewarded batch, so that the scores they sum are of the same sequences and
+        # advantages even where a reward is not reproducible (a code reward's time limit)
         shared, metrics = from_group_first((batch.to("cpu"), metrics))
         batch = shared.to(batch.input_ids.device)
     return Rollout(step, len(mine), batch, metrics, seconds)
