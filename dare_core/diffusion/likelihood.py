@@ -96,8 +96,10 @@ def head_scores(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tens
 
     # split (not slicing per chunk): its backward concatenates the chunks' gradients in one [N, d]
     cut = (lambda x: x.tensor_split(pieces)) if pieces is not None else (lambda x: x.split(chunk))  # noqa: E731
-    parts = [checkpoint(one_chunk, h, t, use_reentrant=False, preserve_rng_state=False)  # the head draws nothing random
-             for h, t in zip(cut(hidden), cut(targets))]
+    # without a graph (old / reference scores) there is nothing to keep or recompute: plain chunks
+    run = ((lambda h, t: checkpoint(one_chunk, h, t, use_reentrant=False, preserve_rng_state=False))  # noqa: E731
+           if torch.is_grad_enabled() else one_chunk)  # (the head draws nothing random)
+    parts = [run(h, t) for h, t in zip(cut(hidden), cut(targets))]
     logp = torch.cat([p[0] for p in parts])
     return logp, torch.cat([p[1] for p in parts]) if entropy else None
 
