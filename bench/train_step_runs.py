@@ -137,7 +137,8 @@ def run_sft_task(spec: dict, s: Settings) -> dict:
 
 def run_rl_task(spec: dict, s: Settings) -> dict:
     from dare_core.models.hf_folder import inspect_model
-    from dare_core.training.rl_loop import rl_start_folder, run_rl
+    from dare_core.training.rl_checks import rl_start_folder
+    from dare_core.training.rl_loop import run_rl
 
     register_rl_pieces()
     block_size = inspect_model(spec["folder"]).block_size

@@ -19,11 +19,11 @@ from dare_core.training import engine as eng
 from dare_core.training.checkpoint import CheckpointManager
 from dare_core.training.plots import STAGE_PLOTS
 from dare_core.training.reference import frozen_reference, sync_reference
-from dare_core.training.rl_checks import check_rl, check_rl_config, check_rl_ranks, rl_start_folder  # noqa: F401
+from dare_core.training.rl_checks import check_rl, rl_start_folder
 from dare_core.training.rl_ranks import reduce_step_metrics
 from dare_core.training.rl_schedules import SCHEDULES, ahead_file, load_ahead
 from dare_core.training.rl_validation import due
-from dare_core.training.rl_verbs import RLRun, Rollout, Update, ratio_is_trivial, ref_sync_due  # noqa: F401
+from dare_core.training.rl_verbs import RLRun, Rollout, Update, ratio_is_trivial
 from dare_core.training.setup import prepare_for_training
 from dare_core.training.stage import TrainingStage
 

@@ -11,7 +11,9 @@ import torch
 
 from conftest import make_tiny_llada
 from dare_core.config import ConfigError, DareConfig, FieldError, ModelConfig, RLConfig, load_config
-from dare_core.training.rl_loop import check_rl_config, ref_sync_due, sync_reference
+from dare_core.training.reference import sync_reference
+from dare_core.training.rl_checks import check_rl_config
+from dare_core.training.rl_verbs import ref_sync_due
 from pipeline_helpers import tiny_params, worker_env, write_params
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from dare_core.config import DareConfig, LaunchConfig, RLConfig, load_config
 from dare_core.data.prepare import prepare
-from dare_core.training.rl_loop import check_rl_ranks
+from dare_core.training.rl_checks import check_rl_ranks
 from dare_core.training.rl_ranks import combine_rank_metrics, rank_prompts
 from dare_core.training.rl_validation import validation_share
 from pipeline_helpers import dare, tiny_params, worker_env, write_params
