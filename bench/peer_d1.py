@@ -207,7 +207,9 @@ def d1_step(trainer: D1Trainer, policy: torch.nn.Module, optimizer: torch.optim.
         with timed("optimizer"):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    return {**{f"{k}_s": v for k, v in times.items()}, "step_s": sum(times.values()), "reward": rewards.mean().item()}
+    spread = rewards.view(-1, group).std(1)
+    return {**{f"{k}_s": v for k, v in times.items()}, "step_s": sum(times.values()), "reward": rewards.mean().item(),
+            "zero_std_ratio": (spread == 0).float().mean().item()}
 
 
 def smoke() -> int:

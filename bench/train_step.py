@@ -3,14 +3,14 @@
     python3 bench/train_step.py                                   # everything (GPU): ~19 min on an H100
     python3 bench/train_step.py --parts sft                       # one part (~5.5 min); --add keeps
     python3 bench/train_step.py --parts rl --add                  #   (~7 min) the rows of earlier runs
-    python3 bench/train_step.py --parts rl-public --add           #   (~7 min) of this commit and settings
+    python3 bench/train_step.py --parts rl-d1 --add               #   (~7 min) of this commit and settings
     python3 bench/train_step.py --tiny --workdir /tmp/t --out /tmp/t/train_step.md   # CPU smoke run
 
 Each invocation rewrites --out (default bench/results/train_step.md) and its JSON twin, which holds
 the measured rows; with --add the rows of the JSON already there are kept, so parts run by
 separate commands (each under a 10-minute limit, say) end up in one file. Measured on an H100 at
-LLaDA-8B: writing the folder 20 s, the LoRA SFT pair 2.5 min, the DARE RL run 3.2 min, the public
-recipe over 5 min (its rollout alone); full-parameter SFT is skipped with its reason there.
+LLaDA-8B: writing the folder 20 s, the LoRA SFT pair 2.5 min, the DARE RL run 3.2 min; full-
+parameter SFT is skipped with its reason there.
 
 What runs: `run_sft` / `run_rl` themselves (DeepSpeed engine, optimizer, gradient accumulation;
 checkpoints and, except where export is timed, the final export off), with phase timing on
@@ -33,16 +33,17 @@ Parts:
                (not run, with the reason, when the host memory cannot hold the optimizer state)
   rl           one d1 step: 16 prompts x 8 rollouts, gen 256, dual cache (SDAR: block_kv) and CUDA
                graphs, packed training, a synthetic reward keyed on the response tokens
-  rl-public    the same step as the public d1 recipe computes it: rollouts without a cache, the
-               whole canvas re-encoded every step, float64 Gumbel-max sampling and softmax (the
-               `reference` mode of bench/rollout.py, sampled as d1 does), eager; training padded,
-               with logits over the whole canvas
+  rl-d1        the same step by d1's own code (dllm-reasoning/d1's trainer methods, run unchanged
+               by bench/peer_d1.py from a checkout at bench/.peers/d1, its commit recorded) on the
+               same folder, prompts, LoRA, rollouts and inner iterations, at d1's own batch
+               settings (`public_chunk`: 6 prompts a generate call and a per-device batch); where
+               the checkout is absent the row says so
 Start-up (stage start to its first step) and the merged LoRA export are measured in the runs; so is
 the time from spawning a run's process to the stage's start (interpreter, imports, config), shown
 beside it because a user's `dare stage` command pays it too.
 
 The pieces: train_step_setup.py (Settings, the model folders, the data), rl_pieces.py (the synthetic
-reward, the public recipe), train_step_runs.py (a run in its child process, its results row),
+reward), peer_d1.py (d1's own step), train_step_runs.py (a run in its child process, its results row),
 train_step_report.py (the results file). This file is the command line.
 """
 from __future__ import annotations
@@ -80,7 +81,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     p.add_argument("--public-shapes", nargs="+", choices=list(SHAPES), default=["llada"],
-                   help="shapes that also run the public d1 recipe (d1 is LLaDA's; default: llada)")
+                   help="shapes that also run d1's own step code (d1 is LLaDA's; default: llada)")
     p.add_argument("--compile-shapes", nargs="*", choices=list(SHAPES), default=["llada"],
                    help="shapes whose LoRA SFT also runs packed with model.compile on (default: llada)")
     p.add_argument("--full-param", choices=("auto", "run"), default="auto",

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 import torch
 
-from rl_pieces import PUBLIC, REWARD, register_rl_pieces
+from rl_pieces import REWARD, register_rl_pieces, token_hash_reward
 from model_throughput import peak_bf16
 from stamp import REPO, hardware, host_memory_bytes, mean
 from train_step_setup import FAMILIES, Settings, evict_page_cache, optimizer_host_bytes, write_data, write_model_folder
@@ -62,21 +62,17 @@ def sft_overrides(spec: dict, s: Settings) -> dict:
 
 
 def rl_overrides(spec: dict, s: Settings, block_size: Optional[int]) -> dict:
-    public = spec["recipe"] == "public"
-    algorithm = PUBLIC if public else "d1"
     cuda = torch.cuda.is_available()
     sampler = {
         "gen_length": s.rl_gen, "steps": s.rl_denoise_steps, "block_length": block_size or s.rl_block,
-        "temperature": s.rl_temperature, "cache": "none" if public else ("block_kv" if block_size else "dual"),
-        "cuda_graphs": None if public or not cuda else True, "compile_forward": cuda and not public,
-        "engine": PUBLIC if public else "native",
-        "batch_size": s.public_chunk if public else s.rollout_batch,
+        "temperature": s.rl_temperature, "cache": "block_kv" if block_size else "dual",
+        "cuda_graphs": True if cuda else None, "compile_forward": cuda, "engine": "native", "batch_size": s.rollout_batch,
     }
     return {
-        **common_overrides(spec), "model.packing": "off" if public else "on",
+        **common_overrides(spec), "model.packing": "on",
         "model.lora": {"r": s.rl_lora[0], "alpha": s.rl_lora[1]}, "launch.zero_stage": 0,
-        "rl.algorithm": algorithm, "rl.algorithm_args": {algorithm: {"p_mask_prompt": 0.15}}, "rl.reward": REWARD,
-        "rl.num_steps": s.rl_public_steps if public else s.rl_steps, "rl.prompts_per_step": s.rl_prompts,
+        "rl.algorithm": "d1", "rl.algorithm_args": {"d1": {"p_mask_prompt": 0.15}}, "rl.reward": REWARD,
+        "rl.num_steps": s.rl_steps, "rl.prompts_per_step": s.rl_prompts,
         "rl.group_size": s.rl_group, "rl.num_iterations": s.rl_iterations, "rl.mini_batches": 1,
         "rl.micro_batch_size": s.rl_micro, "rl.adv_estimator": "grpo", "rl.kl_beta": s.rl_kl, "rl.sampler": sampler,
         "rl.optim": {"lr": 1e-6}, "rl.validate_every": 0, "rl.log_every": 1, "rl.save_every": 10**9,
@@ -153,12 +149,59 @@ def run_rl_task(spec: dict, s: Settings) -> dict:
     return {"summary": summary, "metrics": metrics_rows(cfg.stage_dir("rl")), "launch_s": launch}
 
 
+def run_d1_task(spec: dict, s: Settings) -> dict:
+    """d1's own step code (bench/peer_d1.py) on the shape's folder with the DARE run's prompts, LoRA,
+    rollouts and inner iterations, at d1's own batch settings (`public_chunk` prompts a generate
+    call and a per-device batch): `rl_public_steps` steps, each timed by phase."""
+    import peer_d1
+    from dare_core.data.schema import read_rows
+    from dare_core.devices import resolve_dtype
+    from dare_core.models.hf_folder import load_model
+    from dare_core.models.lora import LoraSettings, adapter_disabled, apply_lora
+    from dare_core.models.tokenizer import load_tokenizer
+
+    path = peer_d1.PEERS / "d1" / peer_d1.D1_FILE
+    if not path.exists():
+        return {"error": f"d1's code is not on this machine: its trainer file {peer_d1.D1_FILE} is looked for in a checkout "
+                         f"of dllm-reasoning/d1 at bench/.peers/d1"}
+    t0 = time.time()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_model(spec["folder"], dtype=resolve_dtype("auto"), device=device)
+    apply_lora(model, LoraSettings(r=s.rl_lora[0], alpha=s.rl_lora[1]))
+    tok = load_tokenizer(spec["folder"])
+    rows = read_rows(Path(spec["data"]) / "rl.parquet", "rl")[:s.rl_prompts]
+    d1 = peer_d1.D1Settings(gen_length=s.rl_gen, block_length=s.rl_block, diffusion_steps=s.rl_denoise_steps,
+                            temperature=s.rl_temperature, generation_batch_size=s.public_chunk, per_device_batch=s.public_chunk,
+                            num_iterations=s.rl_iterations, beta=s.rl_kl, lr=1e-6)
+    trainer = peer_d1.D1Trainer(peer_d1.load_methods(path), d1, model.mask_token_id)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=d1.lr)
+
+    def reward(completions: torch.Tensor) -> torch.Tensor:
+        return torch.tensor([token_hash_reward(tok.decode(ids), "0").score for ids in completions.tolist()])
+
+    prompts = [tok.encode(r["prompt_text"]) for r in rows]
+    metrics = []
+    launch = time.time() - spec["spawned_at"]
+    for step in range(s.rl_public_steps):
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        out = peer_d1.d1_step(trainer, model, optimizer, prompts, s.rl_group, d1, model.eos_token_id, model.pad_token_id,
+                              reward, lambda: adapter_disabled(model))
+        metrics.append({"step": step + 1, "time/step_s": out["step_s"], "reward": out["reward"], "zero_std_ratio": out["zero_std_ratio"],
+                        **{f"time/{p}_s": out.get(f"{p}_s", 0.0) for p in RL_PHASES},
+                        "memory/peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None})
+    return {"metrics": metrics, "launch_s": launch, "setup_s": time.time() - t0 - sum(m["time/step_s"] for m in metrics),
+            "d1_commit": peer_d1.source_commit(path)}
+
+
 def run_task(spec: dict) -> dict:
     s = Settings(**spec["settings"])
     if spec["kind"] == "folder":
         return write_model_folder(spec["shape"], Path(spec["folder"]), spec["tiny"])
     if spec["kind"] == "sft":
         return run_sft_task(spec, s)
+    if spec["kind"] == "rl-d1":
+        return run_d1_task(spec, s)
     return run_rl_task(spec, s)
 
 
@@ -270,7 +313,8 @@ def startup(steps: list[dict], result: dict) -> dict:
 
 
 def rl_row(shape: str, recipe: str, result: dict) -> dict:
-    row = {"part": "rl" if recipe == "dare" else "rl-public", "shape": shape, "recipe": recipe, "hardware": result.get("hardware")}
+    row = {"part": "rl" if recipe == "dare" else "rl-d1", "shape": shape, "recipe": recipe, "hardware": result.get("hardware"),
+           "d1_commit": result.get("d1_commit")}
     if "error" in result:
         return {**row, "error": result["error"]}
     steps = [m for m in result["metrics"] if "time/step_s" in m]
@@ -332,8 +376,8 @@ def run_shape(shape: str, parts: list[str], args, s: Settings, runner: Runner, r
         rows += full_parameter_rows(shape, folder, args, s, run)
     if "rl" in parts:
         rows.append(rl_row(shape, "dare", run("rl-dare", kind="rl", recipe="dare")))
-    if "rl-public" in parts and shape in args.public_shapes:
-        rows.append(rl_row(shape, "public", run("rl-public", kind="rl", recipe="public")))
+    if "rl-d1" in parts and shape in args.public_shapes:
+        rows.append(rl_row(shape, "d1", run("rl-d1", kind="rl-d1", recipe="d1")))
     return rows
 
 

@@ -19,7 +19,7 @@ from stamp import REPO, hardware
 CONFIGS = REPO / "bench" / "configs"
 SHAPES = {"llada": "LLaDA-8B-Instruct", "sdar": "SDAR-8B-Chat"}
 FAMILIES = {"llada": "llada", "sdar": "sdar"}
-PARTS = ("sft", "sft-full", "rl", "rl-public")
+PARTS = ("sft", "sft-full", "rl", "rl-d1")
 
 # --tiny: the same configs shrunk to two narrow layers, a 256-token vocabulary (ids moved inside it)
 TINY_SIZES = {
@@ -55,10 +55,10 @@ class Settings:
     rl_temperature: float = 0.9
     rl_lora: tuple = (128, 64)  # d1's adapter
     rl_steps: int = 2  # DARE's step is timed at the last one (the first captures graphs, compiles)
-    rl_public_steps: int = 1  # nothing to warm up: no graphs, nothing compiled
+    rl_public_steps: int = 1  # d1's own code: steps (nothing to warm up: no graphs, nothing compiled)
     # DARE: rollouts per sampler batch: all 128 at once (one KV cache: about 30 GB at LLaDA-8B)
     rollout_batch: int = 128
-    public_chunk: int = 16  # public recipe: rollouts per generate call (its float64 tensors are [chunk, S, V])
+    public_chunk: int = 6  # d1's own code: rollouts a generate call and a per-device batch (its generation_batch_size)
 
     def with_overrides(self, items: list[str]) -> "Settings":
         """`name=value` pairs (`--set rollout_batch=128 sft_lora=16,8`), typed like the defaults."""
@@ -76,7 +76,7 @@ class Settings:
     def tiny(cls) -> "Settings":
         return cls(sft_min_len=16, sft_max_len=48, sft_pad_to=8, sft_micro=4, sft_accum=2, sft_steps=1, sft_lora=(4, 8),
                    rl_prompts=4, rl_group=4, rl_gen=16, rl_block=8, rl_denoise_steps=8, rl_prompt_min=8, rl_prompt_max=16,
-                   rl_micro=8, rl_lora=(4, 8), rollout_batch=16, public_chunk=8)
+                   rl_micro=8, rl_lora=(4, 8), rollout_batch=16, public_chunk=6)
 
 
 # --------------------------------------------------------------------------- the model folder
