@@ -16,7 +16,6 @@ import torch
 
 from dare_core.config import LaunchConfig
 from dare_core.models.ulysses import SequenceShards
-from dare_core.sampling.completions import DecodeShare
 
 
 @dataclass(frozen=True)
@@ -97,17 +96,3 @@ def from_group_first(obj):
     torch.distributed.broadcast_object_list(box, src=lay.dp_rank * lay.sp_size, group=lay.sp_group)
     return box[0]
 
-
-def group_decode_share() -> Optional[DecodeShare]:
-    """The rollouts' split over this rank's sequence-parallel group: each rank decodes a share of
-    the group's prompts and all get every share (None without sequence parallelism)."""
-    lay = layout()
-    if lay.sp_size == 1:
-        return None
-
-    def gather(mine: list) -> list:
-        out: list = [None] * lay.sp_size
-        torch.distributed.all_gather_object(out, mine, group=lay.sp_group)
-        return out
-
-    return DecodeShare(lay.sp_rank, lay.sp_size, gather)

@@ -19,9 +19,10 @@ from dare_core.algorithms.rollout import RolloutContext, RolloutSpec, prompt_row
 from dare_core.batch import Batch
 from dare_core.config import DareConfig, RLConfig
 from dare_core.data.batching import global_batch_indices
+from dare_core.sampling.completions import DecodeShare
 from dare_core.timing import PhaseTimer
 from dare_core.training import engine as eng
-from dare_core.training.parallel import from_group_first, group_decode_share, layout
+from dare_core.training.parallel import from_group_first, layout
 from dare_core.training.reference import reference_model, sync_reference
 from dare_core.training.rl_ranks import rank_prompts
 
@@ -101,6 +102,21 @@ def reference_scores(algo, policy, ref, batch: Batch, corruptions: list, rows: i
 def ref_sync_due(step: int, every: int) -> bool:
     """After RL step `step` (0-based) completes: is the reference synced (every `every` steps)?"""
     return every > 0 and (step + 1) % every == 0
+
+
+def group_decode_share() -> Optional[DecodeShare]:
+    """The rollouts' split over this rank's sequence-parallel group: each rank decodes a share of
+    the group's prompts and all get every share (None without sequence parallelism)."""
+    lay = layout()
+    if lay.sp_size == 1:
+        return None
+
+    def gather(mine: list) -> list:
+        out: list = [None] * lay.sp_size
+        torch.distributed.all_gather_object(out, mine, group=lay.sp_group)
+        return out
+
+    return DecodeShare(lay.sp_rank, lay.sp_size, gather)
 
 
 def collect(run: RLRun, step: int) -> Rollout:
