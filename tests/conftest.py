@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny models of a real family built in memory, and GPU-test skipping."""
+"""Shared fixtures: tiny models of a real family built in memory, one intra-op thread, and GPU-test skipping."""
 from __future__ import annotations
 
 import os
@@ -28,6 +28,18 @@ def make_tiny_llada(vocab_size: int = 40, mask_id: int = 39, eos_id: int = 38, s
     model = build_model(tiny_config(vocab_size, mask_id, eos_id, **sizes))
     model.net.init_weights(generator(seed, "test-init"), std=0.2)
     return model.eval()
+
+
+@pytest.fixture(autouse=True)
+def one_intra_op_thread():
+    """Every test computes in this process on one intra-op thread (restored afterwards). The models
+    here are tiny: threads only add synchronisation, and on a machine shared with other jobs their
+    spin-waiting made decoding tests up to 30 times slower (tests/dare_core/sampling/test_cache.py:
+    0.8 s on one thread, 24 s on two). Stages run as subprocesses choose their own threads (launch.threads)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture

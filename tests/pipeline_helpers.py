@@ -31,6 +31,9 @@ TINY = {
            "sampler": {"gen_length": 4, "steps": 4, "block_length": 4, "temperature": 1.0, "batch_size": 16}},
     "preference": {"max_steps": 4, "micro_batch_size": 4, "pad_to": 4, "log_every": 2, "save_every": 2},
     "eval": {"sampler": {"gen_length": 4, "steps": 4, "block_length": 4, "batch_size": 20}},
+    # one torch thread per rank: on models this small a second one only spin-waits (an RL stage here
+    # took 19-21 s on two threads, 11 s on one); `auto` is what params.yaml and tests/dare_core/test_threads.py run
+    "launch": {"threads": 1},
 }
 
 

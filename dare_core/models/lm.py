@@ -2,6 +2,7 @@
 the one model class every stage trains, samples and exports."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Iterator, Optional, Union
 
@@ -262,9 +263,22 @@ def block_causal_mask(position_ids: torch.Tensor, block_size: int, attention_mas
     return mask
 
 
+class _NoDefaultInit(torch.overrides.TorchFunctionMode):
+    """torch.nn.init calls (the modules' default inits) return their tensor untouched. For a model
+    built on the meta device: its tensors hold no values, yet each init would run one of torch's
+    Python meta kernels, the first of which imports torch._dynamo (about 3 s of CPU per process, in
+    every command that only inspects, converts or loads a checkpoint)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
 def build_model(hf_config: dict, device: Union[str, torch.device] = "cpu", dtype: Optional[torch.dtype] = None) -> DiffusionLM:
     family = family_of(hf_config)
-    with torch.device(device):
+    meta = torch.device(device).type == "meta"
+    with torch.device(device), (_NoDefaultInit() if meta else contextlib.nullcontext()):
         model = DiffusionLM(family, hf_config)
     if dtype is not None:
         model = model.to(dtype)

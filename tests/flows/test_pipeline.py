@@ -1,7 +1,8 @@
 """The Prefect pipeline flow against a throwaway DVC repo: real Prefect (ephemeral), real DVC.
 
-One test on purpose: Prefect's ephemeral server takes ~20 s to start on a fresh PREFECT_HOME, once
-per process; every flow run after that costs about a second.
+Prefect's ephemeral server takes ~20 s to start on a fresh PREFECT_HOME, once per process; every
+flow run after that costs about a second. So the tests of this module share one PREFECT_HOME and its
+server (each in a repo of its own; what they read back from Prefect is their own runs' or the latest).
 """
 
 from __future__ import annotations
@@ -65,9 +66,9 @@ stages:
 """
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def prefect_env(tmp_path_factory):
-    """Hermetic ephemeral Prefect: fresh PREFECT_HOME, no server URL, generous startup timeout."""
+    """Hermetic ephemeral Prefect: fresh PREFECT_HOME, no server URL, generous startup timeout; one per module."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PREFECT_HOME", str(tmp_path_factory.mktemp("prefect_home")))
         mp.delenv("PREFECT_API_URL", raising=False)

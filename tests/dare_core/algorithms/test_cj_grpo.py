@@ -12,7 +12,6 @@ from dare_core.batch import Batch
 from dare_core.config import RLConfig
 from rl_reference import plain_logp, ppo
 from rollout_helpers import rollout_batch, sampler_for
-from single_thread import one_intra_op_thread  # noqa: F401
 from tiny_models import tiny
 
 EOS, MASK = 62, 63

@@ -21,7 +21,6 @@ from dare_core.diffusion import likelihood
 from dare_core.diffusion.likelihood import entropy_of_logprobs, token_logprobs
 from rl_reference import grads
 from rollout_helpers import rollout_batch, sampler_for
-from single_thread import one_intra_op_thread  # noqa: F401
 from tiny_models import tiny
 
 get_rl_algorithm("d1")  # imports every algorithm module

@@ -10,7 +10,6 @@ from dare_core.batch import Batch
 from dare_core.config import RLConfig, SamplerConfig
 from dare_core.diffusion.masking import valid_region
 from rl_reference import plain_logp, ppo
-from single_thread import one_intra_op_thread  # noqa: F401
 from tiny_models import tiny
 
 EOS, MASK = 62, 63

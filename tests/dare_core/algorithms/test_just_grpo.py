@@ -14,7 +14,6 @@ from dare_core.rewards.registry import REWARDS
 from dare_core.sampling.engines import build_engine
 from rl_reference import plain_logp, ppo
 from rollout_helpers import rollout_batch
-from single_thread import one_intra_op_thread  # noqa: F401
 from tiny_models import tiny
 
 MASK = 63

@@ -16,7 +16,6 @@ from dare_core.diffusion.masking import valid_region
 from dare_core.diffusion.mc_laws import (blockwise_rows, count_rows, coupled_rows, per_block_rows, response_blocks,
                                          stratified_counts, tail_region)
 from dare_core.diffusion.seeding import generator, sample_generators
-from single_thread import one_intra_op_thread  # noqa: F401
 
 MASK, EOS, V = 9, 8, 10
 

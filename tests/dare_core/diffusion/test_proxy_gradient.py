@@ -11,7 +11,6 @@ from dare_core.diffusion.likelihood import elbo_rows, proxy_backward, separable_
 from dare_core.diffusion.masking import valid_region
 from dare_core.diffusion.mc_laws import count_rows
 from dare_core.diffusion.seeding import sample_generators
-from single_thread import one_intra_op_thread  # noqa: F401
 from tiny_models import tiny
 
 EOS, MASK = 62, 63

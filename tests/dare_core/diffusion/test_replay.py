@@ -5,7 +5,6 @@ import torch
 
 from dare_core.diffusion.replay import ar_rows, block_local, replay_canvas, replay_rows
 from rollout_helpers import rollout_batch, sampler_for
-from single_thread import one_intra_op_thread  # noqa: F401
 from tiny_models import tiny
 
 MASK = 63

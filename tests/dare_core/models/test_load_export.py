@@ -8,6 +8,8 @@ import dataclasses
 import json
 import resource
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -70,6 +72,18 @@ def test_reload_is_bit_identical(tmp_path, model_type, dtype):
     _assert_same_tensors(model, reloaded)
     x, attn = _inputs()
     assert torch.equal(model(x, attn), reloaded(x, attn))
+
+
+def test_loading_a_folder_leaves_torch_dynamo_unimported(tmp_path):
+    """Building on the meta device skips the modules' default inits: run there, they would import
+    torch._dynamo (seconds of CPU in every eval, convert or inspect process). A fresh process, since
+    this one may have imported it already."""
+    folder = save_model(tiny("llada"), tmp_path / "m")
+    probe = ("import sys\nfrom dare_core.models.hf_folder import inspect_model, load_model\n"
+             f"inspect_model({str(folder)!r}); load_model({str(folder)!r})\nprint('torch._dynamo' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["False"]
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
