@@ -342,20 +342,21 @@ def test_reference_and_policy_see_bitwise_equal_inputs_only_under_shared_masks(a
     obj = _objective(model, algorithm)
     b = _batch(model)
     seen = {"ref": set(), "policy": set()}
-    original = model.hidden_states
+    original = model.stream_hidden  # every scoring forward runs its token stream through it
 
     def recording(key):
-        def hidden_states(input_ids, *args, **kwargs):
-            for row in input_ids:
+        def stream_hidden(stream, *args, **kwargs):
+            for row in stream.ids:
                 seen[key].add(hashlib.sha256(row.numpy().tobytes()).hexdigest())
-            return original(input_ids, *args, **kwargs)
-        return hidden_states
+            return original(stream, *args, **kwargs)
+        return stream_hidden
 
     corr = obj.corrupt(b, (3, 4))
-    model.hidden_states = recording("ref")
+    model.stream_hidden = recording("ref")
     r = obj.reference_elbos(model, b, corr)
-    model.hidden_states = recording("policy")
+    model.stream_hidden = recording("policy")
     obj.update(model, b, corr, r, 4, lambda loss: loss.backward())
+    assert seen["ref"] and seen["policy"]  # both scored through the recorded forward
     assert (seen["ref"] == seen["policy"]) is shared
     if not shared:
         assert len(seen["ref"] & seen["policy"]) < len(seen["ref"])
