@@ -137,16 +137,6 @@ class D1Trainer:
         self.accelerator = types.SimpleNamespace(gather_for_metrics=lambda t: t)
 
 
-def _left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p, device=device)
-        mask[i, width - len(p):] = 1
-    return ids, mask
-
-
 def d1_step(trainer: D1Trainer, policy: torch.nn.Module, optimizer: torch.optim.Optimizer, prompts: list[list[int]],
             group: int, s: D1Settings, eos_id: int, pad_id: int, reward: Callable[[torch.Tensor], torch.Tensor],
             no_adapter: Callable) -> dict:
@@ -169,7 +159,9 @@ def d1_step(trainer: D1Trainer, policy: torch.nn.Module, optimizer: torch.optim.
                 times[phase] += time.perf_counter() - self.t0
         return _T()
 
-    prompt_ids, prompt_mask = _left_pad([p for p in prompts for _ in range(group)], pad_id, device)
+    from dare_core.sampling.decode import left_pad
+
+    prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(group)], pad_id, device)
     with timed("rollout"), torch.no_grad():
         chunks = [trainer.generate(model=view, prompt=prompt_ids[i:i + s.generation_batch_size], steps=s.diffusion_steps,
                                    gen_length=s.gen_length, block_length=s.block_length, temperature=s.temperature,
