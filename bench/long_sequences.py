@@ -4,6 +4,8 @@ logits-free scoring, and with Ulysses sequence parallelism.
 
     python3 bench/long_sequences.py                                   # every mode this machine can run
     python3 bench/long_sequences.py --modes logits logits-free --shapes llada
+    python3 bench/long_sequences.py --parallel --budget 540 --modes logits logits-free sp2   # 4 GPUs: side by side
+    python3 bench/long_sequences.py --modes sp4 --add       # a later invocation adds its rows to the same file
     python3 bench/long_sequences.py --tiny --out /tmp/ls/long_sequences.md   # CPU smoke run
 
 Modes:
@@ -147,29 +149,75 @@ def task_main(spec_path: Path) -> int:
 # --------------------------------------------------------------------------- the parent
 
 
-def run_mode(workdir: Path, task: Task, gpus: int, timeout: Optional[float]) -> list[dict]:
-    spec = workdir / f"{task.shape}-{task.mode}.json"
-    out = Path(task.out)
-    out.unlink(missing_ok=True)
-    spec.write_text(json.dumps(dataclasses.asdict(task)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}", __file__, "--task", str(spec)]
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-    log = spec.with_suffix(".log")
-    print(f"[long_sequences] {task.shape} {task.mode} on {gpus} GPU(s) ...", flush=True)
-    with log.open("w") as fh:
-        try:
-            code = subprocess.run(cmd, env=env, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            code = None
-    rows = json.loads(out.read_text()) if out.exists() else []
-    if code != 0:
-        tail = log.read_text().splitlines()[-20:]
-        print("\n".join(tail), flush=True)
-        why = "stopped at the time limit" if code is None else f"exit code {code}"
-        errors = [ln.strip() for ln in tail if ln.strip().startswith(("error:", "RuntimeError", "ValueError", "torch."))]
-        rows.append({"length": None, "error": f"{why}: {errors[-1][:300] if errors else 'see the log'}"})
-    return rows
+class ModeRun:
+    """One (shape, mode) in processes of its own (torchrun, one rank a GPU) on the GPUs it is given."""
+
+    def __init__(self, workdir: Path, task: Task, gpus: list[int], stop_at: float):
+        self.task, self.gpus, self.stop_at = task, gpus, stop_at
+        self.spec = workdir / f"{task.shape}-{task.mode}.json"
+        Path(task.out).unlink(missing_ok=True)
+        self.spec.write_text(json.dumps(dataclasses.asdict(task)))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={len(gpus)}", __file__,
+               "--task", str(self.spec)]
+        env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+        if torch.cuda.is_available():
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+        self.log = self.spec.with_suffix(".log")
+        print(f"[long_sequences] {task.shape} {task.mode} on GPU(s) {gpus} ...", flush=True)
+        with self.log.open("w") as fh:
+            self.proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def poll(self) -> Optional[int]:
+        """The exit code once the run has ended (None for one stopped at its time limit), else "running"."""
+        code = self.proc.poll()
+        if code is None and time.monotonic() > self.stop_at:
+            os.killpg(self.proc.pid, 9)
+            self.proc.wait()
+            return None
+        return "running" if code is None else code
+
+    def rows(self, code: Optional[int]) -> list[dict]:
+        out = Path(self.task.out)
+        rows = json.loads(out.read_text()) if out.exists() else []
+        if code != 0:
+            tail = self.log.read_text().splitlines()[-20:]
+            print("\n".join(tail), flush=True)
+            why = "stopped at the time limit" if code is None else f"exit code {code}"
+            errors = [ln.strip() for ln in tail if ln.strip().startswith(("error:", "RuntimeError", "ValueError", "torch."))]
+            rows.append({"length": None, "error": f"{why}: {errors[-1][:300] if errors else 'see the log'}"})
+        return rows
+
+
+def run_modes(workdir: Path, tasks: list[Task], gpus_here: int, parallel: bool, timeout: Optional[float],
+              budget: Optional[float], done) -> None:
+    """Run every task, each on MODES[mode] GPUs; with `parallel`, as many at once as the GPUs hold
+    (disjoint GPUs, in the order given). A task is stopped after `timeout` seconds or when the whole
+    `budget` is spent, keeping the lengths it measured; none starts after that. `done(task, rows)` is
+    called as each one ends."""
+    end = time.monotonic() + (budget or float("inf"))
+    pending, running = list(tasks), []
+    free = list(range(gpus_here)) if gpus_here else list(range(max(MODES.values())))  # CPU: gloo ranks, any number
+    while pending or running:
+        for task in list(pending):
+            need = MODES[task.mode]
+            if time.monotonic() >= end:
+                print(f"[long_sequences] {task.shape} {task.mode}: not run, the --budget is spent", flush=True)
+                pending.remove(task)
+                continue
+            if len(free) >= need and (parallel or not running):
+                gpus, free[:] = free[:need], free[need:]
+                running.append(ModeRun(workdir, task, gpus, min(end, time.monotonic() + (timeout or float("inf")))))
+                pending.remove(task)
+            if not parallel:
+                break
+        time.sleep(0.5 if running else 0)
+        for run in list(running):
+            code = run.poll()
+            if code != "running":
+                running.remove(run)
+                free[:] = sorted(free + run.gpus)
+                done(run.task, run.rows(code))
 
 
 def summary_row(shape: str, mode: str, gpus: int, rows: list[dict]) -> dict:
@@ -183,6 +231,20 @@ def summary_row(shape: str, mode: str, gpus: int, rows: list[dict]) -> dict:
             "lengths": rows}
 
 
+def kept_rows(path: Path, run: dict, now: set) -> list[dict]:
+    """The rows of an earlier run at this commit, less those measured again now."""
+    if not path.exists():
+        return []
+    old = json.loads(path.read_text())
+    if old["run"]["commit"] != run["commit"]:
+        print(f"[long_sequences] --add: {path} was measured at {old['run']['commit'][:12]}, not this commit; not kept", flush=True)
+        return []
+    run["command"] = f"{old['run']['command']}; then {run['command']}"
+    run["date"] = old["run"]["date"]
+    run["parallel"] = run["parallel"] or old["run"].get("parallel", False)
+    return [r for r in old["rows"] if (r["shape"], r["mode"]) not in now]
+
+
 def report(data: dict) -> str:
     run = data["run"]
     lines = header("The longest sequence that trains at the 8B shapes", run["command"], run["hardware"], run["commit"],
@@ -192,6 +254,9 @@ def report(data: dict) -> str:
               f"(varlen attention for LLaDA, FlexAttention for SDAR), bf16, random weights of the real shape; "
               f"logits-free chunks of {LOGITS_CHUNK} tokens. Lengths tried: {', '.join(map(str, run['lengths']))}.", "",
               f"Targets: {TARGETS}.", ""]
+    if run.get("parallel"):
+        lines += ["Modes ran side by side (`--parallel`), each on GPUs of its own: the GPUs of one host share its CPUs "
+                  "and PCIe, not their memory or compute.", ""]
     cols = ["shape", "mode", "GPUs", "longest length that trains", "step (s)", "tokens/s", "peak GiB (rank 0)", "the next length"]
     cells = [[r["shape"], r["mode"], r["gpus"], ("" if r["next"] or not r["longest"] else "at least ") + fmt(r["longest"], ".0f", "none"), fmt(r["step_s"]), fmt(r["tokens_per_s"], ".0f"),
               fmt(r["peak_gib"], ".1f"), r["next"] or "none left to try"] for r in data["rows"]]
@@ -231,9 +296,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--max-length", type=int, default=None, help="climb no further than this length")
     p.add_argument("--reps", type=int, default=2, help="timed steps a length (after one untimed)")
     p.add_argument("--timeout", type=float, default=0, help="seconds one mode may take (0: no limit)")
+    p.add_argument("--budget", type=float, default=0,
+                   help="seconds the whole invocation may take (0: no limit): modes still running then are stopped, "
+                        "keeping the lengths they measured, and modes not yet begun are left out")
     p.add_argument("--workdir", default="/tmp/dare-long-sequences")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "long_sequences.md"))
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: two tiny layers, short lengths")
+    p.add_argument("--parallel", action="store_true",
+                   help="run as many modes at once as the GPUs hold, each on GPUs of its own (e.g. on 4 GPUs: logits, "
+                        "logits-free and sp2 together)")
+    p.add_argument("--add", action="store_true",
+                   help="keep the rows of the JSON already beside --out for the (shape, mode) pairs not run now, if "
+                        "they were measured at this commit")
     args = p.parse_args(argv)
     if args.task is not None:
         return task_main(args.task)
@@ -242,22 +316,32 @@ def main(argv: Optional[list[str]] = None) -> int:
         p.error("no GPU here: use --tiny for the CPU smoke run")
     # (--tiny: the SP modes run their ranks on the CPU, gloo)
     modes = args.modes or [m for m, n in MODES.items() if n <= (max(gpus_here, 1) if not args.tiny else 2)]
+    short = [m for m in modes if not args.tiny and MODES[m] > gpus_here]
+    if short:
+        p.error(f"modes {short} need more GPUs than the {gpus_here} here")
     lengths = [n for n in (TINY_LENGTHS if args.tiny else LENGTHS) if not args.max_length or n <= args.max_length]
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     command = "python3 bench/long_sequences.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     data = {"run": {"commit": git_commit(), "command": command, "hardware": hardware() + f", {gpus_here} GPU(s)",
-                    "libraries": library_versions(), "date": utc_now(), "lengths": lengths}, "rows": []}
+                    "libraries": library_versions(), "date": utc_now(), "lengths": lengths,
+                    "parallel": args.parallel}, "rows": []}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    for shape in args.shapes:
-        for mode in modes:
-            task = Task(shape, mode, lengths, args.tiny, args.reps, str(workdir / f"{shape}-{mode}.result.json"))
-            rows = run_mode(workdir, task, MODES[mode], args.timeout or None)
-            data["rows"].append(summary_row(shape, mode, MODES[mode], rows))
-            data["written"] = utc_now()
-            write_atomic(out, report(data))
-            write_atomic(out.with_suffix(".json"), json.dumps(data, indent=1))
+    tasks = [Task(shape, mode, lengths, args.tiny, args.reps, str(workdir / f"{shape}-{mode}.result.json"))
+             for shape in args.shapes for mode in modes]
+    earlier = kept_rows(out.with_suffix(".json"), data["run"], {(t.shape, t.mode) for t in tasks}) if args.add else []
+    order = {(t.shape, t.mode): i for i, t in enumerate(tasks)}
+
+    def done(task: Task, rows: list[dict]) -> None:
+        data["rows"].append(summary_row(task.shape, task.mode, MODES[task.mode], rows))
+        data["rows"].sort(key=lambda r: order[(r["shape"], r["mode"])])
+        data["written"] = utc_now()
+        whole = {**data, "rows": earlier + data["rows"]}
+        write_atomic(out, report(whole))
+        write_atomic(out.with_suffix(".json"), json.dumps(whole, indent=1))
+
+    run_modes(workdir, tasks, gpus_here, args.parallel, args.timeout or None, args.budget or None, done)
     print(out.read_text())
     return 0
 

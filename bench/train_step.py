@@ -95,6 +95,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: the same code paths, two tiny layers")
     p.add_argument("--set", nargs="+", default=[], metavar="NAME=VALUE",
                    help="change a batch shape or step count (the fields of Settings), e.g. rollout_batch=128")
+    p.add_argument("--side-by-side", action="store_true",
+                   help="with rl and rl-d1 and 2+ GPUs: run the two at once, DARE's on GPU 0 and d1's own code on GPU 1")
     p.add_argument("--verbose", action="store_true", help="show the runs' output instead of logging it")
     p.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
                    help="run nothing: write --out from the rows of these results files (earlier ones first, a later "
@@ -114,6 +116,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     # (is_available starts no CUDA context: this process leaves the GPU's memory to the runs)
     if not torch.cuda.is_available() and not args.tiny:
         p.error("no GPU here: use --tiny for the CPU smoke run")
+    if args.side_by_side and not args.tiny and torch.cuda.device_count() < 2:
+        p.error("--side-by-side needs 2 GPUs")
     runner = Runner(workdir, args.task_timeout, args.verbose)
     out = Path(args.out)
     commit = git_commit()

@@ -2,6 +2,7 @@
 the rows of several runs merged into one file (--add, --merge)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 from pathlib import Path
@@ -161,7 +162,10 @@ def setup_lines(s: Settings, args, runs: list[dict]) -> list[str]:
         f"_get_per_token_logps, compute_loss; bench/peer_d1.py, the commit beside the row), {s.public_chunk} rollouts per "
         f"generate call and per-device batch as d1 sets them, the same LoRA, rollouts and inner iterations, step "
         f"{s.rl_public_steps} shown, its phases timed around d1's calls. Phase times come from the loops' metrics (`DARE_PHASE_TIMES`, GPU synchronised at "
-        f"every phase boundary); 'other' is the rest of the step.",
+        f"every phase boundary); 'other' is the rest of the step."
+        + (f" Logits-free scoring in the DARE runs: model.logits_chunk {s.rl_logits_chunk}." if s.rl_logits_chunk else "")
+        + (" DARE's step and d1's ran at the same time, DARE's on GPU 0 and d1's on GPU 1 of one host (`--side-by-side`): "
+           "the two share the host's CPUs and PCIe, not a GPU." if any(r.get("side_by_side") for r in runs) else ""),
     ]
 
 
@@ -175,6 +179,9 @@ def report(data: dict, s: Settings, args) -> str:
     for i, run in enumerate(runs):
         what = f"; rows: {', '.join(run['rows'])}" if run.get("rows") else ("; its rows were measured again later" if "rows" in run else "")
         lines.append(f"Command{f' (run {i})' if len(runs) > 1 else ''}: `{run['command']}` ({run['date']}, commit {run['commit']}{what})  ")
+    machines = list(dict.fromkeys(run["hardware"] for run in runs if not run["hardware"].startswith("(no run finished)")))
+    if len(machines) > 1:  # (a merged file: ratios are only taken within one run, on one machine)
+        lines += [f"Hardware (runs {', '.join(str(i) for i, run in enumerate(runs) if run['hardware'] == m)}): {m}  " for m in machines]
     lines.append(f"Hardware: {runs[-1]['hardware']}  ")
     lines.append(f"Libraries: {runs[-1].get('libraries', '(not recorded by these runs)')}")
     lines += [""] + setup_lines(s, args, rows) + [""]
@@ -215,6 +222,11 @@ def run_label(row: dict) -> str:
         (" + compile" if row.get("compile") else "")
 
 
+def _settings(run: dict) -> dict:
+    """A run's settings with the fields added since it ran at their defaults (which it then used)."""
+    return {**dataclasses.asdict(Settings()), **run["settings"]}
+
+
 def merge_files(paths: list[Path], out: Path, args) -> int:  # noqa: C901
     """One results file from several runs' JSON (runs of one machine and settings, split to fit a time
     limit, possibly at different commits): each run is listed with the rows it measured."""
@@ -223,9 +235,8 @@ def merge_files(paths: list[Path], out: Path, args) -> int:  # noqa: C901
         data = json.loads(path.read_text())
         first = merged["runs"][0] if merged["runs"] else None
         for run in data["runs"]:
-            known = not run["hardware"].startswith("(no run finished)")  # older files: an RL-only run named none
-            if first and (first["settings"] != run["settings"] or (known and first["hardware"] != run["hardware"])):
-                raise SystemExit(f"{path}: measured on other hardware or with other settings than {paths[0]}")
+            if first and _settings(first) != _settings(run):
+                raise SystemExit(f"{path}: measured with other settings than {paths[0]}")
         offset = len(merged["runs"])
         merged["runs"] += [dict(r) for r in data["runs"]]
         # a file written by an earlier merge credits each row to one of its runs already

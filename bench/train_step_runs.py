@@ -3,6 +3,7 @@ itself in a child process of its own, with params.yaml and the run's overrides a
 them; the parent turns each task's metrics into a results row."""
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import os
@@ -70,7 +71,7 @@ def rl_overrides(spec: dict, s: Settings, block_size: Optional[int]) -> dict:
     }
     return {
         **common_overrides(spec), "model.packing": "on",
-        "model.lora": {"r": s.rl_lora[0], "alpha": s.rl_lora[1]}, "launch.zero_stage": 0,
+        "model.lora": {"r": s.rl_lora[0], "alpha": s.rl_lora[1]}, "launch.zero_stage": 0, "model.logits_chunk": s.rl_logits_chunk,
         "rl.algorithm": "d1", "rl.algorithm_args": {"d1": {"p_mask_prompt": 0.15}}, "rl.reward": REWARD,
         "rl.num_steps": s.rl_steps, "rl.prompts_per_step": s.rl_prompts,
         "rl.group_size": s.rl_group, "rl.num_iterations": s.rl_iterations, "rl.mini_batches": 1,
@@ -248,7 +249,8 @@ class Runner:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.timeout, self.verbose = timeout or None, verbose
 
-    def __call__(self, name: str, spec: dict) -> dict:
+    def __call__(self, name: str, spec: dict, gpu: Optional[int] = None) -> dict:
+        """`gpu`: the one GPU the child sees (CUDA_VISIBLE_DEVICES); None: the parent's view."""
         spec_path = self.dir / f"{name}.json"
         result_path = spec_path.with_suffix(".result.json")
         log_path = spec_path.with_suffix(".log")
@@ -258,7 +260,8 @@ class Runner:
         t0 = time.perf_counter()
         with log_path.open("w") as log:
             try:
-                proc = subprocess.run([sys.executable, str(ENTRY), "--task", str(spec_path)], env=child_env(), cwd=REPO,
+                env = child_env() if gpu is None else {**child_env(), "CUDA_VISIBLE_DEVICES": str(gpu)}
+                proc = subprocess.run([sys.executable, str(ENTRY), "--task", str(spec_path)], env=env, cwd=REPO,
                                       stdout=None if self.verbose else log, stderr=subprocess.STDOUT, timeout=self.timeout)
                 code = proc.returncode
             except subprocess.TimeoutExpired:
@@ -360,10 +363,10 @@ def run_shape(shape: str, parts: list[str], args, s: Settings, runner: Runner, r
     spec = {"shape": shape, "folder": str(folder), "data": str(data), "workdir": str(base), "tiny": args.tiny,
             "settings": dataclasses.asdict(s)}
 
-    def run(name: str, **extra) -> dict:
+    def run(name: str, gpu: Optional[int] = None, **extra) -> dict:
         if args.cold:
             evict_page_cache(folder)
-        return runner(f"{shape}-{name}", {**spec, "name": name, **extra})
+        return runner(f"{shape}-{name}", {**spec, "name": name, **extra}, gpu)
 
     if "sft" in parts:
         variants = [("on", False), ("off", False)] + ([("on", True)] if shape in args.compile_shapes else [])
@@ -374,9 +377,18 @@ def run_shape(shape: str, parts: list[str], args, s: Settings, runner: Runner, r
             rows.append(sft_row(shape, "lora", packing, result, s, compiled))
     if "sft-full" in parts:
         rows += full_parameter_rows(shape, folder, args, s, run)
+    peer = "rl-d1" in parts and shape in args.public_shapes
+    if "rl" in parts and peer and args.side_by_side:
+        # one run each on GPU 0 and GPU 1 at the same time: the ratio still comes from one invocation on one machine
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            ours = pool.submit(run, "rl-dare", 0, kind="rl", recipe="dare")
+            theirs = pool.submit(run, "rl-d1", 1, kind="rl-d1", recipe="d1")
+            rows += [{**rl_row(shape, "dare", ours.result()), "side_by_side": True},
+                     {**rl_row(shape, "d1", theirs.result()), "side_by_side": True}]
+        return rows
     if "rl" in parts:
         rows.append(rl_row(shape, "dare", run("rl-dare", kind="rl", recipe="dare")))
-    if "rl-d1" in parts and shape in args.public_shapes:
+    if peer:
         rows.append(rl_row(shape, "d1", run("rl-d1", kind="rl-d1", recipe="d1")))
     return rows
 

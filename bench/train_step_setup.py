@@ -54,6 +54,7 @@ class Settings:
     rl_kl: float = 0.04  # > 0, so the reference policy (the adapter disabled) is scored
     rl_temperature: float = 0.9
     rl_lora: tuple = (128, 64)  # d1's adapter
+    rl_logits_chunk: int = 0  # DARE's model.logits_chunk in the RL runs (0: whole logits)
     rl_steps: int = 2  # DARE's step is timed at the last one (the first captures graphs, compiles)
     rl_public_steps: int = 1  # d1's own code: steps (nothing to warm up: no graphs, nothing compiled)
     # DARE: rollouts per sampler batch: all 128 at once (one KV cache: about 30 GB at LLaDA-8B)

@@ -35,3 +35,16 @@ def test_tiny_run_writes_the_report(tmp_path):
     (row,) = data["rows"]
     assert row["longest"] == 64 and row["tokens_per_s"] > 0 and row["next"] is None
     assert "| sdar | logits-free | 1 | at least 64 |" in out.read_text()
+
+
+def test_parallel_modes_and_add_keep_one_file(tmp_path):
+    """Two modes side by side, then a third added by a second invocation: one file with all three
+    rows in mode order, and the note that modes ran side by side."""
+    out, common = tmp_path / "long_sequences.md", ["--tiny", "--shapes", "llada", "--max-length", "64", "--reps", "1",
+                                                    "--workdir", str(tmp_path / "w"), "--out", str(tmp_path / "long_sequences.md")]
+    assert ls.main(common + ["--modes", "logits", "logits-free", "--parallel"]) == 0
+    assert ls.main(common + ["--modes", "sp2", "--add"]) == 0
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert [(r["mode"], r["longest"]) for r in data["rows"]] == [("logits", 64), ("logits-free", 64), ("sp2", 64)]
+    assert data["run"]["parallel"] and "; then python3 bench/long_sequences.py" in data["run"]["command"]
+    assert "side by side" in out.read_text()

@@ -24,7 +24,8 @@ def _number(cell: str) -> float:
 def test_tiny_run_writes_every_section(tmp_path):
     out = tmp_path / "train_step.md"
     cmd = [sys.executable, str(REPO / "bench" / "train_step.py"), "--tiny", "--workdir", str(tmp_path / "work"),
-           "--out", str(out), "--shapes", "llada", "--parts", "sft", "rl", "rl-d1", "--compile-shapes"]
+           "--out", str(out), "--shapes", "llada", "--parts", "sft", "rl", "rl-d1", "--compile-shapes",
+           "--side-by-side"]  # (on the CPU both children share its cores; on GPUs each has one of its own)
     r = subprocess.run(cmd, env=worker_env(), cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     text = out.read_text()
@@ -58,6 +59,8 @@ def test_tiny_run_writes_every_section(tmp_path):
     if d1_here:
         assert re.fullmatch(r"d1's own code @[0-9a-f]{7}", rl[1][1])  # the peer's commit beside its row
         assert _number(rl[0][12]) > 0  # DARE's speed-up over d1's own code
+
+    assert "ran at the same time, DARE's on GPU 0 and d1's on GPU 1" in text
 
     startup = _table(text, "## Start-up and export")
     assert len(startup) == 3  # the two SFT runs and DARE's RL run
