@@ -236,18 +236,20 @@ def kept_rows(path: Path, run: dict, now: set) -> list[dict]:
     if not path.exists():
         return []
     old = json.loads(path.read_text())
-    if old["run"]["commit"] != run["commit"]:
-        print(f"[long_sequences] --add: {path} was measured at {old['run']['commit'][:12]}, not this commit; not kept", flush=True)
-        return []
+    # rows keep the commit they were measured at (a results file of several runs names each)
+    rows = [{"commit": old["run"]["commit"], **r} for r in old["rows"] if (r["shape"], r["mode"]) not in now]
+    if any(r["commit"] != run["commit"] for r in rows):
+        print(f"[long_sequences] --add: keeping rows measured at an earlier commit, each row names its own", flush=True)
     run["command"] = f"{old['run']['command']}; then {run['command']}"
     run["date"] = old["run"]["date"]
     run["parallel"] = run["parallel"] or old["run"].get("parallel", False)
-    return [r for r in old["rows"] if (r["shape"], r["mode"]) not in now]
+    return rows
 
 
 def report(data: dict) -> str:
     run = data["run"]
-    lines = header("The longest sequence that trains at the 8B shapes", run["command"], run["hardware"], run["commit"],
+    lines = header("The longest sequence that trains at the 8B shapes", run["command"], run["hardware"],
+                   ", ".join(dict.fromkeys(r.get("commit", run["commit"]) for r in data["rows"])) or run["commit"],
                    run["libraries"], data["written"])
     lines += [f"Runs began: {run['date']}. One d1 update (forward and backward) of one sequence: a prompt of {PROMPT} tokens, "
               f"the rest response; LoRA {json.dumps(LORA)} on every linear layer, gradient checkpointing on, packed "
@@ -257,9 +259,10 @@ def report(data: dict) -> str:
     if run.get("parallel"):
         lines += ["Modes ran side by side (`--parallel`), each on GPUs of its own: the GPUs of one host share its CPUs "
                   "and PCIe, not their memory or compute.", ""]
-    cols = ["shape", "mode", "GPUs", "longest length that trains", "step (s)", "tokens/s", "peak GiB (rank 0)", "the next length"]
+    cols = ["shape", "mode", "GPUs", "longest length that trains", "step (s)", "tokens/s", "peak GiB (rank 0)", "the next length",
+            "commit"]
     cells = [[r["shape"], r["mode"], r["gpus"], ("" if r["next"] or not r["longest"] else "at least ") + fmt(r["longest"], ".0f", "none"), fmt(r["step_s"]), fmt(r["tokens_per_s"], ".0f"),
-              fmt(r["peak_gib"], ".1f"), r["next"] or "none left to try"] for r in data["rows"]]
+              fmt(r["peak_gib"], ".1f"), r["next"] or "none left to try", r.get("commit", run["commit"])[:7]] for r in data["rows"]]
     lines += ["## Longest sequence per mode", ""] + markdown_table(cols, cells) + [""]
     lines += ["## Every length tried", ""]
     cells = [[r["shape"], r["mode"], fmt(x["length"], ".0f", "-"), fmt(x.get("step_s")), fmt(x.get("tokens_per_s"), ".0f"),
@@ -334,7 +337,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     order = {(t.shape, t.mode): i for i, t in enumerate(tasks)}
 
     def done(task: Task, rows: list[dict]) -> None:
-        data["rows"].append(summary_row(task.shape, task.mode, MODES[task.mode], rows))
+        data["rows"].append({**summary_row(task.shape, task.mode, MODES[task.mode], rows), "commit": data["run"]["commit"]})
         data["rows"].sort(key=lambda r: order[(r["shape"], r["mode"])])
         data["written"] = utc_now()
         whole = {**data, "rows": earlier + data["rows"]}

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from dare_core.models.attention import AttentionContext
+from dare_core.models.attention import AttentionContext, sparse_block_mask
 from dare_core.models.lm import ScoredStream
 from dare_core.models.packing import PackedLayout, packed_backend
 from dare_core.models.transformer import default_position_ids
@@ -52,11 +52,7 @@ def two_stream_context(doc: torch.Tensor, block: torch.Tensor, clean: torch.Tens
         return same_doc & torch.where(clean[q], clean_q, noisy_q)
 
     if backend == "flex":
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        n = doc.numel()
-        return AttentionContext("flex", block_mask=create_block_mask(lambda b, h, q, k: allowed(q, k), None, None, n, n,
-                                                                     device=doc.device))
+        return AttentionContext("flex", block_mask=sparse_block_mask(allowed, doc.numel(), doc.device))
     if backend != "sdpa":
         raise ValueError(f"the two-stream layout needs the flex or sdpa attention backend, not {backend}")
     index = torch.arange(doc.numel(), device=doc.device)

@@ -40,6 +40,40 @@ class AttentionContext:
     sequence_parallel: Optional[SequenceShards] = None  # q/k/v hold this rank's slice of the sequence
 
 
+FLEX_BLOCK = 128  # FlexAttention's sparse block (rows and columns)
+MASK_CHUNK_ELEMENTS = 1 << 26  # query rows x keys evaluated at a time by sparse_block_mask
+
+
+def sparse_block_mask(allowed, n: int, device, chunk_elements: int = MASK_CHUNK_ELEMENTS):
+    """FlexAttention's BlockMask of `allowed(q, k)` (broadcasting index tensors -> bool) over n x n,
+    evaluated a chunk of query rows at a time. create_block_mask evaluates the whole n x n grid at
+    once, with int64 intermediates (8 bytes a pair: 72 GiB at n = 98,304, SDAR's two streams of a
+    49k-token sequence); here memory is O(chunk x n) plus the [n/128, n/128] block table."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    blocks = -(-n // FLEX_BLOCK)
+    rows = max(FLEX_BLOCK, chunk_elements // max(blocks * FLEX_BLOCK, 1) // FLEX_BLOCK * FLEX_BLOCK)
+    keys = torch.arange(blocks * FLEX_BLOCK, device=device)
+    key_real = keys < n
+    partial, full = [], []
+    for start in range(0, blocks * FLEX_BLOCK, rows):
+        q = torch.arange(start, min(start + rows, blocks * FLEX_BLOCK), device=device)
+        # padding rows and columns (past n) are masked out, as create_block_mask pads them
+        dense = allowed(q.clamp(max=n - 1)[:, None], keys.clamp(max=n - 1)[None, :]) & key_real[None, :] & (q < n)[:, None]
+        count = dense.view(len(q) // FLEX_BLOCK, FLEX_BLOCK, blocks, FLEX_BLOCK).sum((1, 3), dtype=torch.int32)
+        full.append(count == FLEX_BLOCK * FLEX_BLOCK)
+        partial.append((count > 0) & ~full[-1])
+
+    def ordered(flags: torch.Tensor):
+        flags = torch.cat(flags)[None, None]
+        return (flags.sum(-1, dtype=torch.int32),
+                torch.argsort(flags.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32))
+
+    (num, idx), (full_num, full_idx) = ordered(partial), ordered(full)
+    return BlockMask.from_kv_blocks(num, idx, full_num, full_idx, BLOCK_SIZE=FLEX_BLOCK,
+                                    mask_mod=lambda b, h, q, k: allowed(q, k), seq_lengths=(n, n))
+
+
 def packed_context(seq_lens: list[int], backend: str, device, block_size: Optional[int] = None,
                    position_ids: Optional[torch.Tensor] = None) -> AttentionContext:
     """Context for sequences packed back to back in one row: no token attends across sequences;
@@ -57,14 +91,11 @@ def packed_context(seq_lens: list[int], backend: str, device, block_size: Option
         return AttentionContext("varlen", cu_seqlens=cu, max_seqlen=int(lens.max()))
     blk = position_ids // block_size if block_size is not None else None
     if backend == "flex":
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        def mask_mod(b, h, q, k):
+        def allowed(q, k):
             same = doc[q] == doc[k]
             return same & (blk[k] <= blk[q]) if blk is not None else same
 
-        n = int(lens.sum())
-        return AttentionContext("flex", block_mask=create_block_mask(mask_mod, None, None, n, n, device=device))
+        return AttentionContext("flex", block_mask=sparse_block_mask(allowed, int(lens.sum()), device))
     mask = doc[:, None] == doc[None, :]
     if blk is not None:
         mask = mask & (blk[None, :] <= blk[:, None])
