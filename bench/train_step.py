@@ -101,6 +101,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
                    help="run nothing: write --out from the rows of these results files (earlier ones first, a later "
                         "row replaces an earlier one of the same measurement), each row credited to its run")
+    p.add_argument("--drop-parts", nargs="+", choices=PARTS + ("rl-public",), default=[],
+                   help="with --merge: leave out the rows of these parts (e.g. rl-public: the transcription of d1's "
+                        "recipe that d1's own code replaced)")
     p.add_argument("--keep-all", action="store_true", help="with --merge: keep every run's rows (each run's ratios and targets "
                    "stay computable) instead of a later row replacing an earlier one of the same measurement")
     args = p.parse_args(argv)

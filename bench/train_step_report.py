@@ -222,20 +222,30 @@ def run_label(row: dict) -> str:
         (" + compile" if row.get("compile") else "")
 
 
-def _settings(run: dict) -> dict:
-    """A run's settings with the fields added since it ran at their defaults (which it then used)."""
-    return {**dataclasses.asdict(Settings()), **run["settings"]}
+PEER_SETTINGS = ("public_chunk", "rl_public_steps")  # read only by the rows of d1's code (rl-d1, rl-public)
+PEER_PARTS = ("rl-d1", "rl-public")
+
+
+def _settings(run: dict, peer: bool) -> dict:
+    """A run's settings with the fields added since it ran at their defaults (which it then used);
+    without its peer rows (`peer` off), less the settings only those rows read."""
+    full = {**dataclasses.asdict(Settings()), **run["settings"]}
+    return full if peer else {k: v for k, v in full.items() if k not in PEER_SETTINGS}
 
 
 def merge_files(paths: list[Path], out: Path, args) -> int:  # noqa: C901
-    """One results file from several runs' JSON (runs of one machine and settings, split to fit a time
-    limit, possibly at different commits): each run is listed with the rows it measured."""
+    """One results file from several runs' JSON (runs of one settings, split to fit a time limit,
+    possibly at different commits and machines): each run is listed with the rows it measured.
+    `args.drop_parts`: rows of these parts are left out (superseded measurements)."""
     merged: dict = {"runs": [], "rows": []}
     for path in paths:
         data = json.loads(path.read_text())
+        data["rows"] = [r for r in data["rows"] if r["part"] not in (args.drop_parts or ())]
         first = merged["runs"][0] if merged["runs"] else None
-        for run in data["runs"]:
-            if first and _settings(first) != _settings(run):
+        for i, run in enumerate(data["runs"]):
+            peer = any(r["part"] in PEER_PARTS and r.get("run", len(data["runs"]) - 1) == i for r in data["rows"])
+            earlier_peer = any(r["part"] in PEER_PARTS for r in merged["rows"])
+            if first and _settings(first, peer and earlier_peer) != _settings(run, peer and earlier_peer):
                 raise SystemExit(f"{path}: measured with other settings than {paths[0]}")
         offset = len(merged["runs"])
         merged["runs"] += [dict(r) for r in data["runs"]]
@@ -248,7 +258,8 @@ def merge_files(paths: list[Path], out: Path, args) -> int:  # noqa: C901
     for i, run in enumerate(merged["runs"]):  # the rows of each run that the file shows
         run["rows"] = [run_label(r) for r in merged["rows"] if r.get("run") == i and r["part"] != "folder"]
     s = Settings(**merged["runs"][-1]["settings"])
-    command = "python3 bench/train_step.py " + ("--keep-all " if args.keep_all else "") + "--merge " + " ".join(shlex.quote(str(p)) for p in paths)
+    command = "python3 bench/train_step.py " + ("--keep-all " if args.keep_all else "") + \
+        ("--drop-parts " + " ".join(args.drop_parts) + " " if args.drop_parts else "") + "--merge " + " ".join(shlex.quote(str(p)) for p in paths)
     text = report(merged, s, args).replace("Hardware:", f"Written from those runs' JSON files by `{command}`  \nHardware:", 1)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)

@@ -78,3 +78,9 @@ def test_tiny_run_writes_every_section(tmp_path):
     r = subprocess.run(cmd, env=worker_env(), cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert _table(merged.read_text(), "## SFT") == sft and "Written from those runs' JSON files" in merged.read_text()
+    # --drop-parts leaves a superseded part's rows out of the merged file
+    cmd += ["--drop-parts", "rl-d1"]
+    r = subprocess.run(cmd, env=worker_env(), cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert [row[1] for row in _table(merged.read_text(), "## RL")] == ["DARE"]
+    assert "--drop-parts rl-d1 --merge" in merged.read_text()
