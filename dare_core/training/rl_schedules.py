@@ -12,7 +12,8 @@ import torch
 
 from dare_core.registry import Registry
 from dare_core.training import engine as eng
-from dare_core.training.rl_verbs import RLRun, Rollout, Update, collect, optimize, ratio_is_trivial, score, sync
+from dare_core.training.rl_verbs import (RLRun, Rollout, Update, collect, first_iteration_is_current, optimize, ratio_is_trivial,
+                                         score, sync)
 
 # end_step(step, the rollout trained on, its update, the step's start time, a rollout collected
 # ahead for a later step: what the checkpoint after this step must keep)
@@ -31,7 +32,7 @@ def on_policy(run: RLRun, steps: Iterable[int], end_step: StepEnd, ahead: Option
         # rollouts and the no-grad scoring on the whole weights (under ZeRO-3: one gather a step)
         with eng.rollout_weights(run.engine, run.cfg.launch):
             rollout = collect(run, step)
-            scores = score(run, rollout, old=not trivial)
+            scores = score(run, rollout, old=not trivial, first_old=not first_iteration_is_current(run.cfg.rl))
         update = optimize(run, rollout, scores)
         sync(run, step)
         end_step(step, rollout, update, t0, None)

@@ -85,6 +85,14 @@ def ratio_is_trivial(rl: RLConfig) -> bool:
     return rl.schedule == "on_policy" and rl.num_iterations == 1 and rl.mini_batches == 1
 
 
+def first_iteration_is_current(rl: RLConfig) -> bool:
+    """On-policy with one mini-batch, the first inner iteration updates from the weights that rolled
+    out (the optimizer first steps at its end): its old scores are the update's own scores,
+    detached, and need no forward of their own. Later iterations, and mini-batches after the first,
+    see stepped weights and read scored ones."""
+    return rl.schedule == "on_policy" and rl.mini_batches == 1
+
+
 def chunked_scores(algo, model, batch: Batch, corruption, rows: int) -> torch.Tensor:
     """`algo.score` of the whole batch, `rows` sequences per forward (the update's micro-batch): the
     scores' logits over the vocabulary would otherwise be held for every rollout at once."""
@@ -145,14 +153,16 @@ def collect(run: RLRun, step: int) -> Rollout:
     return Rollout(step, len(mine), batch, metrics, seconds)
 
 
-def score(run: RLRun, rollout: Rollout, old: bool = True, ref: bool = True) -> Scores:
+def score(run: RLRun, rollout: Rollout, old: bool = True, ref: bool = True, first_old: bool = True) -> Scores:
     """No-grad scores of the rollout, on the corruptions of each inner iteration (drawn from the run
-    seed, the rollout's step and the iteration): the current weights' (`old`) and the reference's
-    (`ref`, where the KL term reads it). Call inside `eng.rollout_weights`."""
+    seed, the rollout's step and the iteration): the current weights' (`old`; `first_old` off: not
+    for the first iteration, whose entry is None, see `first_iteration_is_current`) and the
+    reference's (`ref`, where the KL term reads it). Call inside `eng.rollout_weights`."""
     rl, engine = run.cfg.rl, run.engine
     with run.timer.phase("scoring"), torch.no_grad():
         corruptions = [run.algo.corrupt(rollout.batch, (run.cfg.run.seed, rollout.step, it)) for it in range(rl.num_iterations)]
-        olds = [chunked_scores(run.algo, engine.module, rollout.batch, c, run.micro) for c in corruptions] if old else None
+        olds = [None if it == 0 and not first_old else chunked_scores(run.algo, engine.module, rollout.batch, c, run.micro)
+                for it, c in enumerate(corruptions)] if old else None
         refs = (reference_scores(run.algo, engine.module, run.ref, rollout.batch, corruptions, run.micro)
                 if ref and rl.kl_beta > 0 else None)
     return Scores(corruptions, olds, refs)
@@ -175,7 +185,7 @@ def optimize(run: RLRun, rollout: Rollout, scores: Scores) -> Update:
             # normalisers over the whole mini-batch (all micro-batches, all ranks) before any backward
             denom = eng.all_reduce_sum(algo.denominator(batch.select(mb), corruptions[it].select(mb)))
             for mc in mb.split(run.micro):
-                o = old[it][mc] if old is not None else None
+                o = old[it][mc] if old is not None and old[it] is not None else None  # None: the update's own, detached
                 r = ref[it][mc] if ref is not None else None
                 with timer.phase("forward_backward"):
                     out = algo.update(engine.module, batch.select(mc), corruptions[it].select(mc), o, r, denom, backward)

@@ -90,3 +90,63 @@ def test_one_step_off_policy_runs_and_resumes_identically(tmp_path):
     # step 0 trains on its own weights' rollouts; steps 1 and 2 on those of the weights a step older
     # (whole run: 3 updates; killed: 2 + the resumed 1)
     assert out["ratios"] == [False, True, True, False, True, True]
+
+
+_FIRST_OLD = r"""
+import json, shutil, sys
+import torch
+from dare_core.config import load_config
+from dare_core.data.prepare import prepare
+from dare_core.training import rl_loop, rl_schedules, rl_verbs
+from dare_core.training.sft_loop import run_sft
+
+torch.set_num_threads(1)
+cfg = load_config(sys.argv[1])
+prepare(cfg)
+run_sft(cfg, progress=False, save_checkpoints=False)
+scored, score = [], rl_verbs.chunked_scores
+
+
+def counted(algo, model, batch, corruption, rows):
+    scored.append(-(-len(batch) // rows))  # forwards: one a chunk of `rows` sequences
+    return score(algo, model, batch, corruption, rows)
+
+
+rl_verbs.chunked_scores = counted
+out = {}
+for name, skip in (("skip", True), ("scored", False)):
+    shutil.copytree(cfg.stage_dir("sft"), cfg.run_dir.parent / name / "sft")
+    cfg.run.name = name
+    rl_schedules.first_iteration_is_current = lambda rl, skip=skip: skip
+    scored.clear()
+    rl_loop.run_rl(cfg, progress=False)
+    rows = [json.loads(l) for l in (cfg.stage_dir("rl") / "metrics.jsonl").read_text().splitlines()]
+    out[name] = {"forwards": sum(scored), "calls": len(scored), "metrics": [{k: v for k, v in r.items() if isinstance(v, float) and "time" not in k
+                                                       and not k.endswith("_per_s")} for r in rows]}
+print("OUT " + json.dumps(out))
+"""
+
+
+def test_on_policy_first_iteration_reads_its_own_scores_as_old(tmp_path):
+    """On-policy, the first inner iteration's old scores are the update's own (the weights have not
+    stepped yet): one scoring forward fewer per step than scoring them, and the same run to float
+    rounding (the scored ones equal the update's own scores)."""
+    # the entropy bonus moves the weights in the first iteration, so the second one's ratios are not 1
+    params = tiny_params(tmp_path, sft__max_steps=2, rl__num_steps=2, rl__num_iterations=2, rl__mini_batches=1,
+                         rl__kl_beta=0.05, rl__entropy_coeff=0.01, rl__log_every=1, rl__validate_every=0,
+                         rl__save_every=100)
+    path = write_params(tmp_path / "params.yaml", params)
+    r = subprocess.run([sys.executable, "-c", _FIRST_OLD, str(path)], env=worker_env(), capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    out = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("OUT "))[4:])
+    skip, scored = out["skip"], out["scored"]
+    # per step: old and reference scores of 2 iterations, less the first iteration's old ones
+    assert (scored["calls"], skip["calls"]) == (2 * 4, 2 * 3)
+    assert skip["forwards"] == scored["forwards"] * 3 // 4
+    assert len(skip["metrics"]) == len(scored["metrics"]) == 2
+    assert all(m["approx_kl"] != 0 for m in scored["metrics"])  # the second iteration reads stepped weights' scores
+    for a, b in zip(skip["metrics"], scored["metrics"]):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert abs(a[k] - b[k]) <= 1e-5 * max(1.0, abs(b[k])), (k, a[k], b[k])
