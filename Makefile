@@ -36,7 +36,7 @@ ifneq ($(HAVE_GPU),1)
 export DS_ACCELERATOR := cpu
 endif
 
-.PHONY: venv venv-test sandbox browser run test repro lock clean distclean
+.PHONY: venv venv-test sandbox browser ds-ops run test repro lock clean distclean
 
 venv: $(VENV)/.stamp
 venv-test: $(VENV)/.stamp-test
@@ -81,8 +81,17 @@ run: venv
 	mkdir -p "$(PREFECT_HOME)"
 	$(PY) -m flows.pipeline $(RUN_ARGS)
 
+# DeepSpeed's CPU ops (CPU Adam for an offloaded optimizer, shared-memory collectives) are compiled
+# on first use into .cache/torch_extensions, where the stages and tests look for them. Built here,
+# once, with no time limit: a build inside a test's time limit that gets killed leaves its lock
+# behind, and every later use then waits on it.
+OPS_DIR := $(CURDIR)/.cache/torch_extensions
+ds-ops: venv
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR="$(OPS_DIR)" $(PY) -c \
+	  'from deepspeed.accelerator import get_accelerator as a; [a().create_op_builder(n).load() for n in ("CPUAdamBuilder", "ShareMemCommBuilder")]'
+
 # Tests marked "gpu" are skipped automatically when no CUDA device is present (tests/conftest.py).
-test: venv-test sandbox browser
+test: venv-test sandbox browser ds-ops
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # stage commands call `dare`, so the venv's bin goes first on PATH
