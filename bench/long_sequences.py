@@ -232,7 +232,7 @@ def summary_row(shape: str, mode: str, gpus: int, rows: list[dict]) -> dict:
 
 
 def kept_rows(path: Path, run: dict, now: set) -> list[dict]:
-    """The rows of an earlier run at this commit, less those measured again now."""
+    """The rows of the earlier runs in `path`, less those measured again now, each naming its commit."""
     if not path.exists():
         return []
     old = json.loads(path.read_text())
@@ -309,8 +309,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="run as many modes at once as the GPUs hold, each on GPUs of its own (e.g. on 4 GPUs: logits, "
                         "logits-free and sp2 together)")
     p.add_argument("--add", action="store_true",
-                   help="keep the rows of the JSON already beside --out for the (shape, mode) pairs not run now, if "
-                        "they were measured at this commit")
+                   help="keep the rows of the JSON already beside --out for the (shape, mode) pairs not run now "
+                        "(each row names the commit it was measured at)")
     args = p.parse_args(argv)
     if args.task is not None:
         return task_main(args.task)

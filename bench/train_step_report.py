@@ -226,11 +226,20 @@ PEER_SETTINGS = ("public_chunk", "rl_public_steps")  # read only by the rows of 
 PEER_PARTS = ("rl-d1", "rl-public")
 
 
-def _settings(run: dict, peer: bool) -> dict:
-    """A run's settings with the fields added since it ran at their defaults (which it then used);
-    without its peer rows (`peer` off), less the settings only those rows read."""
-    full = {**dataclasses.asdict(Settings()), **run["settings"]}
-    return full if peer else {k: v for k, v in full.items() if k not in PEER_SETTINGS}
+def _settings(run: dict) -> dict:
+    """A run's settings with the fields added since it ran at their defaults (which it then used)."""
+    return {**dataclasses.asdict(Settings()), **run["settings"]}
+
+
+def _check_settings(merged: dict, paths: list[Path]) -> None:
+    """Every run measured with the settings the report states (the last run's), except that the
+    settings only d1's rows read need to agree only among the runs whose d1 rows are kept."""
+    last = _settings(merged["runs"][-1])
+    for i, run in enumerate(merged["runs"]):
+        peer = any(r["part"] in PEER_PARTS and r.get("run") == i for r in merged["rows"])
+        differ = {k for k, v in _settings(run).items() if v != last[k]} - (set() if peer else set(PEER_SETTINGS))
+        if differ:
+            raise SystemExit(f"{paths}: run {i} ({run['command']}) was measured with other settings ({sorted(differ)})")
 
 
 def merge_files(paths: list[Path], out: Path, args) -> int:  # noqa: C901
@@ -241,12 +250,6 @@ def merge_files(paths: list[Path], out: Path, args) -> int:  # noqa: C901
     for path in paths:
         data = json.loads(path.read_text())
         data["rows"] = [r for r in data["rows"] if r["part"] not in (args.drop_parts or ())]
-        first = merged["runs"][0] if merged["runs"] else None
-        for i, run in enumerate(data["runs"]):
-            peer = any(r["part"] in PEER_PARTS and r.get("run", len(data["runs"]) - 1) == i for r in data["rows"])
-            earlier_peer = any(r["part"] in PEER_PARTS for r in merged["rows"])
-            if first and _settings(first, peer and earlier_peer) != _settings(run, peer and earlier_peer):
-                raise SystemExit(f"{path}: measured with other settings than {paths[0]}")
         offset = len(merged["runs"])
         merged["runs"] += [dict(r) for r in data["runs"]]
         # a file written by an earlier merge credits each row to one of its runs already
@@ -255,6 +258,7 @@ def merge_files(paths: list[Path], out: Path, args) -> int:  # noqa: C901
             keys = {row_key(r) for r in rows}
             merged["rows"] = [r for r in merged["rows"] if row_key(r) not in keys]
         merged["rows"] += rows
+    _check_settings(merged, paths)
     for i, run in enumerate(merged["runs"]):  # the rows of each run that the file shows
         run["rows"] = [run_label(r) for r in merged["rows"] if r.get("run") == i and r["part"] != "folder"]
     s = Settings(**merged["runs"][-1]["settings"])

@@ -64,7 +64,7 @@ def sparse_block_mask(allowed, n: int, device, chunk_elements: int = MASK_CHUNK_
         full.append(count == FLEX_BLOCK * FLEX_BLOCK)
         partial.append((count > 0) & ~full[-1])
 
-    def ordered(flags: torch.Tensor):
+    def ordered(flags: list[torch.Tensor]):
         flags = torch.cat(flags)[None, None]
         return (flags.sum(-1, dtype=torch.int32),
                 torch.argsort(flags.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32))
