@@ -166,6 +166,8 @@ CASES = {
     "sdar/padded/sft": ("sdar", "off", 0, sft_case),
     "llada/packed/d1": ("llada", "on", 0, lambda m: rl_case(m, "d1")),
     "llada/chunked/d1": ("llada", "on", 5, lambda m: rl_case(m, "d1")),
+    # LoRA leaves the head frozen: the chunks' gradients are formed in the forward (head_scores)
+    "sdar/chunked/d1+lora": ("sdar", "on", 5, lambda m: rl_case(m, "d1"), True),
     "sdar/packed/d1": ("sdar", "on", 0, lambda m: rl_case(m, "d1")),
     "llada/packed/cj_grpo": ("llada", "on", 0, lambda m: rl_case(m, "cj_grpo")),
     "sdar/packed/cj_grpo": ("sdar", "on", 0, lambda m: rl_case(m, "cj_grpo")),

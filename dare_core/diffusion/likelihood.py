@@ -66,14 +66,70 @@ def logits_scores(logits: torch.Tensor, targets: torch.Tensor, temperature: floa
                   entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """log softmax(logits/temperature)[target] per row of `logits` [N, V] (`exclude`d ids at -inf),
     in float32: [N]; with `entropy` also that distribution's entropy [N], else None."""
+    full = _tempered_log_softmax(logits, temperature, exclude)
+    logp = full.gather(-1, targets[:, None]).squeeze(-1)
+    return logp, entropy_of_logprobs(full) if entropy else None
+
+
+def _tempered_log_softmax(logits: torch.Tensor, temperature: float, exclude: Sequence[int]) -> torch.Tensor:
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
     if len(exclude):
         logits = logits.index_fill(-1, torch.tensor(list(exclude), device=logits.device), float("-inf"))
-    full = torch.log_softmax(logits, dim=-1)
-    logp = full.gather(-1, targets[:, None]).squeeze(-1)
-    return logp, entropy_of_logprobs(full) if entropy else None
+    return torch.log_softmax(logits, dim=-1)
+
+
+class _FrozenHeadScores(torch.autograd.Function):
+    """`logits_scores` of a frozen linear head over hidden states [N, d], `chunk` rows at a time,
+    whose backward needs no logits at all. With the head's weight W fixed, each score's gradient
+    with respect to its own hidden state is a [d] row known in the forward:
+      d logp_i / d h_i = ((onehot(y_i) - p_i) / tau) W
+      d H_i / d h_i    = (-p_i * (log p_i + H_i) / tau) W
+    so each chunk forms those rows right after its log-softmax (one matmul, the one the backward
+    would do) and keeps them ([N, d] each, the size of the hidden states the recomputing path keeps),
+    and the backward only scales them by the incoming gradient: one head matmul per chunk fewer
+    than recomputing the logits, so the same head FLOPs as the whole-logits path. (LoRA never
+    adapts the head, docs/diffusion.md#logits-free-scoring.)"""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk, temperature, exclude, entropy, pieces):
+        cut = (lambda x: x.tensor_split(pieces)) if pieces is not None else (lambda x: x.split(chunk))  # noqa: E731
+        logps, ents, jac_logp, jac_ent = [], [], [], []
+        for h, t in zip(cut(hidden), cut(targets)):
+            full = _tempered_log_softmax(torch.nn.functional.linear(h, weight, bias), temperature, exclude)
+            logps.append(full.gather(-1, t[:, None]).squeeze(-1))
+            p = full.exp()
+            if entropy:
+                lp = full.clamp_min_(torch.finfo(full.dtype).min)  # (an excluded id: p = 0, no nan)
+                ent = -(p * lp).sum(-1)
+                ents.append(ent)
+                jac_ent.append(lp.add_(ent[:, None]).mul_(p).neg_().div_(temperature).to(weight.dtype) @ weight)
+            del full
+            dlogp = p.neg_()
+            dlogp[torch.arange(t.shape[0], device=t.device), t] += 1
+            jac_logp.append(dlogp.div_(temperature).to(weight.dtype) @ weight)
+            del p, dlogp
+        ctx.entropy = entropy
+        ctx.save_for_backward(torch.cat(jac_logp), *([torch.cat(jac_ent)] if entropy else []))
+        logp = torch.cat(logps)
+        return logp, torch.cat(ents) if entropy else logp.new_empty(0)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logp, grad_ent):
+        jac = ctx.saved_tensors
+        grad = grad_logp[:, None] * jac[0]
+        if ctx.entropy:
+            grad = grad + grad_ent[:, None] * jac[1]
+        return grad.to(jac[0].dtype), None, None, None, None, None, None, None, None
+
+
+def _frozen_linear(head: torch.nn.Module) -> bool:
+    """A plain linear head whose weights take no gradient and are whole on this rank (ZeRO-3
+    partitions parameters to empty placeholders, gathered by hooks the module call runs)."""
+    return (type(head) is torch.nn.Linear and not head.weight.requires_grad
+            and (head.bias is None or not head.bias.requires_grad) and getattr(head.weight, "ds_id", None) is None)
 
 
 def head_scores(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, chunk: int, temperature: float = 1.0,
@@ -90,7 +146,13 @@ def head_scores(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tens
     a LoRA-wrapped head, ZeRO-3's parameter gathering hooks and a tied embedding keep working, and
     the gradient is autograd's own for the same ops as the whole-logits path (equal up to the
     order of the per-chunk weight-gradient sums). The extra cost is the one head matmul per chunk
-    that any recomputing scheme pays."""
+    that any recomputing scheme pays; a frozen plain head (LoRA, which never adapts it) pays none
+    (`_FrozenHeadScores`)."""
+    if torch.is_grad_enabled() and hidden.requires_grad and _frozen_linear(head):
+        logp, ent = _FrozenHeadScores.apply(hidden, head.weight, head.bias, targets, chunk, temperature, tuple(exclude),
+                                            entropy, pieces)
+        return logp, ent if entropy else None
+
     def one_chunk(h: torch.Tensor, t: torch.Tensor):
         return logits_scores(head(h), t, temperature, exclude, entropy)
 

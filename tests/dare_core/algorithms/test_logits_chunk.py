@@ -15,7 +15,7 @@ from dare_core.algorithms.preference import build_preference
 from dare_core.algorithms.registry import build_options, get_sft_objective
 from dare_core.config import ModelConfig, PreferenceConfig, RLConfig
 from dare_core.data.batching import pair_batch, sft_batch
-from dare_core.diffusion.likelihood import head_scores, token_logprobs
+from dare_core.diffusion.likelihood import head_scores, logits_scores, token_logprobs
 from dare_core.diffusion.masking import Corruption
 from dare_core.diffusion.seeding import generator, sample_generators
 from rl_reference import grads
@@ -25,17 +25,19 @@ from tiny_models import FAMILIES, MASK, tiny
 CHUNK = 3  # scored tokens per chunk: several chunks and a remainder in every test batch
 
 
-def _model(family: str, chunk: int, packing: str = "off"):
+def _model(family: str, chunk: int, packing: str = "off", frozen_head: bool = False):
     model = tiny(family).double().train()
     model.logits_chunk, model.packing = chunk, packing
+    if frozen_head:  # as under LoRA, which never adapts the head: the chunks' gradients are formed in the forward
+        model.net.lm_head.requires_grad_(False)
     return model
 
 
-def _same_loss_and_grads(run, family: str, packing: str = "off"):
+def _same_loss_and_grads(run, family: str, packing: str = "off", frozen_head: bool = False):
     """run(model) -> loss (backward done inside): the same with whole and chunked logits."""
     losses, gradients = [], []
     for chunk in (0, CHUNK):
-        model = _model(family, chunk, packing)
+        model = _model(family, chunk, packing, frozen_head)
         losses.append(float(run(model).detach()))
         gradients.append(grads(model))
     assert gradients[0].abs().sum() > 0, "no gradient: the test would prove nothing"
@@ -62,9 +64,47 @@ def test_head_scores_hold_one_chunk_of_logits_at_a_time():
     assert hidden.grad is not None and hidden.grad.abs().sum() > 0
 
 
+class _CountLogits(torch.overrides.TorchFunctionMode):
+    """The rows of every head projection (F.linear) run under it."""
+
+    def __enter__(self):
+        self.rows = []
+        return super().__enter__()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.linear:
+            self.rows.append(args[0].shape[0])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("pieces", [None, 4])
+def test_a_frozen_head_runs_once_per_chunk_with_the_whole_logits_gradient(pieces):
+    """A frozen head (LoRA's) forms each chunk's gradient rows in the forward: no recomputation in
+    the backward, and the scores and the hidden states' gradient of the whole-logits path, with a
+    bias, a temperature, an excluded id and the entropy."""
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(4, 11).double().requires_grad_(False)
+    hidden = torch.randn(10, 4, dtype=torch.float64, generator=g)
+    targets = torch.randint(0, 10, (10,), generator=g)  # never 10, the excluded id
+    weights = torch.randn(2, 10, dtype=torch.float64, generator=g)
+    results = []
+    for chunked in (False, True):
+        h = hidden.clone().requires_grad_(True)
+        with _CountLogits() as forward:
+            logp, ent = (head_scores(head, h, targets, 4, 0.7, (10,), True, pieces) if chunked
+                         else logits_scores(head(h), targets, 0.7, (10,), True))
+        with _CountLogits() as backward:
+            ((logp * weights[0]).sum() + (ent * weights[1]).sum()).backward()
+        results.append((logp.detach(), ent.detach(), h.grad))
+    assert forward.rows == ([4, 4, 2] if pieces is None else [3, 3, 2, 2]) and backward.rows == []
+    for whole, chunked in zip(*results):  # (the convention's log-softmax is float32 in both)
+        torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("frozen_head", [False, True], ids=["head-trained", "head-frozen"])
 @pytest.mark.parametrize("packing", ["off", "on"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_token_scores_and_gradients(family, packing):
+def test_token_scores_and_gradients(family, packing, frozen_head):
     """Tempered scores with MASK excluded and the entropy (the replay convention), left padding."""
     g = generator(0, "chunk-ids")
     mask = torch.ones(3, 12, dtype=torch.long)
@@ -82,7 +122,7 @@ def test_token_scores_and_gradients(family, packing):
         loss.backward()
         return loss
 
-    _same_loss_and_grads(run, family, packing)
+    _same_loss_and_grads(run, family, packing, frozen_head)
     for whole, chunked in zip(values[0], values[1]):
         torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-7)
 
@@ -118,12 +158,13 @@ def _rl_run(name: str, family: str, rl: RLConfig, **options):
     return run
 
 
+@pytest.mark.parametrize("frozen_head", [False, True], ids=["head-trained", "head-frozen"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_d1_with_kl_and_entropy(family):
+def test_d1_with_kl_and_entropy(family, frozen_head):
     model = tiny(family)  # one block of generation whatever the family's block size, in 8 steps
     sampler = sampler_for(model, gen_length=max(8, model.block_size or 0), steps=8)
     rl = RLConfig(rows_per_forward=2, sampler=sampler, kl_beta=0.1, entropy_coeff=0.01)
-    _same_loss_and_grads(_rl_run("d1", family, rl), family)
+    _same_loss_and_grads(_rl_run("d1", family, rl), family, frozen_head=frozen_head)
 
 
 @pytest.mark.parametrize("family", ["llada", "Dream"])

@@ -345,13 +345,17 @@ def test_the_jail_dies_with_the_trainer():
               "print('started', flush=True)\nrun_python('import time\\ntime.sleep(60)', inputs=[''], "
               "limits=SandboxLimits(wall_s=60, cpu_s=60))\n") % os.getcwd()
     before = set(_jailed())
-    trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+    trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     trainer.stdout.readline()
-    deadline = time.monotonic() + 10
-    while not (set(_jailed()) - before) and time.monotonic() < deadline:
+    # (a jail starts in well under a second; the margin is for a machine that other work keeps busy)
+    deadline = time.monotonic() + 30
+    while not (set(_jailed()) - before) and trainer.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     jailed = set(_jailed()) - before
-    assert jailed, "the jail did not start"
+    if not jailed:
+        trainer.kill()
+        _, err = trainer.communicate()
+        pytest.fail(f"the jail did not start (trainer exit {trainer.returncode}):\n{err.decode(errors='replace')[-3000:]}")
     trainer.kill()
     trainer.wait()
     deadline = time.monotonic() + 5

@@ -25,7 +25,7 @@ LOSS_RTOL = 1e-6
 GRADS_RTOL = 4e-6
 SCORES_RTOL = 1e-6
 CASES = ("llada/packed/sft", "llada/padded/sft", "sdar/packed/sft", "sdar/padded/sft", "llada/packed/d1",
-         "llada/chunked/d1", "sdar/packed/d1", "llada/packed/cj_grpo", "sdar/packed/cj_grpo", "llada/packed/espo",
+         "llada/chunked/d1", "sdar/chunked/d1+lora", "sdar/packed/d1", "llada/packed/cj_grpo", "sdar/packed/cj_grpo", "llada/packed/espo",
          "sdar/packed/espo", "llada/packed/vrpo+lora", "sdar/packed/vrpo+lora")
 
 
