@@ -1,0 +1,186 @@
+"""Memory and time per step of the long-generation RL preset (configs/long_generation.yaml) at its
+model's real shape: the real RL stage loop with the preset applied as a user applies it
+(`recipe=<file>`), and only what cannot be real here swapped in: the model folder (random bf16
+weights of the real config.json, bench/train_step_setup.py), the prompts (synthetic text) and the
+reward (a hash of the response's text: random weights answer nothing, and every group still gets
+a spread of rewards). `--set` changes any setting as `-S` does (fewer prompts, another length).
+
+The stage runs in a child process; the parent rewrites the results file after every logged step,
+so a run stopped by `--budget` (or killed) keeps the steps it finished. Step 1 captures the CUDA
+graphs and compiles; the steps after it are the steady state.
+
+  python3 bench/long_generation.py [--preset configs/long_generation.yaml] [--set rl.num_steps=2 ...]
+      [--workdir /tmp/long_generation] [--out bench/results/long_generation.md] [--budget S] [--tiny]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import yaml  # noqa: E402
+
+from rl_pieces import REWARD, register_rl_pieces  # noqa: E402
+from stamp import REPO, fmt, git_commit, hardware, header, markdown_table, write_atomic  # noqa: E402
+from train_step_runs import RL_PHASES, child_env  # noqa: E402
+from train_step_setup import Settings, write_data, write_model_folder  # noqa: E402
+
+SHAPE_OF_FAMILY = {"llada": "llada", "sdar": "sdar"}  # the 8B shapes bench/configs holds
+PHASE_NAMES = {"rollout": "rollout", "reward": "reward", "scoring": "old+ref scoring", "forward_backward": "fwd+bwd",
+               "optimizer": "optimizer"}
+
+
+def stage_overrides(workdir: Path, folder: Path, preset: Path, sets: list[str]) -> list[str]:
+    """The preset, then what the bench owns (where things are, the reward, no checkpoints or
+    validation), then the caller's --set."""
+    own = {"run.name": "long_generation", "run.seed": 0, "run.runs_dir": str(workdir / "runs"),
+           "run.models_dir": str(workdir / "models"), "run.metrics_dir": str(workdir / "runs" / "metrics"),
+           "data.prepared_dir": str(workdir / "data"), "data.tokenizer_dir": str(folder), "model.path": str(folder),
+           "rl.reward": REWARD, "rl.reward_args": {}, "rl.validate_every": 0, "rl.save_every": 10**9, "rl.log_every": 1,
+           "rl.num_steps": 2}
+    return [f"recipe={preset}", *(f"{k}={json.dumps(v)}" for k, v in own.items()), *sets]
+
+
+def child_main(spec_path: Path) -> int:
+    """Run the RL stage loop with the spec's overrides."""
+    from dare_core.config import load_config
+    from dare_core.training.rl_checks import rl_start_folder
+    from dare_core.training.rl_loop import run_rl
+
+    spec = json.loads(spec_path.read_text())
+    register_rl_pieces()
+    cfg = load_config(REPO / "params.yaml", spec["overrides"])
+    start = rl_start_folder(cfg)  # RL starts from the SFT stage's export: here, the shape's folder itself
+    start.parent.mkdir(parents=True, exist_ok=True)
+    if not start.exists():
+        start.symlink_to(spec["folder"], target_is_directory=True)
+    run_rl(cfg, progress=False, save_checkpoints=False, phase_times=True)
+    return 0
+
+
+def describe(cfg) -> str:
+    """The settings that decide a step's memory and time, as the stage read them."""
+    s, m, rl = cfg.rl.sampler, cfg.model, cfg.rl
+    lora = f"LoRA r {m.lora['r']}, alpha {m.lora['alpha']}" if m.lora else "full parameters"
+    return (f"{rl.algorithm}, {rl.prompts_per_step} prompts x {rl.group_size} rollouts, gen {s.gen_length} (block {s.block_length}, "
+            f"at most {s.steps} steps, unmasking {s.unmasking} {s.threshold}), cache {s.cache}, {s.batch_size} rollouts decoded "
+            f"at once, {rl.num_iterations} inner iterations of micro-batches of {rl.micro_batch_size}, KL {rl.kl_beta}; "
+            f"{lora}, gradient checkpointing {'on' if m.gradient_checkpointing else 'off'}, packing {m.packing}, "
+            f"logits_chunk {m.logits_chunk}, {cfg.launch.nproc} rank(s), sequence_parallel {cfg.launch.sequence_parallel}")
+
+
+def write_results(out: Path, command: str, commit: str, settings: str, steps: list[dict], status: str) -> None:
+    rows = [[m["step"], *(fmt(m.get(f"time/{p}_s"), ".1f") for p in RL_PHASES), fmt(m.get("time/step_s"), ".1f"),
+             fmt(m.get("response_tokens"), ".0f"), fmt(m.get("memory/peak_gib"), ".1f", "n/a (CPU)")] for m in steps]
+    startup = next((m.get("time/startup_s") for m in steps if m.get("time/startup_s") is not None), None)
+    lines = header("Long-generation RL: memory and time per step", command, hardware(), commit)
+    lines += [f"- Preset: `{settings['preset']}`; the stage read: {settings['described']}.",
+              "- The real RL stage loop with the preset applied as `recipe=`; random bf16 weights of the model's real "
+              "config.json, synthetic prompts, a hash-of-the-text reward (random weights answer nothing). Phase times "
+              "from the loop's metrics (`DARE_PHASE_TIMES`, the GPU synchronised at each phase boundary); step 1 "
+              "captures the CUDA graphs and compiles.",
+              f"- Stage start-up (checks, load, engine) before step 1: {fmt(startup, '.1f', 'n/a')} s.",
+              f"- Status: {status}.", ""]
+    lines += markdown_table(["step", *(f"{PHASE_NAMES[p]} s" for p in RL_PHASES), "step s", "response tokens (mean)",
+                             "peak GPU memory (GiB)"], rows)
+    write_atomic(out, "\n".join(lines) + "\n")
+    write_atomic(out.with_suffix(".json"), json.dumps({"commit": commit, "command": command, "settings": settings,
+                                                       "status": status, "steps": steps}, indent=1) + "\n")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", type=Path, default=REPO / "configs" / "long_generation.yaml")
+    ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="settings over the preset, as -S takes them")
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/long_generation"))
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "long_generation.md")
+    ap.add_argument("--budget", type=float, default=0, help="seconds the stage may run (0: no limit); its finished steps are kept")
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke run: the model's two-layer, narrow version")
+    ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        return child_main(args.child)
+
+    from dare_core.config import load_config
+
+    commit = git_commit()
+    command = "python3 bench/long_generation.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    family = yaml.safe_load(args.preset.read_text())["model"]["family"]
+    if family not in SHAPE_OF_FAMILY:
+        raise SystemExit(f"{args.preset}: no bench shape of family {family} (known: {sorted(SHAPE_OF_FAMILY)})")
+    shape = SHAPE_OF_FAMILY[family]
+    folder = args.workdir / "models" / (f"{shape}-tiny" if args.tiny else shape)
+    if not (folder / "config.json").exists():
+        print(f"[long_generation] writing a random {shape} folder to {folder} ...", flush=True)
+        write_model_folder(shape, folder, args.tiny)
+    overrides = stage_overrides(args.workdir, folder, args.preset.resolve(), args.set)
+    cfg = load_config(REPO / "params.yaml", overrides)
+    write_data(args.workdir / "data", Settings(rl_prompts=cfg.rl.prompts_per_step))
+    settings = {"preset": str(args.preset.resolve().relative_to(REPO)) if args.preset.resolve().is_relative_to(REPO)
+                else str(args.preset), "set": args.set, "described": describe(cfg)}
+    metrics = cfg.stage_dir("rl") / "metrics.jsonl"
+    metrics.unlink(missing_ok=True)
+    spec = args.workdir / "spec.json"
+    spec.write_text(json.dumps({"overrides": overrides, "folder": str(folder)}))
+    log = args.workdir / "stage.log"
+    print(f"[long_generation] {settings['described']}\n[long_generation] stage log: {log}", flush=True)
+    t0 = time.monotonic()
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, __file__, "--child", str(spec)], env=child_env(), cwd=REPO,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        seen, status = 0, "running"
+        while True:
+            code = proc.poll()
+            steps = [m for m in _rows(metrics) if "time/step_s" in m]
+            if len(steps) > seen:
+                seen = len(steps)
+                for m in steps[-1:]:
+                    print(f"[long_generation] step {m['step']}: {m['time/step_s']:.1f} s, peak "
+                          f"{fmt(m.get('memory/peak_gib'), '.1f', 'n/a')} GiB", flush=True)
+            if code is not None:
+                status = "finished" if code == 0 else f"the stage failed (exit {code}): " + _tail(log)
+                break
+            if args.budget and time.monotonic() - t0 > args.budget:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                status = f"stopped by --budget {args.budget:g} s after {len(steps)} step(s)"
+                break
+            write_results(args.out, command, commit, settings, steps, status)
+            time.sleep(2)
+    steps = [m for m in _rows(metrics) if "time/step_s" in m]
+    write_results(args.out, command, commit, settings, steps, status)
+    print(f"[long_generation] {status}; wrote {args.out}", flush=True)
+    return 0 if status == "finished" else 1
+
+
+def _rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # (a line being written)
+            pass
+    return rows
+
+
+def _tail(log: Path) -> str:
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    return " / ".join(lines[-3:])[-600:]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
