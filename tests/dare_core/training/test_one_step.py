@@ -18,11 +18,6 @@ from dare_core.data.prepare import prepare
 from pipeline_helpers import REPO, dare, tiny_params, worker_env, write_params
 
 RECIPES = REPO / "configs" / "recipes"
-# settings for a regime rather than a paper (configs/long_generation.yaml), applied as recipes are
-PRESETS = sorted((REPO / "configs").glob("*.yaml"))
-# the tiny from-scratch model of each family a preset names (params.yaml's init is LLaDA's)
-FAMILY_INIT = {"sdar": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-                        "head_dim": 16, "intermediate_size": 64, "max_position_embeddings": 48, "block_size": 4}}
 RL_ALGORITHMS = sorted(name for name in REGISTERED_RL if issubclass(REGISTERED_RL[name], RLAlgorithm))
 
 # the tiny stand-ins for what a recipe takes from the real world (a model folder, a dataset, a
@@ -80,15 +75,6 @@ def results(base, tmp_path_factory):
             shutil.copytree(base / "runs" / "t" / "sft", root / "runs" / "t" / "sft")
         params = write_params(root / "params.yaml", tiny_params(root, rl__num_steps=1, rl__validate_every=0, rl__group_size=8))
         runs.append({"label": label, "stage": stage, "params": str(params), "overrides": overrides})
-    # a preset keeps its model family: a step of SFT from scratch gives RL a tiny model of it
-    for path in PRESETS:
-        root = tmp_path_factory.mktemp(f"preset_{path.stem}")
-        shutil.copytree(base / "data", root / "data")
-        params = write_params(root / "params.yaml", tiny_params(root, rl__group_size=8))
-        family = yaml.safe_load(path.read_text())["model"]["family"]
-        overrides = [f"recipe={path}", *_sets({**SHRINK, "model.family": family, "model.init": FAMILY_INIT[family]})]
-        runs += [{"label": f"preset-sft:{path.stem}", "stage": "sft", "params": str(params), "overrides": overrides},
-                 {"label": f"preset:{path.stem}", "stage": "rl", "params": str(params), "overrides": overrides}]
     # sft.max_steps 0: the SFT stage passes model.path through unchanged (RL from a released model)
     root = tmp_path_factory.mktemp("pass_through")
     shutil.copytree(base / "data", root / "data")
@@ -125,17 +111,6 @@ def test_every_recipe_runs_a_step(results, name):
     assert result["ok"], result.get("trace")
     if recipe_stage(name) == "rl":
         assert result["algorithm"] == name
-
-
-def test_there_is_a_preset():
-    assert [p.stem for p in PRESETS] == ["long_generation"]
-
-
-@pytest.mark.parametrize("name", [p.stem for p in PRESETS])
-def test_every_preset_runs_an_rl_step(results, name):
-    for label in (f"preset-sft:{name}", f"preset:{name}"):
-        assert results[label]["ok"], results[label].get("trace")
-    assert results[f"preset:{name}"]["metrics"]["steps"] == 1
 
 
 def test_sft_max_steps_0_exports_the_given_model_unchanged(results, base):
