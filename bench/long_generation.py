@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import yaml  # noqa: E402
 
-from rl_pieces import REWARD, register_rl_pieces  # noqa: E402
+from rl_pieces import REWARD  # noqa: E402
 from stamp import REPO, fmt, git_commit, hardware, header, markdown_table, write_atomic  # noqa: E402
-from train_step_runs import RL_PHASES, child_env  # noqa: E402
+from train_step_runs import RL_PHASES, child_env, metrics_rows, run_rl_on_folder  # noqa: E402
 from train_step_setup import Settings, write_data, write_model_folder  # noqa: E402
 
 SHAPE_OF_FAMILY = {"llada": "llada", "sdar": "sdar"}  # the 8B shapes bench/configs holds
@@ -50,19 +50,11 @@ def stage_overrides(workdir: Path, folder: Path, preset: Path, sets: list[str]) 
 
 
 def child_main(spec_path: Path) -> int:
-    """Run the RL stage loop with the spec's overrides."""
+    """Run the RL stage loop with the spec's overrides, from the shape's folder."""
     from dare_core.config import load_config
-    from dare_core.training.rl_checks import rl_start_folder
-    from dare_core.training.rl_loop import run_rl
 
     spec = json.loads(spec_path.read_text())
-    register_rl_pieces()
-    cfg = load_config(REPO / "params.yaml", spec["overrides"])
-    start = rl_start_folder(cfg)  # RL starts from the SFT stage's export: here, the shape's folder itself
-    start.parent.mkdir(parents=True, exist_ok=True)
-    if not start.exists():
-        start.symlink_to(spec["folder"], target_is_directory=True)
-    run_rl(cfg, progress=False, save_checkpoints=False, phase_times=True)
+    run_rl_on_folder(load_config(REPO / "params.yaml", spec["overrides"]), spec["folder"])
     return 0
 
 
@@ -77,7 +69,7 @@ def describe(cfg) -> str:
             f"logits_chunk {m.logits_chunk}, {cfg.launch.nproc} rank(s), sequence_parallel {cfg.launch.sequence_parallel}")
 
 
-def write_results(out: Path, command: str, commit: str, settings: str, steps: list[dict], status: str) -> None:
+def write_results(out: Path, command: str, commit: str, settings: dict, steps: list[dict], status: str) -> None:
     rows = [[m["step"], *(fmt(m.get(f"time/{p}_s"), ".1f") for p in RL_PHASES), fmt(m.get("time/step_s"), ".1f"),
              fmt(m.get("response_tokens"), ".0f"), fmt(m.get("memory/peak_gib"), ".1f", "n/a (CPU)")] for m in steps]
     startup = next((m.get("time/startup_s") for m in steps if m.get("time/startup_s") is not None), None)
@@ -126,8 +118,8 @@ def main() -> int:
     write_data(args.workdir / "data", Settings(rl_prompts=cfg.rl.prompts_per_step))
     settings = {"preset": str(args.preset.resolve().relative_to(REPO)) if args.preset.resolve().is_relative_to(REPO)
                 else str(args.preset), "set": args.set, "described": describe(cfg)}
-    metrics = cfg.stage_dir("rl") / "metrics.jsonl"
-    metrics.unlink(missing_ok=True)
+    stage_dir = cfg.stage_dir("rl")
+    (stage_dir / "metrics.jsonl").unlink(missing_ok=True)
     spec = args.workdir / "spec.json"
     spec.write_text(json.dumps({"overrides": overrides, "folder": str(folder)}))
     log = args.workdir / "stage.log"
@@ -139,7 +131,7 @@ def main() -> int:
         seen, status = 0, "running"
         while True:
             code = proc.poll()
-            steps = [m for m in _rows(metrics) if "time/step_s" in m]
+            steps = [m for m in metrics_rows(stage_dir) if "time/step_s" in m]
             if len(steps) > seen:
                 seen = len(steps)
                 for m in steps[-1:]:
@@ -159,22 +151,10 @@ def main() -> int:
                 break
             write_results(args.out, command, commit, settings, steps, status)
             time.sleep(2)
-    steps = [m for m in _rows(metrics) if "time/step_s" in m]
+    steps = [m for m in metrics_rows(stage_dir) if "time/step_s" in m]
     write_results(args.out, command, commit, settings, steps, status)
     print(f"[long_generation] {status}; wrote {args.out}", flush=True)
     return 0 if status == "finished" else 1
-
-
-def _rows(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:  # (a line being written)
-            pass
-    return rows
 
 
 def _tail(log: Path) -> str:

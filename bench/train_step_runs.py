@@ -81,8 +81,30 @@ def rl_overrides(spec: dict, s: Settings, block_size: Optional[int]) -> dict:
 
 
 def metrics_rows(out_dir: Path) -> list[dict]:
+    """The stage's metrics.jsonl rows so far (a line still being written is left for the next read)."""
     path = out_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    rows = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return rows
+
+
+def run_rl_on_folder(cfg, folder: str) -> dict:
+    """The RL stage loop (phase times on, no checkpoints) started from `folder` in place of the SFT
+    stage's export, with the bench's synthetic reward registered."""
+    from dare_core.training.rl_checks import rl_start_folder
+    from dare_core.training.rl_loop import run_rl
+
+    register_rl_pieces()
+    start = rl_start_folder(cfg)
+    start.parent.mkdir(parents=True, exist_ok=True)
+    if start.is_symlink():  # (an earlier run's)
+        start.unlink()
+    start.symlink_to(folder, target_is_directory=True)
+    return run_rl(cfg, progress=False, save_checkpoints=False, phase_times=True)
 
 
 def sft_step_work(cfg, world: int = 1) -> list[dict]:
@@ -134,19 +156,12 @@ def run_sft_task(spec: dict, s: Settings) -> dict:
 
 def run_rl_task(spec: dict, s: Settings) -> dict:
     from dare_core.models.hf_folder import inspect_model
-    from dare_core.training.rl_checks import rl_start_folder
-    from dare_core.training.rl_loop import run_rl
 
-    register_rl_pieces()
     block_size = inspect_model(spec["folder"]).block_size
     cfg = stage_config({**spec, "overrides": rl_overrides(spec, s, block_size)})
     shutil.rmtree(cfg.run_dir, ignore_errors=True)
-    # RL starts from the SFT stage's export: here, the shape's folder itself
-    start = rl_start_folder(cfg)
-    start.parent.mkdir(parents=True)
-    start.symlink_to(spec["folder"], target_is_directory=True)
     launch = time.time() - spec["spawned_at"]
-    summary = run_rl(cfg, progress=False, save_checkpoints=False, phase_times=True)
+    summary = run_rl_on_folder(cfg, spec["folder"])
     return {"summary": summary, "metrics": metrics_rows(cfg.stage_dir("rl")), "launch_s": launch}
 
 

@@ -94,9 +94,8 @@ class _FrozenHeadScores(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, chunk, temperature, exclude, entropy, pieces):
-        cut = (lambda x: x.tensor_split(pieces)) if pieces is not None else (lambda x: x.split(chunk))  # noqa: E731
         logps, ents, jac_logp, jac_ent = [], [], [], []
-        for h, t in zip(cut(hidden), cut(targets)):
+        for h, t in zip(_chunks(hidden, chunk, pieces), _chunks(targets, chunk, pieces)):
             full = _tempered_log_softmax(torch.nn.functional.linear(h, weight, bias), temperature, exclude)
             logps.append(full.gather(-1, t[:, None]).squeeze(-1))
             p = full.exp()
@@ -123,6 +122,12 @@ class _FrozenHeadScores(torch.autograd.Function):
         if ctx.entropy:
             grad = grad + grad_ent[:, None] * jac[1]
         return grad.to(jac[0].dtype), None, None, None, None, None, None, None, None
+
+
+def _chunks(x: torch.Tensor, chunk: int, pieces: Optional[int]) -> tuple[torch.Tensor, ...]:
+    """`x`'s rows `chunk` at a time, or in exactly `pieces` parts. A split, not a slice per chunk:
+    its backward concatenates the chunks' gradients in one [N, d]."""
+    return x.tensor_split(pieces) if pieces is not None else x.split(chunk)
 
 
 def _frozen_linear(head: torch.nn.Module) -> bool:
@@ -156,12 +161,10 @@ def head_scores(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tens
     def one_chunk(h: torch.Tensor, t: torch.Tensor):
         return logits_scores(head(h), t, temperature, exclude, entropy)
 
-    # split (not slicing per chunk): its backward concatenates the chunks' gradients in one [N, d]
-    cut = (lambda x: x.tensor_split(pieces)) if pieces is not None else (lambda x: x.split(chunk))  # noqa: E731
     # without a graph (old / reference scores) there is nothing to keep or recompute: plain chunks
     run = ((lambda h, t: checkpoint(one_chunk, h, t, use_reentrant=False, preserve_rng_state=False))  # noqa: E731
            if torch.is_grad_enabled() else one_chunk)  # (the head draws nothing random)
-    parts = [run(h, t) for h, t in zip(cut(hidden), cut(targets))]
+    parts = [run(h, t) for h, t in zip(_chunks(hidden, chunk, pieces), _chunks(targets, chunk, pieces))]
     logp = torch.cat([p[0] for p in parts])
     return logp, torch.cat([p[1] for p in parts]) if entropy else None
 
