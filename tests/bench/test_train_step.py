@@ -39,7 +39,7 @@ def test_tiny_run_writes_every_section(tmp_path):
     for row in sft:
         sequences, real, padded, step_s, fwd_bwd, optimizer, tokens_per_s = map(_number, row[3:10])
         assert sequences == 8 and 0 < real <= padded  # padding is counted apart from the real tokens
-        assert 0 < fwd_bwd + optimizer <= step_s
+        assert 0 < fwd_bwd + optimizer <= step_s + 0.0015  # each cell rounded to 1 ms: their sum may pass the step's by 1
         assert abs(tokens_per_s - real / step_s) <= 0.05 * tokens_per_s  # real tokens, not padding
     assert sft[0][3:5] == sft[1][3:5]  # every variant trains on the same batches
     assert _number(sft[0][12]) > 0  # the packed speed-up, computed against the padded row
