@@ -25,7 +25,6 @@ import ast
 import math
 import subprocess
 import sys
-import time
 import types
 from collections import defaultdict
 from dataclasses import dataclass
@@ -143,23 +142,14 @@ def d1_step(trainer: D1Trainer, policy: torch.nn.Module, optimizer: torch.optim.
     """One RL step of d1 on `prompts` (token ids), `group` rollouts each; its seconds by phase and the
     mean reward. `reward` maps completion ids [N, L] to rewards [N]; `no_adapter` is a context in
     which `policy` is the reference (LoRA disabled)."""
+    from dare_core.sampling.decode import left_pad
+    from dare_core.timing import PhaseTimer
+
     view = HFView(policy)
     device = view.device
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times: dict = defaultdict(float)
-
-    def timed(phase: str):
-        class _T:
-            def __enter__(self):
-                sync()
-                self.t0 = time.perf_counter()
-
-            def __exit__(self, *exc):
-                sync()
-                times[phase] += time.perf_counter() - self.t0
-        return _T()
-
-    from dare_core.sampling.decode import left_pad
+    timer = PhaseTimer(enabled=True)  # the same phase clock (GPU-synchronised boundaries) as DARE's loops
+    timer.step_begin()
+    timed = timer.phase
 
     prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(group)], pad_id, device)
     with timed("rollout"), torch.no_grad():
@@ -200,7 +190,8 @@ def d1_step(trainer: D1Trainer, policy: torch.nn.Module, optimizer: torch.optim.
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     spread = rewards.view(-1, group).std(1)
-    return {**{f"{k}_s": v for k, v in times.items()}, "step_s": sum(times.values()), "reward": rewards.mean().item(),
+    times = {k[len("time/"):]: v for k, v in timer.step_metrics().items() if k.startswith("time/") and "startup" not in k}
+    return {**times, "reward": rewards.mean().item(),
             "zero_std_ratio": (spread == 0).float().mean().item()}
 
 
