@@ -154,6 +154,7 @@ class ModeRun:
 
     def __init__(self, workdir: Path, task: Task, gpus: list[int], stop_at: float):
         self.task, self.gpus, self.stop_at = task, gpus, stop_at
+        self.code: Optional[int] = None  # the exit code, once finished()
         self.spec = workdir / f"{task.shape}-{task.mode}.json"
         Path(task.out).unlink(missing_ok=True)
         self.spec.write_text(json.dumps(dataclasses.asdict(task)))
@@ -168,16 +169,21 @@ class ModeRun:
         with self.log.open("w") as fh:
             self.proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
 
-    def poll(self) -> Optional[int]:
-        """The exit code once the run has ended (None for one stopped at its time limit), else "running"."""
-        code = self.proc.poll()
-        if code is None and time.monotonic() > self.stop_at:
+    def finished(self) -> bool:
+        """Whether the run has ended (stopped here once past its time limit); its exit code is then
+        `self.code`, None for a run that was stopped."""
+        if self.proc.poll() is None:
+            if time.monotonic() <= self.stop_at:
+                return False
             os.killpg(self.proc.pid, 9)
             self.proc.wait()
-            return None
-        return "running" if code is None else code
+            self.code = None
+        else:
+            self.code = self.proc.returncode
+        return True
 
-    def rows(self, code: Optional[int]) -> list[dict]:
+    def rows(self) -> list[dict]:
+        code = self.code
         out = Path(self.task.out)
         rows = json.loads(out.read_text()) if out.exists() else []
         if code != 0:
@@ -213,11 +219,10 @@ def run_modes(workdir: Path, tasks: list[Task], gpus_here: int, parallel: bool, 
                 break
         time.sleep(0.5 if running else 0)
         for run in list(running):
-            code = run.poll()
-            if code != "running":
+            if run.finished():
                 running.remove(run)
                 free[:] = sorted(free + run.gpus)
-                done(run.task, run.rows(code))
+                done(run.task, run.rows())
 
 
 def summary_row(shape: str, mode: str, gpus: int, rows: list[dict]) -> dict:
