@@ -60,7 +60,7 @@ def test_training_stage_params_agree_with_the_checkpoint_fingerprint():
     a change that restarts training would leave DVC's record stale; every tracked param must shape the
     fingerprint, or be applied before it."""
     from dare_core.config import DareConfig
-    from dare_core.training.checkpoint import stage_fingerprint
+    from dare_core.training.fingerprint import stage_fingerprint
 
     stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
     cfg = DareConfig()

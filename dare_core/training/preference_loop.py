@@ -28,7 +28,8 @@ from dare_core.data.schema import DataError, read_rows, table_row
 from dare_core.devices import resolve_dtype
 from dare_core.models.hf_folder import inspect_model, load_model
 from dare_core.training import engine as eng
-from dare_core.training.checkpoint import CheckpointManager, SavePolicy, stage_fingerprint
+from dare_core.training.checkpoint import CheckpointManager, SavePolicy
+from dare_core.training.fingerprint import stage_fingerprint
 from dare_core.training.metrics import last_logged
 from dare_core.training.parallel import check_sequence_parallel
 from dare_core.training.plots import STAGE_PLOTS

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 from dare_core.algorithms.registry import build_algorithm
 from dare_core.artifacts import artifact_root
@@ -15,7 +14,8 @@ from dare_core.models.hf_folder import inspect_model
 from dare_core.rl_rules import check_rl_config
 from dare_core.sampling.cache import check_cache_fits
 from dare_core.training import engine as eng
-from dare_core.training.checkpoint import CheckpointManager, SavePolicy, stage_fingerprint
+from dare_core.training.checkpoint import CheckpointManager, SavePolicy
+from dare_core.training.fingerprint import stage_fingerprint
 from dare_core.training.parallel import check_sequence_parallel
 from dare_core.training.preflight import check_outputs, checkpoint_bytes, model_bytes, stage_writes, training_need
 from dare_core.training.rl_validation import RLValidator

@@ -20,7 +20,8 @@ from dare_core.diffusion.seeding import sample_generators
 from dare_core.inputs import tokenizer_folder
 from dare_core.models.hf_folder import save_model
 from dare_core.training import engine as eng
-from dare_core.training.checkpoint import CheckpointManager, SavePolicy, stage_fingerprint
+from dare_core.training.checkpoint import CheckpointManager, SavePolicy
+from dare_core.training.fingerprint import stage_fingerprint
 from dare_core.training.metrics import last_logged
 from dare_core.training.parallel import check_sequence_parallel
 from dare_core.training.plots import sft_plots

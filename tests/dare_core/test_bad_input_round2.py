@@ -41,7 +41,8 @@ class _Engine:
 
 
 def _manager(stage_dir: Path, lr: float, restart: str = "never"):
-    from dare_core.training.checkpoint import CheckpointManager, Fingerprint, SavePolicy
+    from dare_core.training.checkpoint import CheckpointManager, SavePolicy
+    from dare_core.training.fingerprint import Fingerprint
 
     fingerprint = Fingerprint.of({"sft": {"optim": {"lr": lr}}}, {})
     return CheckpointManager(stage_dir / "checkpoints", 2, fingerprint, "sft", restart=restart,

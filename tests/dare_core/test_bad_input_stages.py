@@ -352,7 +352,7 @@ def test_config_file_rejects_restart_as_a_key(tmp_path: Path) -> None:
 
 
 def test_fingerprint_names_what_changed(tmp_path: Path) -> None:
-    from dare_core.training.checkpoint import Fingerprint
+    from dare_core.training.fingerprint import Fingerprint
 
     data = tmp_path / "sft.parquet"
     data.write_bytes(b"one")
@@ -375,7 +375,8 @@ from dare_core.errors import UserError
 from dare_core.models.llada import tiny_config
 from dare_core.models.lm import build_model
 from dare_core.training import engine as eng
-from dare_core.training.checkpoint import CheckpointManager, Fingerprint
+from dare_core.training.checkpoint import CheckpointManager
+from dare_core.training.fingerprint import Fingerprint
 from dare_core.training.preflight import checkpoint_bytes
 
 model = build_model(tiny_config(40, 39, 38, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, mlp_hidden_size=128,

@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 from dare_core.artifacts import ArtifactRoot, publish_stage
 from dare_core.config import load_config
 from dare_core.data.prepare import prepare
-from dare_core.training.checkpoint import CheckpointManager, CheckpointMismatch, Fingerprint
+from dare_core.training.checkpoint import CheckpointManager, CheckpointMismatch
+from dare_core.training.fingerprint import Fingerprint
 from pipeline_helpers import tiny_params, worker_env, write_params
 from s3_server import ACCESS_KEY, SECRET, s3_bucket, s3_server  # noqa: F401  (fixtures)
 

@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 
 from dare_core.config import DareConfig, LaunchConfig
 from dare_core.models.hf_folder import load_model
-from dare_core.training.checkpoint import (META, WEIGHTS_FILE, CheckpointManager, CheckpointMismatch, Fingerprint,
-                                           SavePolicy, convert_checkpoint, stage_fingerprint)
+from dare_core.training.checkpoint import META, WEIGHTS_FILE, CheckpointManager, CheckpointMismatch, SavePolicy, convert_checkpoint
+from dare_core.training.fingerprint import Fingerprint, stage_fingerprint
 from bad_input import run
 from pipeline_helpers import worker_env
 
@@ -155,7 +155,8 @@ import torch
 from conftest import make_tiny_llada
 from dare_core.config import LaunchConfig, OptimConfig
 from dare_core.training import engine as eng
-from dare_core.training.checkpoint import CheckpointManager, Fingerprint, checkpoint_state_dict
+from dare_core.training.checkpoint import CheckpointManager, checkpoint_state_dict
+from dare_core.training.fingerprint import Fingerprint
 
 # a wide MLP: its weights are above ZeRO-3's persistence threshold, so they are partitioned
 model = make_tiny_llada(mlp_hidden_size=3200).train()
