@@ -133,9 +133,9 @@ def largest_reference_shard(shape: str) -> int:
     return max(sizes.values())
 
 
-def write_model_folder(shape: str, folder: Path, tiny: bool) -> dict:
-    """The shape's checkpoint folder: random bf16 weights drawn on the device, saved by `save_model`
-    with the tokenizer; checks that its parameter names are the reference index's."""
+def write_model_folder(shape: str, folder: Path, tiny: bool, std: float = 0.02) -> dict:
+    """The shape's checkpoint folder: random bf16 weights (normal, `std`) drawn on the device, saved
+    by `save_model` with the tokenizer; checks that its parameter names are the reference index's."""
     from dare_core.models.lm import empty_model
     from dare_core.models.hf_folder import save_model
 
@@ -143,7 +143,7 @@ def write_model_folder(shape: str, folder: Path, tiny: bool) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     t0 = time.perf_counter()
     model = empty_model(hf_config, device=device, dtype=torch.bfloat16)
-    model.net.init_weights(torch.Generator(device).manual_seed(0))
+    model.net.init_weights(torch.Generator(device).manual_seed(0), std=std)
     names = set(model.hf_parameter_shapes())
     real = set(reference_index(shape))
     # --tiny keeps two layers: its names are a subset of the real ones
