@@ -133,17 +133,6 @@ def native_rows(folder: Path, grid: list, args, emit: Callable) -> tuple[dict, b
     return tokens, stopped
 
 
-def add_config_class(folder: Path) -> None:
-    """DARE writes no remote code into a folder, yet config.json's auto_map names SDAR's config module,
-    and lmdeploy reads the config with AutoConfig(trust_remote_code=True), which then needs that file:
-    a plain PretrainedConfig of the model type carries every field of config.json as it is."""
-    cfg = json.loads((folder / "config.json").read_text())
-    module, _, name = cfg.get("auto_map", {}).get("AutoConfig", "").partition(".")
-    if module and not (folder / f"{module}.py").exists():
-        (folder / f"{module}.py").write_text("from transformers import PretrainedConfig\n\n\n"
-                                             f"class {name}(PretrainedConfig):\n    model_type = {cfg['model_type']!r}\n")
-
-
 def lmdeploy_missing() -> Optional[str]:
     """Why lmdeploy cannot run here (None: it can)."""
     from dare_core.sampling.engines.lmdeploy import INSTALL_HINT, _import_lmdeploy
@@ -330,8 +319,6 @@ def main() -> int:
     if not args.model and not (folder / "config.json").exists():
         print(f"[rollout_engines] writing random weights to {folder} ...", flush=True)
         write_model_folder("sdar", folder, args.tiny, std=args.init_std)
-    if not args.model:
-        add_config_class(folder)
     grid = [(u, g, b) for u in args.unmasking for g in args.gen for b in args.batch]
     rows: list[dict] = []
 

@@ -72,11 +72,15 @@ def test_tiny_run_measures_native_and_says_why_lmdeploy_did_not_run(tmp_path, mo
     assert all(row["tokens_per_s"] > 0 for row in saved["rows"] if row["engine"] == "native")
     assert all("error" in row for row in saved["rows"] if row["engine"] == "lmdeploy")
 
-    # the config class lmdeploy's AutoConfig(trust_remote_code=True) needs, holding config.json's fields
+    # the folder as the engine serves it to lmdeploy: its config and tokenizer read without remote code
     folder = next((tmp_path / "work" / "models").glob("sdar-tiny-*"))
     transformers = pytest.importorskip("transformers")
-    hf_config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=True)
-    assert hf_config.model_type == "sdar" and hf_config.block_size == 4 and hf_config.mask_token_id == 251
+    from dare_core.sampling.engines.lmdeploy import served_folder
+
+    view = served_folder(folder, tmp_path / "view")
+    hf_config = transformers.PretrainedConfig.from_pretrained(view)  # lmdeploy's fallback where AutoConfig fails
+    assert hf_config.architectures == ["SDARForCausalLM"] and hf_config.block_size == 4 and hf_config.mask_token_id == 251
+    assert transformers.AutoTokenizer.from_pretrained(view, trust_remote_code=True).eos_token is not None
 
     # the lmdeploy child's own code, on CPU: our loop behind the engine's interface decodes what native did
     class NativeBehindEngine:

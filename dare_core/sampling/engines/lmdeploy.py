@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import math
+import tempfile
 from dataclasses import asdict
+from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
@@ -186,6 +189,30 @@ def weight_chunks(state: dict[str, torch.Tensor], max_bytes: int) -> list[list[t
     return chunks
 
 
+# the files through which transformers' Auto* classes import a checkpoint's own code (their auto_map)
+REMOTE_CODE_FILES = ("config.json", "tokenizer_config.json")
+
+
+def served_folder(model_path: Path, view: Path) -> Path:
+    """The folder lmdeploy is pointed at: `view`, links to `model_path`'s files, with config.json and
+    tokenizer_config.json rewritten without their auto_map. lmdeploy decodes SDAR with model code of its
+    own and transformers' Qwen2 tokenizer, yet reads both files through Auto* classes with
+    trust_remote_code, which import the modules auto_map names (configuration_sdar.py,
+    tokenization_qwen2.py). A folder DARE saved keeps those entries but holds no such module (DARE never
+    copies model code), so that read fails; a download that holds them would run the checkpoint's
+    Python for nothing. Without auto_map, transformers reads the config as a plain one with every field
+    and the tokenizer by its tokenizer_class."""
+    view.mkdir(parents=True)
+    for f in model_path.iterdir():
+        if f.name in REMOTE_CODE_FILES:
+            data = json.loads(f.read_text())
+            data.pop("auto_map", None)
+            (view / f.name).write_text(json.dumps(data, indent=2))
+        elif f.suffix != ".py":
+            (view / f.name).symlink_to(f.resolve())
+    return view
+
+
 def check_model(model) -> None:
     """The checkpoint families and mask id lmdeploy's dLLM path decodes correctly."""
     model_type = model.family.model_type
@@ -237,6 +264,7 @@ class LMDeployEngine:
         self.engine_options = dict(engine_options, tp=tp, cache_max_entry_count=cache_max_entry_count, max_batch_size=max_batch_size,
                                    dtype=dtype, distributed_executor_backend=distributed_executor_backend)
         self._engine = None
+        self._view: Optional[tempfile.TemporaryDirectory] = None  # served_folder's, removed by close()
         self._dllm: Optional[dict] = None
         self._instances: list = []
         self._session_ids = itertools.count(1)
@@ -285,6 +313,9 @@ class LMDeployEngine:
             self._instances.clear()
             self._engine.close()
             self._engine = None
+        if self._view is not None:
+            self._view.cleanup()
+            self._view = None
 
     def _start(self, dllm: dict, session_len: int) -> None:
         if self._engine is not None:
@@ -296,7 +327,9 @@ class LMDeployEngine:
         from lmdeploy.pytorch.engine import Engine
 
         config = PytorchEngineConfig(session_len=session_len, **self.engine_options, **dllm)
-        self._engine = Engine.from_pretrained(self.model_path, engine_config=config, trust_remote_code=self.trust_remote_code)
+        self._view = tempfile.TemporaryDirectory(prefix="dare-lmdeploy-")
+        served = served_folder(Path(self.model_path), Path(self._view.name) / "model")
+        self._engine = Engine.from_pretrained(str(served), engine_config=config, trust_remote_code=self.trust_remote_code)
         self._dllm = dict(dllm)
         if self._weights_pending:
             self.update_weights(self.model)

@@ -11,7 +11,7 @@ from dare_core.sampling.decode import generate
 from dare_core.sampling.engines import build_engine
 from dare_core.models.family import get_family
 from dare_core.sampling.engines.lmdeploy import (assemble_output, check_model, map_params, request_seeds, required_length,
-                                                 session_length, weight_chunks)
+                                                 served_folder, session_length, weight_chunks)
 from dare_core.sampling.params import SamplingParams
 
 SDAR_MASK_TOKEN = get_family("sdar").engine_mask_ids["lmdeploy"]  # the mask id lmdeploy's SDAR builder assumes
@@ -173,6 +173,49 @@ def test_build_engine_without_lmdeploy_says_how_to_install(monkeypatch):
     with pytest.raises(ImportError, match=r"pip install 'dare\[lmdeploy\]'") as err:
         build_engine("lmdeploy", tiny("sdar"), model_path="unused")
     assert "CUDA" in str(err.value)
+
+
+def test_lmdeploy_reads_a_folder_dare_saved_without_its_remote_code(tmp_path):
+    """lmdeploy reads config.json and tokenizer_config.json through transformers' Auto* classes with
+    trust_remote_code (falling back to a plain config where AutoConfig fails). The checkpoint's auto_map
+    names modules a DARE folder does not hold; the served view reads with transformers alone."""
+    import json
+
+    from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
+
+    from dare_core.models.hf_folder import save_model
+
+    folder = tmp_path / "sdar"
+    save_model(tiny("sdar"), folder)
+    # a model loaded from the released checkpoint saves its config.json, auto_map included
+    config = json.loads((folder / "config.json").read_text()) | {"auto_map": {
+        "AutoConfig": "configuration_sdar.SDARConfig", "AutoModelForCausalLM": "modeling_sdar.SDARForCausalLM"}}
+    (folder / "config.json").write_text(json.dumps(config))
+    # the released tokenizer_config names its own tokenizer module too; a two-merge BPE vocabulary
+    vocab = {c: i for i, c in enumerate("abcdefgh")} | {"ab": 8, "abc": 9, "<|endoftext|>": 10}
+    (folder / "vocab.json").write_text(json.dumps(vocab))
+    (folder / "merges.txt").write_text("#version: 0.2\na b\nab c\n")
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "auto_map": {"AutoTokenizer": ["tokenization_qwen2.Qwen2Tokenizer", None]}, "tokenizer_class": "Qwen2Tokenizer",
+        "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "model_max_length": 512}))
+    with pytest.raises(OSError, match="configuration_sdar"):
+        AutoConfig.from_pretrained(folder, trust_remote_code=True)
+    with pytest.raises(OSError, match="tokenization_qwen2"):
+        AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+
+    view = served_folder(folder, tmp_path / "view")
+    with pytest.raises(ValueError):  # no remote code and a model type transformers lacks: lmdeploy's fallback
+        AutoConfig.from_pretrained(view, trust_remote_code=True)
+    served = PretrainedConfig.from_pretrained(view, trust_remote_code=True).to_dict()
+    sizes = ("architectures", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+             "intermediate_size", "vocab_size", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings")
+    assert {k: served[k] for k in sizes} == {k: config[k] for k in sizes} and "auto_map" not in served
+    tokenizer = AutoTokenizer.from_pretrained(view, trust_remote_code=True)
+    assert tokenizer.convert_tokens_to_ids(["abc", "<|endoftext|>"]) == [9, 10]
+    # the weights are the folder's own files, not copies
+    shards = sorted(p.name for p in folder.glob("*.safetensors"))
+    assert shards and all((view / n).resolve() == (folder / n).resolve() for n in shards)
+    assert json.loads((folder / "config.json").read_text()) == config  # the user's folder is left as it was
 
 
 @pytest.mark.gpu
