@@ -69,7 +69,8 @@ sandbox:
 # Headless Chromium for the Prefect UI screenshot test (tests/flows/test_ui_screenshot.py, through
 # Playwright with executable_path; Playwright's own browser download is not used). Debian package,
 # installed as root or through sudo.
-browser:
+# after sandbox: the two apt-get installs would contend for dpkg's lock under `make -j`
+browser: sandbox
 	@test -x /usr/bin/chromium || { \
 	  sudo=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  export DEBIAN_FRONTEND=noninteractive; \
@@ -85,13 +86,19 @@ run: venv
 # on first use into .cache/torch_extensions, where the stages and tests look for them. Built here,
 # once, with no time limit: a build inside a test's time limit that gets killed leaves its lock
 # behind, and every later use then waits on it.
+# The two ops build apart, so that `make -j` compiles them at the same time.
 OPS_DIR := $(CURDIR)/.cache/torch_extensions
-ds-ops: venv
+DS_OPS  := CPUAdamBuilder ShareMemCommBuilder
+.PHONY: $(addprefix ds-op-,$(DS_OPS))
+ds-ops: $(addprefix ds-op-,$(DS_OPS))
+$(addprefix ds-op-,$(DS_OPS)): ds-op-%: venv
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR="$(OPS_DIR)" $(PY) -c \
-	  'from deepspeed.accelerator import get_accelerator as a; [a().create_op_builder(n).load() for n in ("CPUAdamBuilder", "ShareMemCommBuilder")]'
+	  'from deepspeed.accelerator import get_accelerator as a; a().create_op_builder("$*").load()'
 
 # Tests marked "gpu" are skipped automatically when no CUDA device is present (tests/conftest.py).
-test: venv-test sandbox browser ds-ops
+# The setup steps run side by side (pip, apt-get and the op builds wait on different things).
+test:
+	$(MAKE) -j4 venv-test sandbox browser ds-ops
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # stage commands call `dare`, so the venv's bin goes first on PATH
