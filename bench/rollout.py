@@ -70,14 +70,15 @@ def random_model(name: str, device: str, shrink: dict | None):
     return model.eval()
 
 
-def time_run(fn, repeats: int = 1) -> tuple[float, object]:
-    out = fn()  # warm-up (and CUDA-graph capture)
+def time_run(fn, repeats: int = 1) -> tuple[float, object, object]:
+    """(seconds per timed run, the warm-up's output, the last run's output)."""
+    first = out = fn()  # warm-up (and CUDA-graph capture)
     sync()
     t = time.perf_counter()
     for _ in range(repeats):
         out = fn()
     sync()
-    return (time.perf_counter() - t) / repeats, out
+    return (time.perf_counter() - t) / repeats, first, out
 
 
 def speed(args) -> list[dict]:
@@ -86,7 +87,8 @@ def speed(args) -> list[dict]:
     if args.smoke:
         shrink = {"n_layers": 2, "num_hidden_layers": 2, "d_model": 128, "hidden_size": 128, "mlp_hidden_size": 256,
                   "intermediate_size": 256, "n_heads": 4, "n_kv_heads": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-                  "head_dim": 32, "vocab_size": 2048, "embedding_size": 2048, "mask_token_id": 2000}
+                  "head_dim": 32, "vocab_size": 2048, "embedding_size": 2048, "mask_token_id": 2000,
+                  "eos_token_id": 2001, "pad_token_id": 2002, "bos_token_id": 2003}  # the real ids lie past the small vocabulary
     rows = []
     for name in args.configs:
         model = random_model(name, device, shrink)
@@ -117,7 +119,7 @@ def speed(args) -> list[dict]:
                     else:
                         fn = lambda: generate(model, prompts, params, max_blocks=max_blocks)  # noqa: E731
                     try:
-                        sec, out = time_run(fn)
+                        sec, _, out = time_run(fn)
                     except torch.cuda.OutOfMemoryError:
                         rows.append({"model": name, "gen": gen, "batch": batch, "mode": mode, "error": "out of memory"})
                         torch.cuda.empty_cache()
@@ -199,7 +201,7 @@ def threshold_table(path: str, rows: list[dict], args) -> list[str]:
         def run_all(p=params):
             return [generate(model, prompts[i:i + args.batch_size], p) for i in range(0, len(prompts), args.batch_size)]
 
-        sec, outs = time_run(run_all)
+        sec, _, outs = time_run(run_all)
         texts = [t for o in outs for t in decode_responses(tok, o)]
         acc = sum(r.acc for r in score_texts(rows, texts)) / len(rows)
         steps = sum(int(o.steps.sum()) for o in outs)

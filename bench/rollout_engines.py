@@ -40,8 +40,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from rollout import sync  # noqa: E402
-from stamp import REPO, fmt, git_commit, hardware, header, library_versions, markdown_table, write_atomic  # noqa: E402
+from rollout import time_run  # noqa: E402
+from stamp import REPO, fmt, git_commit, hardware, header, jsonl_rows, library_versions, markdown_table, write_atomic  # noqa: E402
 from dare_core.sampling.params import SamplingParams  # noqa: E402
 
 UNMASKINGS = {"static": "topk", "dynamic": "threshold"}  # bench name -> ours (map_params gives lmdeploy's)
@@ -67,18 +67,6 @@ def agreement(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
         raise ValueError(f"responses of shapes {tuple(a.shape)} and {tuple(b.shape)}")
     same = a.cpu() == b.cpu()
     return same.float().mean().item(), same.all(-1).float().mean().item()
-
-
-def measure(fn: Callable, repeats: int):
-    """(seconds per timed run, warm-up output, last output)."""
-    with torch.no_grad():
-        first = fn()
-        sync()
-        t = time.perf_counter()
-        for _ in range(repeats):
-            out = fn()
-        sync()
-    return (time.perf_counter() - t) / repeats, first, out
 
 
 def key(unmasking: str, gen: int, batch: int) -> str:
@@ -119,7 +107,7 @@ def native_rows(folder: Path, grid: list, args, emit: Callable) -> tuple[dict, b
         params = sampling_params(point[0], point[1], model.block_size, args.threshold, cuda)
         prompts = make_prompts(point[2], args.prompt)
         try:
-            wall, first, out = measure(lambda: generate(model, prompts, params), args.repeats)
+            wall, first, out = time_run(lambda: generate(model, prompts, params), args.repeats)
         except torch.cuda.OutOfMemoryError:
             emit(failed_row("native", point, "out of memory"))
             torch.cuda.empty_cache()
@@ -171,7 +159,7 @@ def lmdeploy_child(spec_path: Path) -> int:
                 row = failed_row("lmdeploy", point, f"not run: the engine did not start: {not_started}")
             else:
                 try:
-                    wall, first, out = measure(lambda: engine.generate(prompts, params), spec["repeats"])
+                    wall, first, out = time_run(lambda: engine.generate(prompts, params), spec["repeats"])
                     steps = gen // model.block_size * STEPS_PER_BLOCK if unmasking == "static" else None  # not reported
                     row = result_row("lmdeploy", point, wall, steps, first, out, native.get(key(*point)))
                 except Exception as e:  # the row says what failed; the other settings still run
@@ -204,19 +192,13 @@ def run_lmdeploy(args, folder: Path, grid: list, on_rows: Callable) -> Optional[
             proc = subprocess.Popen([sys.executable, __file__, "--lmdeploy-child", str(spec_path)], cwd=REPO,
                                     stdout=out, stderr=subprocess.STDOUT)
             while proc.poll() is None:
-                on_rows(read_rows(rows_path))
+                on_rows(jsonl_rows(rows_path))
                 time.sleep(2)
-        on_rows(read_rows(rows_path))
+        on_rows(jsonl_rows(rows_path))
         if proc.returncode:
             tail = " / ".join(line for line in log.read_text(errors="replace").splitlines()[-3:] if line.strip())[-400:]
             problems.append(f"the lmdeploy {unmasking} child exited with code {proc.returncode} ({log}): {tail}")
     return "; ".join(problems) or None
-
-
-def read_rows(path: Path) -> list[dict]:
-    # a line being written has no newline yet
-    text = path.read_text() if path.exists() else ""
-    return [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
 
 
 def verdict(rows: list[dict], min_agreement: float, not_run: Optional[str]) -> tuple[dict, list[str]]:

@@ -3,6 +3,7 @@ date) and the small writing helpers they share (markdown tables, number cells, a
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import re
 import subprocess
@@ -138,3 +139,15 @@ def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def jsonl_rows(path: Path) -> list[dict]:
+    """The rows of a JSON-lines file another process is appending to, so far (none if it does not
+    exist yet; a line still being written is left for the next read)."""
+    rows = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return rows

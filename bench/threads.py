@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
 from dare_core.threads import REASON_VAR, launcher_env  # noqa: E402
-from stamp import git_commit, hardware, header, markdown_table  # noqa: E402
+from stamp import git_commit, hardware, header, markdown_table, usable_cores  # noqa: E402
 
 OUT = REPO / "bench" / "results" / "threads.md"
 WORKLOADS = ("sft", "rollout")

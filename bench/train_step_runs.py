@@ -19,7 +19,7 @@ import torch
 
 from rl_pieces import REWARD, register_rl_pieces, token_hash_reward
 from model_throughput import peak_bf16
-from stamp import REPO, hardware, host_memory_bytes, mean
+from stamp import REPO, hardware, host_memory_bytes, jsonl_rows, mean
 from train_step_setup import FAMILIES, Settings, evict_page_cache, optimizer_host_bytes, write_data, write_model_folder
 
 ENTRY = Path(__file__).with_name("train_step.py")  # a child runs `train_step.py --task SPEC`
@@ -81,15 +81,8 @@ def rl_overrides(spec: dict, s: Settings, block_size: Optional[int]) -> dict:
 
 
 def metrics_rows(out_dir: Path) -> list[dict]:
-    """The stage's metrics.jsonl rows so far (a line still being written is left for the next read)."""
-    path = out_dir / "metrics.jsonl"
-    rows = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return rows
+    """The stage's metrics.jsonl rows so far."""
+    return jsonl_rows(out_dir / "metrics.jsonl")
 
 
 def run_rl_on_folder(cfg, folder: str) -> dict:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +47,20 @@ def test_threshold_table_covers_every_model_in_one_stamped_file(tmp_path):
         table = text.split(f"### `{model}`")[1].split("###")[0]
         assert "| plain (1 token/step) |" in table and "| 1.0x |" in table
         assert len([line for line in table.splitlines() if line.startswith("| ")]) == 1 + 4  # header + 4 settings
+
+
+def test_speed_smoke_times_every_mode_of_both_families(tmp_path):
+    """`rollout.py speed --smoke` (two small layers on CPU, the real configs' ids moved inside the
+    small vocabulary) writes a row per CPU mode of each config, each against its model's `none` row."""
+    out = tmp_path / "speed.md"
+    subprocess.run([sys.executable, str(REPO / "bench" / "rollout.py"), "speed", "--smoke", "--gen", "64", "--batch", "1",
+                    "--prompt", "8", "--steps", "4", "--out", str(out)], check=True, capture_output=True, text=True,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.read_text().splitlines()
+            if line.startswith(("| LLaDA", "| SDAR"))]
+    assert [(r[0], r[3]) for r in rows] == [("LLaDA-8B-Instruct", m) for m in ("reference", "none", "prefix", "dual eager")] + \
+        [("SDAR-8B-Chat", m) for m in ("none", "block_kv eager")]
+    assert all(float(r[5]) > 0 for r in rows) and [r[7] for r in rows if r[3] == "none"] == ["1.00x", "1.00x"]
 
 
 def test_a_commit_named_by_hand_must_be_a_whole_hash(monkeypatch):

@@ -99,7 +99,8 @@ def test_tiny_run_measures_native_and_says_why_lmdeploy_did_not_run(tmp_path, mo
             pass
 
     import dare_core.sampling.engines as engines
-    from rollout_engines import lmdeploy_child, read_rows
+    from rollout_engines import lmdeploy_child
+    from stamp import jsonl_rows
 
     work = tmp_path / "work"
     spec = {"folder": str(folder), "unmasking": "static", "points": [[8, 1], [16, 2]],
@@ -112,7 +113,7 @@ def test_tiny_run_measures_native_and_says_why_lmdeploy_did_not_run(tmp_path, mo
     (name, options), = started
     assert name == "lmdeploy" and options["model_path"] == spec["folder"] and options["max_batch_size"] == 2
     assert options["distributed_executor_backend"] == "ray" and options["cache_max_entry_count"] == 0.5
-    rows = read_rows(work / "child.jsonl")
+    rows = jsonl_rows(work / "child.jsonl")
     assert [(r["engine"], r["gen"], r["batch"], r["steps"]) for r in rows] == [("lmdeploy", 8, 1, 8), ("lmdeploy", 16, 2, 16)]
     assert all(r["token_agreement"] == r["row_agreement"] == 1.0 and r["ms_per_step"] > 0 for r in rows)
 
@@ -127,5 +128,5 @@ def test_tiny_run_measures_native_and_says_why_lmdeploy_did_not_run(tmp_path, mo
     (work / "spec.json").write_text(json.dumps(spec))
     monkeypatch.setattr(engines, "build_engine", lambda name, model, **kw: NeverStarts(model, **kw))
     lmdeploy_child(work / "spec.json")
-    first, second = read_rows(work / "failed.jsonl")
+    first, second = jsonl_rows(work / "failed.jsonl")
     assert first["error"] == "RuntimeError: no GPU for you" and second["error"].startswith("not run: the engine did not start")
