@@ -149,15 +149,22 @@ def api_get(server: PrefectServer, path: str) -> list | dict:
 
 def _request(req: urllib.request.Request, attempts: int = 5) -> list | dict:
     """The server answers 503 when SQLite stays locked (a busy machine): its transaction was rolled
-    back, and Prefect's own client retries it, as this does."""
+    back, and Prefect's own client retries it, as this does. On 2 busy cores an answer can also
+    take longer than the socket's wait; a read (GET, or a POST to a `/filter` query) is then asked
+    again, while a write is not (it may have been carried out)."""
+    reads = req.get_method() == "GET" or req.full_url.endswith("/filter")
     for attempt in range(attempts):
         try:
-            with urllib.request.urlopen(req, timeout=10) as r:
+            with urllib.request.urlopen(req, timeout=30) as r:
                 return json.loads(r.read())
         except urllib.error.HTTPError as e:
             if e.code != 503 or attempt == attempts - 1:
                 raise
-            time.sleep(1 + attempt)
+        except (TimeoutError, urllib.error.URLError) as e:
+            timed_out = isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError)
+            if not (reads and timed_out) or attempt == attempts - 1:
+                raise
+        time.sleep(1 + attempt)
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 1.0):

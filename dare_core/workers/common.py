@@ -155,7 +155,7 @@ def run_worker(fn: Callable[[DareConfig], object], argv: Optional[list[str]], de
 
     def work() -> int:
         # (here, not at the top: run_rank, every rank's supervisor, need not import torch)
-        from dare_core.training.process_group import shutdown_distributed
+        from dare_core.training.process_group import exit_before_teardown, several_gloo_ranks, shutdown_distributed
 
         cfg = parse(argv, description)
         # before any tensor work: torch's default (a thread per logical CPU in every rank)
@@ -168,8 +168,11 @@ def run_worker(fn: Callable[[DareConfig], object], argv: Optional[list[str]], de
         except BaseException:
             shutdown_distributed(clean=False)
             raise
+        gloo_ranks = several_gloo_ranks()
         shutdown_distributed(clean=True)
         log_threads()  # stages that log it once their checks pass already did; others log it here
+        if gloo_ranks and argv is None:  # (a rank's own process; tests call main(argv) in theirs)
+            exit_before_teardown(0)
         return 0
 
     return run_reporting_errors(work, debug_requested(argv))
