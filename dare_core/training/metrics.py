@@ -12,7 +12,7 @@ from typing import Mapping, Optional
 
 from tqdm import tqdm
 
-from dare_core.training.plots import PlotSpec, PlotThrottle, line_plot
+from dare_core.training.plots import PlotProcess, PlotSpec, PlotThrottle, line_plot
 
 # the share of a run's wall time drawing PNGs may take (`PlotThrottle`)
 PLOT_TIME_SHARE = 0.05
@@ -45,10 +45,15 @@ class MetricsLogger:
     `plot_keys`: the keys written to `<key>.csv` (DVC plots). `pngs`: {key: PlotSpec}, the keys drawn
     to `<key>.png` at the end of a logged step that logs them (at most `png_share` of the wall time:
     `PlotThrottle`; None: every such step) and at `close`. A fresh run removes the PNGs of an earlier
-    one; a resumed run redraws them from the rows it keeps."""
+    one; a resumed run redraws them from the rows it keeps.
+
+    `rank_of_several` (rank 0 of a multi-rank run, whom the others wait for at their next
+    collective): the drawings go to a child process (`PlotProcess`), and TensorBoard's writer is
+    made now rather than at the first logged step (its first import takes about a second)."""
 
     def __init__(self, directory: Path, resume_step: int = 0, plot_keys: tuple = (), enabled: bool = True,
-                 pngs: Optional[Mapping[str, PlotSpec]] = None, png_share: Optional[float] = PLOT_TIME_SHARE):
+                 pngs: Optional[Mapping[str, PlotSpec]] = None, png_share: Optional[float] = PLOT_TIME_SHARE,
+                 rank_of_several: bool = False):
         self.dir = Path(directory)
         self.enabled = enabled
         self.plot_keys = plot_keys
@@ -58,6 +63,7 @@ class MetricsLogger:
         self._series: dict[str, list] = {key: [] for key in self.pngs}
         self._stale: set[str] = set()  # keys logged since their PNG was last drawn
         self._throttle = PlotThrottle(png_share)
+        self._drawer: Optional[PlotProcess] = None
         if not enabled:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -71,6 +77,10 @@ class MetricsLogger:
             else:
                 (self.dir / f"{key}.png").unlink(missing_ok=True)  # an earlier run's plot would mislead
         self.draw(force=True)
+        if rank_of_several:
+            self._writer()
+            if self.pngs:
+                self._drawer = PlotProcess()
 
     def _rewrite_plots(self, rows: list) -> None:
         for key in self.plot_keys:
@@ -126,15 +136,28 @@ class MetricsLogger:
 
     def draw(self, force: bool = False) -> None:
         """Redraw the PNGs of the keys logged since their last drawing, if `PlotThrottle` says so."""
+        drawer = self._drawer
+        if drawer is not None and drawer.in_flight:
+            seconds = drawer.finished(wait=force)
+            if seconds is not None:
+                self._throttle.spent(seconds)
+            if drawer.in_flight:  # the keys stay stale: drawn at a later step, or at close
+                return
         if not self.enabled or not self._stale or not self._throttle.due(force):
             return
-        started = time.monotonic()
-        for key in sorted(self._stale):
-            line_plot(self.dir / f"{key}.png", {key: self._series[key]}, self.pngs[key])
+        jobs = [(self.dir / f"{key}.png", {key: list(self._series[key])}, self.pngs[key]) for key in sorted(self._stale)]
         self._stale.clear()
+        if drawer is not None and drawer.alive and not force and drawer.submit(jobs):
+            return
+        started = time.monotonic()
+        for path, series, spec in jobs:
+            line_plot(path, series, spec)
         self._throttle.record(started)
 
     def close(self) -> None:
         self.draw(force=True)  # the last logged step, whatever the throttle skipped
+        if self._drawer is not None:
+            self._drawer.close()
+            self._drawer = None
         if self._tb:
             self._tb.close()

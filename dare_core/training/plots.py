@@ -13,8 +13,16 @@ redraws `<key>.png` beside `<key>.csv` at the end of a logged step (`PlotThrottl
 """
 from __future__ import annotations
 
+import dataclasses
 import io
+import json
+import logging
 import math
+import os
+import select
+import signal
+import subprocess
+import sys
 import textwrap
 import time
 from dataclasses import dataclass
@@ -171,5 +179,96 @@ class PlotThrottle:
         return time.monotonic() - self._end >= self._cost / self.share
 
     def record(self, started: float) -> None:
+        self.spent(time.monotonic() - started)
+
+    def spent(self, seconds: float) -> None:
+        """A drawing that took `seconds` (of another process, say) has just ended."""
         self._end = time.monotonic()
-        self._cost = self._end - started
+        self._cost = seconds
+
+
+log = logging.getLogger(__name__)
+
+# one drawing: the PNG's path, its series and its PlotSpec
+PlotJob = tuple[Path, Mapping[str, Sequence[Point]], PlotSpec]
+
+
+class PlotProcess:
+    """Draws PNGs in a child process (`python -m dare_core.training.plots`), so that rank 0 of
+    several does not draw while the others wait for it at their next collective: on 4 GPUs the end
+    of rank 0's first logged RL step (the first drawing, matplotlib's import with it, and
+    TensorBoard's first import) held every rank 0.7 s. One drawing is
+    in flight at a time (`in_flight`). A child that died is reported once, and the caller draws in
+    its own process from then on (`alive` turns False)."""
+
+    def __init__(self) -> None:
+        package_root = str(Path(__file__).resolve().parents[2])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
+        self._proc = subprocess.Popen([sys.executable, "-m", "dare_core.training.plots"], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, text=True, env=env)
+        self.in_flight = False
+        self.alive = True
+
+    def submit(self, jobs: list[PlotJob]) -> bool:
+        """Hand `jobs` to the child (not while `in_flight`); False (and `alive` off) if it is gone."""
+        line = json.dumps([{"path": str(path), "series": {k: list(v) for k, v in series.items()},
+                            "spec": dataclasses.asdict(spec)} for path, series, spec in jobs])
+        try:
+            self._proc.stdin.write(line + "\n")
+            self._proc.stdin.flush()
+        except (BrokenPipeError, OSError, ValueError):
+            return self._lost()
+        self.in_flight = True
+        return True
+
+    def finished(self, wait: bool = False) -> Optional[float]:
+        """The seconds of the drawing in flight once it has ended (waiting for it with `wait`),
+        else None."""
+        if not self.in_flight:
+            return None
+        if not wait and not select.select([self._proc.stdout], [], [], 0)[0]:
+            return None
+        reply = self._proc.stdout.readline()
+        self.in_flight = False
+        if not reply:
+            self._lost()
+            return None
+        return float(reply)
+
+    def close(self) -> None:
+        """Wait for the drawing in flight, then end the child."""
+        if self.alive:
+            self.finished(wait=True)
+        try:
+            self._proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self._proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+    def _lost(self) -> bool:
+        if self.alive:
+            log.warning("the PNG drawing process ended (exit code %s): rank 0 draws the plots itself from here on",
+                        self._proc.poll())
+        self.alive, self.in_flight = False, False
+        return False
+
+
+def _serve() -> None:
+    """The child of `PlotProcess`: a JSON line of drawings on stdin at a time; once it is drawn,
+    a line with the seconds it took on stdout. It ends when its parent closes the pipe (or dies), not
+    on the Ctrl-C that reaches the whole process group."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for line in sys.stdin:
+        started = time.perf_counter()
+        for job in json.loads(line):
+            series = {k: [tuple(p) for p in v] for k, v in job["series"].items()}
+            line_plot(Path(job["path"]), series, PlotSpec(**job["spec"]))
+        print(f"{time.perf_counter() - started:.6f}", flush=True)
+
+
+if __name__ == "__main__":
+    _serve()

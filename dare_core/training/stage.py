@@ -112,7 +112,7 @@ class TrainingStage:
             self.start = self.ckpt.begin(self.engine, self.title)
             plot_keys, pngs = self.plots()
             self.logger = MetricsLogger(self.out_dir, resume_step=self.start, plot_keys=plot_keys, enabled=self.rank == 0,
-                                        pngs=pngs)
+                                        pngs=pngs, rank_of_several=self.world > 1)
             summary = self.finish(self.train())
             self.logger.close()
             return summary

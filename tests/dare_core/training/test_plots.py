@@ -172,3 +172,36 @@ def test_sft_stage_writes_loss_png(tmp_path):
     assert [s for s, _ in losses] == [2, 4]
     assert png == render_png({"loss": losses}, STAGE_PLOTS["sft"]["loss"])  # the last logged step is drawn
     assert _no_tmp(out)
+
+
+def _log_steps(logger: MetricsLogger, steps) -> None:
+    for step in steps:
+        logger.log(step, {"loss": 4.0 / step})
+
+
+def test_drawing_aside_writes_the_same_pngs_without_the_logger_waiting(tmp_path):
+    """Rank 0 of several hands its drawings to a child process: a logged step returns with the
+    drawing still in flight, and the PNGs at the end are those drawn in the process itself."""
+    inline, aside = tmp_path / "inline", tmp_path / "aside"
+    ref = MetricsLogger(inline, plot_keys=("loss",), pngs={"loss": LOSS}, png_share=None)
+    _log_steps(ref, (10, 20, 30))
+    ref.close()
+    logger = MetricsLogger(aside, plot_keys=("loss",), pngs={"loss": LOSS}, png_share=None, rank_of_several=True)
+    drawer = logger._drawer
+    assert logger._tb is not None  # TensorBoard's writer made before the first step (False: not installed)
+    logger.log(10, {"loss": 0.4})
+    assert drawer.in_flight  # handed over; the step did not wait for it
+    _log_steps(logger, (20, 30))  # (steps logged while a drawing is in flight are drawn later)
+    logger.close()
+    assert (aside / "loss.png").read_bytes() == (inline / "loss.png").read_bytes()
+    assert drawer._proc.poll() == 0 and _no_tmp(aside)  # the child ended with the logger
+
+
+def test_a_drawing_process_that_died_leaves_the_drawing_to_the_logger(tmp_path, caplog):
+    logger = MetricsLogger(tmp_path, plot_keys=("loss",), pngs={"loss": LOSS}, png_share=None, rank_of_several=True)
+    logger._drawer._proc.kill()
+    logger._drawer._proc.wait()
+    _log_steps(logger, (10, 20, 30))
+    logger.close()
+    assert (tmp_path / "loss.png").read_bytes() == render_png({"loss": [(10, 0.4), (20, 0.2), (30, round(4.0 / 30, 6))]}, LOSS)
+    assert sum("drawing process ended" in r.getMessage() for r in caplog.records) == 1
