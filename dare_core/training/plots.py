@@ -13,7 +13,6 @@ redraws `<key>.png` beside `<key>.csv` at the end of a logged step (`PlotThrottl
 """
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
 import logging
@@ -25,7 +24,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
@@ -197,9 +196,9 @@ class PlotProcess:
     """Draws PNGs in a child process (`python -m dare_core.training.plots`), so that rank 0 of
     several does not draw while the others wait for it at their next collective: on 4 GPUs the end
     of rank 0's first logged RL step (the first drawing, matplotlib's import with it, and
-    TensorBoard's first import) held every rank 0.7 s. One drawing is
-    in flight at a time (`in_flight`). A child that died is reported once, and the caller draws in
-    its own process from then on (`alive` turns False)."""
+    TensorBoard's first import) held every rank 0.7 s. One drawing is in flight at a time
+    (`in_flight`). A child that died is reported once, and the caller draws in its own process from
+    then on (`alive` turns False)."""
 
     def __init__(self) -> None:
         package_root = str(Path(__file__).resolve().parents[2])
@@ -212,7 +211,7 @@ class PlotProcess:
     def submit(self, jobs: list[PlotJob]) -> bool:
         """Hand `jobs` to the child (not while `in_flight`); False (and `alive` off) if it is gone."""
         line = json.dumps([{"path": str(path), "series": {k: list(v) for k, v in series.items()},
-                            "spec": dataclasses.asdict(spec)} for path, series, spec in jobs])
+                            "spec": asdict(spec)} for path, series, spec in jobs])
         try:
             self._proc.stdin.write(line + "\n")
             self._proc.stdin.flush()
