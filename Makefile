@@ -26,6 +26,13 @@ PIN_TORCH   := "$(TORCH_SPEC)"
 PYTEST_ARGS ?=
 RUN_ARGS    ?=
 
+# lmdeploy's own environment (its lock is resolved with uv, which requirements/test.txt installs).
+LMDEPLOY_VENV   := .venv-lmdeploy
+LMDEPLOY_LOCK   := requirements/lmdeploy.txt
+LMDEPLOY_PYTHON ?= $(PYTHON)
+# The CPU overlay for tests; the variable the tests read (tests/lmdeploy_cpu.py) names it here too.
+DARE_LMDEPLOY_CPU ?= $(CURDIR)/.cache/lmdeploy-cpu
+
 # ---- Runtime environment shared by every target (offline-friendly, caches inside the repo) ----
 # dare.env holds the list; `dare stage` and the flow read the same file (dare_core/env_file.py).
 # Its ${DARE_PROJECT} is this checkout (the checkout a workspace of an isolated run belongs to).
@@ -36,12 +43,13 @@ ifneq ($(HAVE_GPU),1)
 export DS_ACCELERATOR := cpu
 endif
 
-.PHONY: venv venv-test sandbox browser ds-ops run test repro lock clean distclean
+.PHONY: venv venv-test sandbox browser ds-ops lmdeploy lmdeploy-cpu lmdeploy-lock run test repro lock clean distclean
 
 venv: $(VENV)/.stamp
 venv-test: $(VENV)/.stamp-test
 
-$(VENV)/.stamp: pyproject.toml $(wildcard requirements/*.txt)
+# requirements/lmdeploy.txt locks the engine's own environment (below), not this one.
+$(VENV)/.stamp: pyproject.toml $(filter-out $(LMDEPLOY_LOCK),$(wildcard requirements/*.txt))
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install $(CONSTRAINTS) $(PIN_TORCH)
 	$(PIP) install $(CONSTRAINTS) $(PIN_TORCH) -r requirements/base.txt
@@ -97,9 +105,62 @@ $(addprefix ds-op-,$(DS_OPS)): ds-op-%: venv
 
 # Tests marked "gpu" are skipped automatically when no CUDA device is present (tests/conftest.py).
 # The setup steps run side by side (pip, apt-get and the op builds wait on different things).
+# DARE_LMDEPLOY_CPU makes the lmdeploy CPU tests fail, not skip, when the overlay is broken.
 test:
-	$(MAKE) -j4 venv-test sandbox browser ds-ops
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(MAKE) -j4 venv-test sandbox browser ds-ops lmdeploy-cpu
+	DARE_LMDEPLOY_CPU="$(DARE_LMDEPLOY_CPU)" $(PY) -m pytest -q $(PYTEST_ARGS)
+
+# ---- lmdeploy: its own environment (docs/environment.md#lmdeploy) ----
+# Every lmdeploy release wants peft<=0.14.0 and 0.18.0 wants torch<=2.12.1; DARE has peft 0.21.2 and
+# torch 2.13.0. So the engine runs in a child process with the python of .venv-lmdeploy.
+# One lock serves Python 3.11 and 3.12 on Linux x86_64 (lmdeploy has no other Linux wheel): resolved
+# for the older one, whose pins (numpy, networkx) 3.12 also has; tests/test_lmdeploy_install.py
+# resolves the lock again for both. --no-config: a user's uv.toml must not change the result.
+LMDEPLOY_UV_ARGS := --no-config --index-url https://pypi.org/simple --python-platform x86_64-manylinux_2_28 --python-version 3.11
+
+lmdeploy: $(LMDEPLOY_VENV)/.stamp
+
+# The lock is complete, so --no-deps installs exactly it and `pip check` proves it consistent.
+$(LMDEPLOY_VENV)/.stamp: $(LMDEPLOY_LOCK)
+	@[ "$(HAVE_GPU)" = 1 ] || { echo "error: no nvidia-smi: lmdeploy's kernels need CUDA, and the lock holds GBs of CUDA wheels." \
+	  "Building for a GPU machine (an image)? make lmdeploy HAVE_GPU=1. CPU tests: make lmdeploy-cpu" >&2; exit 1; }
+	@$(LMDEPLOY_PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] not in ((3, 11), (3, 12)))' \
+	  || { echo "error: $(LMDEPLOY_LOCK) is resolved for Python 3.11 and 3.12; $(LMDEPLOY_PYTHON) is" \
+	  "$$($(LMDEPLOY_PYTHON) -V 2>&1): make lmdeploy LMDEPLOY_PYTHON=python3.12" >&2; exit 1; }
+	test -x $(LMDEPLOY_VENV)/bin/python || $(LMDEPLOY_PYTHON) -m venv $(LMDEPLOY_VENV)
+	$(LMDEPLOY_VENV)/bin/python -m pip install --no-deps -r $(LMDEPLOY_LOCK)
+	$(LMDEPLOY_VENV)/bin/python -m pip check
+	touch $@
+
+# A fresh resolve (the old lock is not consulted). The header holds the command that made it.
+lmdeploy-lock: venv-test
+	$(VENV)/bin/uv pip compile $(LMDEPLOY_UV_ARGS) --no-header requirements/lmdeploy.in -o $(LMDEPLOY_LOCK).tmp
+	{ echo "# The lmdeploy engine's environment, fully pinned: make lmdeploy-lock, which runs"; \
+	  echo "#   uv pip compile $(LMDEPLOY_UV_ARGS) --no-header requirements/lmdeploy.in -o $(LMDEPLOY_LOCK)"; \
+	  echo "# (uv $$($(VENV)/bin/uv --version | cut -d' ' -f2)). Install: make lmdeploy (docs/environment.md)."; \
+	  cat $(LMDEPLOY_LOCK).tmp; } > $(LMDEPLOY_LOCK)
+	rm $(LMDEPLOY_LOCK).tmp
+
+# CPU tests of the engine's code run lmdeploy's PyTorch engine modules on DARE's own torch and
+# transformers: a `pip install --target` folder, put first on PYTHONPATH in a subprocess
+# (tests/lmdeploy_cpu.py). Only the distributions that import needs beside DARE's environment, at
+# the lock's versions (xgrammar and its apache-tvm-ffi: the model agent's module, whose names the
+# engine's process calls). The TurboMind binary (~350 MB) goes: the PyTorch engine never loads it.
+# Installed by .venv's pip so the wheels match its Python; built under a temporary name, then moved,
+# so an interrupted build is never taken for a finished one.
+LMDEPLOY_CPU_PKGS := lmdeploy triton pybase64 pyzmq xgrammar apache-tvm-ffi
+
+lmdeploy-cpu: $(DARE_LMDEPLOY_CPU)/.stamp
+
+$(DARE_LMDEPLOY_CPU)/.stamp: $(LMDEPLOY_LOCK) | venv
+	rm -rf "$(DARE_LMDEPLOY_CPU)" "$(DARE_LMDEPLOY_CPU).tmp"
+	mkdir -p "$(DARE_LMDEPLOY_CPU).tmp"
+	for p in $(LMDEPLOY_CPU_PKGS); do grep -E "^$$p==" $(LMDEPLOY_LOCK) \
+	  || { echo "error: $(LMDEPLOY_LOCK) pins no $$p" >&2; exit 1; }; done > "$(DARE_LMDEPLOY_CPU).tmp/pins.txt"
+	$(PIP) install --no-deps --only-binary=:all: --target "$(DARE_LMDEPLOY_CPU).tmp" -r "$(DARE_LMDEPLOY_CPU).tmp/pins.txt"
+	rm -f "$(DARE_LMDEPLOY_CPU).tmp"/lmdeploy/turbomind/_turbomind*.so
+	mv "$(DARE_LMDEPLOY_CPU).tmp" "$(DARE_LMDEPLOY_CPU)"
+	touch $@
 
 # stage commands call `dare`, so the venv's bin goes first on PATH
 repro: venv
@@ -118,4 +179,4 @@ clean:
 	rm -rf runs models metrics data/prepared .cache
 
 distclean: clean
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(LMDEPLOY_VENV)

@@ -1,26 +1,31 @@
-"""SDAR-8B rollouts through our block-KV loop (`native`) and lmdeploy's engine, on the same weights,
-prompts and greedy settings in one run: ms/step, tokens/s, greedy agreement, and the default engine
-for SDAR rollouts with its reason, computed from the rows.
+"""SDAR rollouts through our block-KV loop (`native`) and lmdeploy's engine, on the same weights and
+prompts in one run: speed over a grid, teacher-forced logit parity, greedy agreement, and the
+default engine for SDAR rollouts with its reason, computed from the rows.
 
-    python3 bench/rollout_engines.py --budget 540      # GPU: the whole grid in one command
-    python3 bench/rollout_engines.py --tiny            # CPU: two narrow layers, checks the script
+    python3 bench/rollout_engines.py --side-by-side --budget 480     # GPU x2: the whole grid, both engines at once
+    python3 bench/rollout_engines.py --tiny                          # CPU: two narrow layers, checks the script
 
-Weights: random bf16 at the real SDAR-8B-Chat config, written once under --workdir in the real on-disk
-format with a tokenizer (bench/train_step_setup.py), read by both engines (--model: a checkpoint folder
-instead). Drawn with std --init-std 0.3, not 0.02: at 0.02 the logits are near-uniform over 152k ids,
-so bf16 rounding decides each greedy pick (the agreement would measure kernel noise) and no confidence
-reaches a threshold (dynamic unmasking would commit one token per step); at 0.3 the top logit stands
-clear, as a trained model's does. Block 4 and 4 steps per block (SDAR's recipe), confidence the
-untempered softmax (`low_confidence`, what lmdeploy reads), stop_at_eos off: every run decodes all gen
-tokens. Static = our `topk` (lmdeploy `low_confidence_static`), dynamic = our `threshold` (lmdeploy
-`low_confidence_dynamic`). One warm-up per setting (CUDA graphs, lmdeploy's start), then --repeats.
+Weights: random bf16 at the real SDAR-8B-Chat config, written once under --workdir in the real
+on-disk format with a tokenizer (bench/train_step_setup.py), read by both engines. The grid runs on
+the first --init-std (0.3: at 0.02 the logits are near-uniform over 152k ids and no confidence
+reaches a threshold, so dynamic unmasking would commit one token per step). Block 4 and 4 steps per
+block (SDAR's recipe), greedy, confidence the untempered softmax (`low_confidence`, what lmdeploy
+reads), stop_at_eos off: every run decodes all gen tokens. Static = our `topk` (lmdeploy
+`low_confidence_static`), dynamic = our `threshold` (lmdeploy `low_confidence_dynamic`). One warm-up
+per setting (CUDA graphs), then --repeats timed runs.
 
-Processes: the native rows run here; the native model is then freed and each unmasking's lmdeploy rows
-run in a child process (lmdeploy fixes the unmasking when its engine starts). A child because the
-native run's allocator cache and CUDA-graph pools are surely returned only when a process ends, and
-lmdeploy sizes its KV cache as a share of the GPU memory it finds free (16 GB of native weights still
-held would shrink it); a crash there keeps the native rows too. Rows come back as JSON lines; the
-results file and its JSON are rewritten after every row, so a run cut short keeps what it measured.
+Parity (docs/sampling.md#engines): lmdeploy decodes --parity-prompts prompts one at a time with its
+probe on (the logits of each of its forwards); DARE's model then reads exactly the same tokens at the
+same positions (`engines/lmdeploy/parity.py`), giving the logit error and the argmax agreement, over
+all rows and over the rows whose top-2 gap is clear of the error. Then both engines decode the same
+prompts greedily: the agreement of whole trajectories, and where they first part. Parity runs on
+every --init-std and on each --parity-model (a trained checkpoint: real margins).
+
+Processes: each engine's rows come from a worker process of this script (its own GPU with
+--side-by-side, else one after the other), so that each starts with an empty GPU: lmdeploy sizes its
+KV cache as a share of the memory it finds free. lmdeploy itself runs in its own process, started by
+the engine. Rows come back as JSON lines and the results file and its JSON are rewritten after every
+row, so a run cut short keeps what it measured; an error keeps its traceback in the JSON and the log.
 """
 from __future__ import annotations
 
@@ -28,12 +33,15 @@ import argparse
 import gc
 import json
 import math
+import os
 import shlex
 import subprocess
 import sys
+import threading
 import time
+import traceback
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -48,6 +56,7 @@ UNMASKINGS = {"static": "topk", "dynamic": "threshold"}  # bench name -> ours (m
 STEPS_PER_BLOCK = 4
 GRID = {"batch": [1, 32, 128], "gen": [256, 1024], "prompt": 128}
 TINY = {"batch": [1, 2], "gen": [8, 16], "prompt": 8}
+MIN_PARITY = 0.99  # teacher-forced argmax agreement an engine needs to become the default (over clear rows)
 
 
 def sampling_params(unmasking: str, gen: int, block: int, threshold: float, cuda: bool) -> SamplingParams:
@@ -56,9 +65,11 @@ def sampling_params(unmasking: str, gen: int, block: int, threshold: float, cuda
                           cache="block_kv", cuda_graphs=cuda, stop_at_eos=False)
 
 
-def make_prompts(batch: int, length: int) -> list[list[int]]:
-    """The same prompts for both engines: ids 10..199 exist in every vocabulary here, none special."""
-    return torch.randint(10, 200, (batch, length), generator=torch.Generator().manual_seed(batch)).tolist()
+def make_prompts(batch: int, length: int, vocab: int = 200, special: tuple = (), seed: Optional[int] = None) -> list[list[int]]:
+    """The same prompts for both engines: ids from 10 up to min(vocab, 200), none special."""
+    allowed = torch.tensor([i for i in range(10, min(vocab, 200)) if i not in special])
+    g = torch.Generator().manual_seed(batch if seed is None else seed)
+    return allowed[torch.randint(len(allowed), (batch, length), generator=g)].tolist()
 
 
 def agreement(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
@@ -69,141 +80,186 @@ def agreement(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
     return same.float().mean().item(), same.all(-1).float().mean().item()
 
 
+def first_difference(a: torch.Tensor, b: torch.Tensor) -> list[Optional[int]]:
+    """Per row, the first position where two responses differ (None: equal)."""
+    diff = a.cpu() != b.cpu()
+    return [int(d.nonzero()[0]) if d.any() else None for d in diff]
+
+
 def key(unmasking: str, gen: int, batch: int) -> str:
     return f"{unmasking}-{gen}-{batch}"
-
-
-def result_row(engine: str, point: tuple, wall: float, steps: Optional[int], first, out, native: Optional[torch.Tensor]) -> dict:
-    unmasking, gen, batch = point
-    row = {"engine": engine, "unmasking": unmasking, "gen": gen, "batch": batch, "wall_s": wall, "steps": steps,
-           "ms_per_step": wall / steps * 1e3 if steps else None, "tokens_per_s": batch * gen / wall,
-           "repeat_agreement": agreement(first.response, out.response)[0]}
-    if native is not None:
-        row["token_agreement"], row["row_agreement"] = agreement(out.response, native)
-    return row
-
-
-def failed_row(engine: str, point: tuple, error: str) -> dict:
-    unmasking, gen, batch = point
-    return {"engine": engine, "unmasking": unmasking, "gen": gen, "batch": batch, "error": error}
 
 
 def past(deadline: Optional[float]) -> bool:
     return deadline is not None and time.time() > deadline
 
 
-def native_rows(folder: Path, grid: list, args, emit: Callable) -> tuple[dict, bool]:
-    """Runs the grid on our loop; returns ({key: response tokens on the CPU}, stopped by the budget)."""
+def error_row(what: dict, exc: BaseException) -> dict:
+    """A row saying what failed, its traceback kept (printed to the worker's log too)."""
+    tb = traceback.format_exc()
+    print(tb, flush=True)
+    oom = isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+    return {**what, "error": "out of memory" if oom else f"{type(exc).__name__}: {exc}"[:400], "traceback": tb}
+
+
+# ---- the workers (one process each)
+
+def grid_worker(spec: dict, emit) -> None:
+    """One engine's grid rows: native in this process, lmdeploy one engine per unmasking."""
     from dare_core.models.hf_folder import load_model
     from dare_core.sampling.decode import generate
 
     cuda = torch.cuda.is_available()
-    model = load_model(folder, dtype=torch.bfloat16 if cuda else torch.float32, device="cuda" if cuda else "cpu").eval()
-    tokens, stopped = {}, False
-    for point in grid:
-        if past(args.deadline):
-            stopped = True
-            break
-        params = sampling_params(point[0], point[1], model.block_size, args.threshold, cuda)
-        prompts = make_prompts(point[2], args.prompt)
-        try:
-            wall, first, out = time_run(lambda: generate(model, prompts, params), args.repeats)
-        except torch.cuda.OutOfMemoryError:
-            emit(failed_row("native", point, "out of memory"))
-            torch.cuda.empty_cache()
-            continue
-        tokens[key(*point)] = out.response.cpu()
-        emit(result_row("native", point, wall, int(out.steps.max()), first, out, None))
-    model = None  # the weights go before lmdeploy's children start
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
-    return tokens, stopped
+    folder, engine_name = Path(spec["folder"]), spec["engine"]
+    tokens: dict = {}
+    if engine_name == "native":
+        model = load_model(folder, dtype=torch.bfloat16 if cuda else torch.float32, device="cuda" if cuda else "cpu").eval()
+    for unmasking in spec["unmasking"]:
+        engine, not_started = None, None
+        for gen, batch in spec["points"]:
+            point = {"engine": engine_name, "unmasking": unmasking, "gen": gen, "batch": batch}
+            if past(spec["deadline"]) or not_started:
+                emit({**point, "error": not_started or "not run: --budget ran out"})
+                continue
+            prompts = make_prompts(batch, spec["prompt"])
+            try:
+                if engine_name == "native":
+                    params = sampling_params(unmasking, gen, model.block_size, spec["threshold"], cuda)
+                    run = lambda: generate(model, prompts, params)  # noqa: E731
+                else:
+                    engine = engine or lmdeploy_engine(folder, spec, max(b for _, b in spec["points"]))
+                    params = sampling_params(unmasking, gen, engine.model.block_size, spec["threshold"], True)
+                    run = lambda: engine.generate(prompts, params)  # noqa: E731
+                wall, first, out = time_run(run, spec["repeats"])
+            except Exception as e:  # the row says what failed; the other settings still run
+                row = error_row(point, e)
+                emit(row)
+                if engine_name == "lmdeploy" and (engine is None or engine.process is None):
+                    not_started, engine = f"not run: the engine did not start: {row['error']}", None
+                continue
+            tokens[key(unmasking, gen, batch)] = out.response.cpu()
+            steps = int(out.steps.max()) if engine_name == "native" else (gen // 4 * STEPS_PER_BLOCK if unmasking == "static" else None)
+            emit({**point, "wall_s": wall, "steps": steps, "ms_per_step": wall / steps * 1e3 if steps else None,
+                  "tokens_per_s": batch * gen / wall, "repeat_agreement": agreement(first.response, out.response)[0],
+                  **({"engine_info": engine.info, "start_s": engine.info.get("start_seconds")} if engine is not None else {})})
+            torch.save(tokens, spec["tokens"] + ".tmp")
+            os.replace(spec["tokens"] + ".tmp", spec["tokens"])  # the parent reads it while this runs
+        if engine is not None and unmasking == "static" and spec.get("parity"):
+            emit(parity_row(engine, folder, spec, spec["parity"]))
+        if engine is not None:
+            engine.close()
 
 
-def lmdeploy_missing() -> Optional[str]:
-    """Why lmdeploy cannot run here (None: it can)."""
-    from dare_core.sampling.engines.lmdeploy import INSTALL_HINT, _import_lmdeploy
-
-    try:
-        _import_lmdeploy()
-    except ImportError as e:
-        cause = f" ({type(e.__cause__).__name__}: {e.__cause__})" if e.__cause__ else ""
-        return f"lmdeploy could not be imported{cause}; {e}"
-    if not torch.cuda.is_available():
-        return f"no CUDA GPU here; {INSTALL_HINT}"
-    return None
-
-
-def lmdeploy_child(spec_path: Path) -> int:
-    """One unmasking's lmdeploy rows (one engine), appended to spec['rows'] as JSON lines."""
+def lmdeploy_engine(folder: Path, spec: dict, max_batch: int):
+    """lmdeploy on `folder`, its process started: the bench's meta model carries only the config."""
     from dare_core.models.lm import build_model
     from dare_core.sampling.engines import build_engine
 
-    spec = json.loads(spec_path.read_text())
-    folder, unmasking = Path(spec["folder"]), spec["unmasking"]
-    # the engine reads only the config's ids and sizes from the model: no weights on the GPU twice
     model = build_model(json.loads((folder / "config.json").read_text()), device="meta")
-    native = torch.load(spec["tokens"]) if Path(spec["tokens"]).exists() else {}
-    engine = build_engine("lmdeploy", model, model_path=str(folder), cache_max_entry_count=spec["cache_max_entry_count"],
-                          max_batch_size=max(b for _, b in spec["points"]), distributed_executor_backend=spec["backend"])
-    not_started = None
+    return build_engine("lmdeploy", model, model_path=str(folder), cache_max_entry_count=spec["cache_max_entry_count"],
+                        max_batch_size=max_batch, log_dir=spec["workdir"])
+
+
+def parity_row(engine, folder: Path, spec: dict, settings: dict) -> dict:
+    """Teacher-forced parity and greedy agreement of `engine` (started, static unmasking) with DARE's
+    model of `folder` (module docstring)."""
+    from dare_core.models.hf_folder import load_model
+    from dare_core.sampling.decode import generate
+    from dare_core.sampling.engines.lmdeploy.parity import compare, replay_logits
+
+    row = {"engine": "lmdeploy", "kind": "parity", "weights": settings["weights"], "gen": settings["gen"],
+           "prompts": settings["prompts"]}
+    try:
+        model = load_model(folder, dtype=torch.bfloat16, device="cuda").eval()
+        special = (model.mask_token_id, model.eos_token_id, model.pad_token_id)
+        # a small model's context may not hold the settings: half of it for the response at most
+        gen = min(settings["gen"], model.max_sequence_length // 2 // model.block_size * model.block_size)
+        length = min(spec["prompt"], model.max_sequence_length - gen - 2 * model.block_size)
+        prompts = make_prompts(settings["prompts"], length, model.config.vocab_size, special, seed=7)
+        params = sampling_params("static", gen, model.block_size, spec["threshold"], True)
+        row["gen"] = gen
+        engine.probe(True)
+        for p in prompts:  # one request at a time: each record is one sequence
+            engine.generate([p], params)
+        records = engine.take_records()
+        engine.probe(False)
+        row.update(compare(*replay_logits(model, records, torch.device("cuda"))), forwards=len(records))
+        ours, theirs = generate(model, prompts, params).response, engine.generate(prompts, params).response
+        row["greedy_token_agreement"], row["greedy_row_agreement"] = agreement(theirs, ours)
+        row["first_difference"] = first_difference(theirs, ours)
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+    except Exception as e:
+        return error_row(row, e)
+    return row
+
+
+def parity_worker(spec: dict, emit) -> None:
+    """Parity on further weights (other --init-std, --parity-model), one engine each."""
+    for folder, weights in spec["folders"]:
+        what = {"engine": "lmdeploy", "kind": "parity", "weights": weights}
+        if past(spec["deadline"]):
+            emit({**what, "error": "not run: --budget ran out"})
+            continue
+        try:
+            engine = lmdeploy_engine(Path(folder), spec, spec["parity"]["prompts"])
+            block, most = engine.model.block_size, engine.model.max_sequence_length
+            warm = sampling_params("static", min(spec["parity"]["gen"], most // 2 // block * block), block, spec["threshold"], True)
+            engine.generate([[10] * block], warm)  # starts it with the parity run's settings
+        except Exception as e:
+            emit(error_row(what, e))
+            continue
+        emit(parity_row(engine, Path(folder), spec, {**spec["parity"], "weights": weights}))
+        engine.close()
+
+
+def worker_main(kind: str, spec_path: Path) -> int:
+    spec = json.loads(spec_path.read_text())
     with open(spec["rows"], "a") as rows:
-        for gen, batch in spec["points"]:
-            if past(spec["deadline"]):
-                break
-            point = (unmasking, gen, batch)
-            params = sampling_params(unmasking, gen, model.block_size, spec["threshold"], True)
-            prompts = make_prompts(batch, spec["prompt"])
-            if not_started:
-                row = failed_row("lmdeploy", point, f"not run: the engine did not start: {not_started}")
-            else:
-                try:
-                    wall, first, out = time_run(lambda: engine.generate(prompts, params), spec["repeats"])
-                    steps = gen // model.block_size * STEPS_PER_BLOCK if unmasking == "static" else None  # not reported
-                    row = result_row("lmdeploy", point, wall, steps, first, out, native.get(key(*point)))
-                except Exception as e:  # the row says what failed; the other settings still run
-                    # an OOM in lmdeploy's worker process arrives as its error's text
-                    oom = isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
-                    row = failed_row("lmdeploy", point, "out of memory" if oom else f"{type(e).__name__}: {e}"[:500])
-                    if engine._engine is None:
-                        not_started = row["error"]
+        def emit(row: dict) -> None:
             rows.write(json.dumps(row) + "\n")
             rows.flush()
-    engine.close()
+            print(f"[rollout_engines:{kind}] {({k: v for k, v in row.items() if k != 'traceback'})}", flush=True)
+
+        (grid_worker if kind == "grid" else parity_worker)(spec, emit)
     return 0
 
 
-def run_lmdeploy(args, folder: Path, grid: list, on_rows: Callable) -> Optional[str]:
-    """Each unmasking's child in turn; returns what went wrong (None: nothing)."""
-    rows_path, problems = args.workdir / "lmdeploy_rows.jsonl", []
-    rows_path.unlink(missing_ok=True)
-    for unmasking in args.unmasking:
-        if past(args.deadline):
-            break
-        spec = {"folder": str(folder), "unmasking": unmasking, "points": [(g, b) for u, g, b in grid if u == unmasking],
-                "rows": str(rows_path), "tokens": str(args.workdir / "native_tokens.pt"), "threshold": args.threshold,
-                "prompt": args.prompt, "repeats": args.repeats, "deadline": args.deadline, "backend": args.lmdeploy_backend,
-                "cache_max_entry_count": args.cache_max_entry_count}
-        spec_path = args.workdir / f"lmdeploy_{unmasking}.json"
-        spec_path.write_text(json.dumps(spec))
-        log = args.workdir / f"lmdeploy_{unmasking}.log"
-        with log.open("w") as out:
-            proc = subprocess.Popen([sys.executable, __file__, "--lmdeploy-child", str(spec_path)], cwd=REPO,
-                                    stdout=out, stderr=subprocess.STDOUT)
-            while proc.poll() is None:
-                on_rows(jsonl_rows(rows_path))
-                time.sleep(2)
-        on_rows(jsonl_rows(rows_path))
-        if proc.returncode:
-            tail = " / ".join(line for line in log.read_text(errors="replace").splitlines()[-3:] if line.strip())[-400:]
-            problems.append(f"the lmdeploy {unmasking} child exited with code {proc.returncode} ({log}): {tail}")
-    return "; ".join(problems) or None
+# ---- the parent: workers, then the results file
+
+def start_worker(args, name: str, kind: str, spec: dict, gpu: Optional[int]) -> tuple[subprocess.Popen, Path]:
+    spec_path, log = args.workdir / f"{name}.json", args.workdir / f"{name}.log"
+    spec_path.write_text(json.dumps(spec))
+    env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": str(gpu)} if gpu is not None else {}))
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, __file__, "--worker", kind, str(spec_path)], cwd=REPO, env=env,
+                                stdout=out, stderr=subprocess.STDOUT)
+    return proc, log
+
+
+def lmdeploy_missing() -> Optional[str]:
+    from dare_core.sampling.engines.lmdeploy import unavailable
+
+    return unavailable()
+
+
+def with_agreement(rows: list[dict], tokens: dict[str, dict]) -> list[dict]:
+    """lmdeploy rows with their greedy agreement against native's tokens at the same setting."""
+    out = []
+    for r in rows:
+        k = key(r["unmasking"], r["gen"], r["batch"]) if "unmasking" in r else None
+        if r["engine"] == "lmdeploy" and "error" not in r and k in tokens["native"] and k in tokens["lmdeploy"]:
+            r = dict(r)
+            r["token_agreement"], r["row_agreement"] = agreement(tokens["lmdeploy"][k], tokens["native"][k])
+        out.append(r)
+    return out
 
 
 def verdict(rows: list[dict], min_agreement: float, not_run: Optional[str]) -> tuple[dict, list[str]]:
-    """({default, reason}, the verdict section's lines), from the finished native/lmdeploy pairs."""
-    done = {(r["engine"], key(r["unmasking"], r["gen"], r["batch"])): r for r in rows if "error" not in r}
+    """({default, reason}, the verdict section's lines), from the finished native/lmdeploy pairs and
+    the teacher-forced parity of the grid's weights (the first parity row)."""
+    done = {(r["engine"], key(r["unmasking"], r["gen"], r["batch"])): r for r in rows if "error" not in r and "unmasking" in r}
     pairs = [(done[("native", k)], r) for (e, k), r in done.items() if e == "lmdeploy" and ("native", k) in done]
     if not pairs:
         why = not_run or next((r["error"] for r in rows if r["engine"] == "lmdeploy" and "error" in r), "no lmdeploy row ran")
@@ -214,29 +270,52 @@ def verdict(rows: list[dict], min_agreement: float, not_run: Optional[str]) -> t
         ratio = m["tokens_per_s"] / n["tokens_per_s"]
         ratios.append(ratio)
         cells.append([n["unmasking"], n["batch"], n["gen"], f"{n['tokens_per_s']:,.0f}", f"{m['tokens_per_s']:,.0f}",
-                      f"{ratio:.2f}x", "lmdeploy" if ratio > 1 else "native", f"{m['token_agreement']:.3f}"])
+                      f"{ratio:.2f}x", "lmdeploy" if ratio > 1 else "native", fmt(m.get("token_agreement"), ".3f")])
     speed = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
-    agree = sum(m["token_agreement"] for _, m in pairs) / len(pairs)
     over = f"geometric mean of tokens/s over {len(pairs)} setting(s)"
-    if speed > 1 and agree >= min_agreement:
-        default, reason = "lmdeploy", (f"lmdeploy is {speed:.2f}x as fast as native ({over}) and its greedy tokens equal "
-                                       f"native's at {agree:.1%} of positions (>= {min_agreement:.0%})")
+    parity = next((r for r in rows if r.get("kind") == "parity" and "error" not in r), None)
+    agree = parity["argmax_agreement_clear"] if parity else None
+    if parity is None:
+        default, reason = "native", f"lmdeploy is {speed:.2f}x as fast ({over}) but its teacher-forced parity was not measured"
+    elif speed > 1 and agree >= min_agreement:
+        default, reason = "lmdeploy", (f"lmdeploy is {speed:.2f}x as fast as native ({over}) and its logits agree with DARE's "
+                                       f"model teacher-forced: argmax {agree:.2%} of the rows whose top-2 gap is clear of the "
+                                       f"error (>= {min_agreement:.0%}; {parity['argmax_agreement']:.2%} of all rows, weights "
+                                       f"{parity['weights']})")
     elif speed > 1:
-        default, reason = "native", (f"lmdeploy is {speed:.2f}x as fast ({over}) but its greedy tokens equal native's at only "
-                                     f"{agree:.1%} of positions (< {min_agreement:.0%})")
+        default, reason = "native", (f"lmdeploy is {speed:.2f}x as fast ({over}) but its teacher-forced argmax agrees with DARE's "
+                                     f"model at only {agree:.2%} of the clear rows (< {min_agreement:.0%})")
     else:
-        default, reason = "native", f"native is {1 / speed:.2f}x as fast as lmdeploy ({over}); greedy agreement {agree:.1%}"
+        default, reason = "native", f"native is {1 / speed:.2f}x as fast as lmdeploy ({over})"
     lines = markdown_table(["unmasking", "batch", "gen", "native tokens/s", "lmdeploy tokens/s", "lmdeploy / native",
-                            "faster", "token agreement"], cells)
+                            "faster", "greedy token agreement"], cells)
     lines += ["", f"Default for SDAR rollouts: **{default}**, because {reason}. Either way, rollouts that record per-step "
               "commits or use our `dynamic` unmasking stay on native: lmdeploy cannot do them (`map_params` refuses)."]
     return {"default": default, "reason": reason}, lines
 
 
-def write_results(args, rows: list[dict], status: str, not_run: Optional[str]) -> None:
-    decided, verdict_lines = verdict(rows, args.min_agreement, not_run)
+def parity_lines(rows: list[dict]) -> list[str]:
     cells = []
-    for r in rows:
+    for r in (r for r in rows if r.get("kind") == "parity"):
+        if "error" in r:
+            cells.append([r["weights"]] + [""] * 9 + [r["error"]])
+            continue
+        firsts = [f for f in r["first_difference"] if f is not None]
+        cells.append([r["weights"], r["forwards"], r["rows"], f"{r['max_abs_err']:.3g}", f"{r['max_err_over_std']:.3g}",
+                      f"{r['argmax_agreement']:.2%}", f"{r['argmax_agreement_clear']:.2%} of {r['clear_rows']}",
+                      f"{r['median_top2_gap']:.3g}", f"{r['greedy_token_agreement']:.3f} / {r['greedy_row_agreement']:.3f}",
+                      f"{sorted(firsts)[len(firsts) // 2]} of {r['gen']}" if firsts else "none", ""])
+    if not cells:
+        return ["(no parity row)"]
+    return markdown_table(["weights", "forwards", "logit rows", "max abs error", "max error / logit std", "argmax agreement",
+                           "argmax agreement, clear gap", "median top-2 gap", "greedy agreement (tokens / rows)",
+                           "median first difference", "note"], cells)
+
+
+def write_results(args, rows: list[dict], status: str, not_run: Optional[str]) -> None:
+    decided, verdict_lines = verdict(rows, MIN_PARITY, not_run)
+    cells = []
+    for r in (r for r in rows if "unmasking" in r):
         what = [r["engine"], f"{r['unmasking']} ({UNMASKINGS[r['unmasking']]})", r["batch"], r["gen"]]
         if "error" in r:
             cells.append(what + [""] * 7 + [r["error"]])
@@ -249,14 +328,26 @@ def write_results(args, rows: list[dict], status: str, not_run: Optional[str]) -
     lines = header("SDAR rollouts: native block_kv vs lmdeploy", args.command, args.hardware, args.commit, args.libraries)
     lines += [f"- Weights: {args.weights}. Prompt {args.prompt} random ids (the same for both engines), greedy, block 4, "
               f"{STEPS_PER_BLOCK} steps per block, stop_at_eos off; dynamic threshold {args.threshold}. Native: cache block_kv, "
-              f"CUDA graphs {'on' if torch.cuda.is_available() else 'off (CPU)'}. lmdeploy: executor {args.lmdeploy_backend}, "
-              f"cache_max_entry_count {args.cache_max_entry_count}. One warm-up, then {args.repeats} timed run(s) per row.",
+              f"CUDA graphs {'on' if torch.cuda.is_available() else 'off (CPU)'}. lmdeploy: in its own process (executor uni, "
+              f"weights loaded from the folder), cache_max_entry_count {args.cache_max_entry_count}. "
+              f"{'Each engine on a GPU of its own, at the same time' if args.side_by_side else 'One engine after the other'}. "
+              f"One warm-up, then {args.repeats} timed run(s) per row.",
               "- tokens/s = batch x gen / wall. Agreement: lmdeploy's response tokens against native's at the same setting "
               "(positions equal, rows equal throughout); repeat agreement: the last timed run against the warm-up.",
               f"- Status: {status}.", "", "## Rows", ""]
     lines += markdown_table(["engine", "unmasking", "batch", "gen", "wall s", "denoising steps", "ms / step", "tokens/s",
                              "agreement (tokens)", "agreement (rows)", "repeat agreement", "note"], cells)
+    lines += ["", "## Teacher-forced parity", "",
+              f"lmdeploy decodes {args.parity_prompts} prompts of up to {args.prompt} random ids, {args.parity_gen} tokens each "
+              "(static, greedy), one request at a time with its probe on; DARE's model reads the same tokens at the same "
+              "positions (docs/sampling.md#engines). Clear gap: DARE's top-2 logit gap above twice the largest error. Then "
+              "both engines decode the same prompts greedily (agreement, and the median position where rows first differ).", ""]
+    lines += parity_lines(rows)
     lines += ["", "## Verdict", ""] + verdict_lines
+    failed = [r for r in rows if "traceback" in r]
+    if failed:
+        lines += ["", f"{len(failed)} row(s) failed; their tracebacks are in the JSON beside this file and in the worker logs "
+                  f"under {args.workdir}."]
     write_atomic(args.out, "\n".join(lines) + "\n")
     write_atomic(args.out.with_suffix(".json"), json.dumps({"commit": args.commit, "command": args.command, "status": status,
                                                             "verdict": decided, "rows": rows}, indent=1) + "\n")
@@ -270,19 +361,21 @@ def main() -> int:
     ap.add_argument("--unmasking", nargs="+", choices=list(UNMASKINGS), default=list(UNMASKINGS))
     ap.add_argument("--threshold", type=float, default=0.9, help="dynamic unmasking's confidence threshold")
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--model", type=Path, help="a checkpoint folder for both engines (default: random weights)")
-    ap.add_argument("--init-std", type=float, default=0.3, help="std of the random weights")
-    ap.add_argument("--min-agreement", type=float, default=0.9, help="token agreement lmdeploy needs to become the default")
-    ap.add_argument("--lmdeploy-backend", default="ray", help="lmdeploy's executor (ray: what training's weight updates need)")
+    ap.add_argument("--model", type=Path, help="a checkpoint folder for the grid (default: random weights)")
+    ap.add_argument("--init-std", nargs="+", type=float, default=[0.3], help="stds of the random weights (grid: the first)")
+    ap.add_argument("--parity-model", nargs="*", type=Path, default=[], help="more folders for the parity section (trained)")
+    ap.add_argument("--parity-prompts", type=int, default=4)
+    ap.add_argument("--parity-gen", type=int, default=32)
     ap.add_argument("--cache-max-entry-count", type=float, default=0.5, help="lmdeploy's KV cache share of free GPU memory")
+    ap.add_argument("--side-by-side", action="store_true", help="native on GPU 0 and lmdeploy on GPU 1, at the same time")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/rollout_engines"))
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "rollout_engines.md")
     ap.add_argument("--budget", type=float, default=0, help="seconds after which no new row starts (0: no limit)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: two narrow layers, a tiny grid")
-    ap.add_argument("--lmdeploy-child", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--worker", nargs=2, metavar=("KIND", "SPEC"), help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.lmdeploy_child:
-        return lmdeploy_child(args.lmdeploy_child)
+    if args.worker:
+        return worker_main(args.worker[0], Path(args.worker[1]))
     from train_step_setup import write_model_folder
 
     if args.tiny:
@@ -290,42 +383,69 @@ def main() -> int:
     for name, value in (TINY if args.tiny else GRID).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    args.deadline = time.time() + args.budget if args.budget else None
-    args.libraries = library_versions(("torch", "lmdeploy", "ray", "transformers"))
+    if args.side_by_side and torch.cuda.device_count() < 2:
+        ap.error("--side-by-side needs 2 GPUs")
+    deadline = time.time() + args.budget if args.budget else None
+    args.libraries = library_versions(("torch", "lmdeploy", "transformers"))
     args.hardware, args.commit, args.command = hardware(), git_commit(), "python3 bench/rollout_engines.py " + shlex.join(sys.argv[1:])
     args.workdir.mkdir(parents=True, exist_ok=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    folder = args.model or args.workdir / "models" / f"sdar{'-tiny' if args.tiny else ''}-std{args.init_std:g}"
-    args.weights = (f"checkpoint `{args.model}`" if args.model else
-                    f"random, normal std {args.init_std:g}, at the SDAR-8B-Chat config{' shrunk (--tiny)' if args.tiny else ''}")
-    if not args.model and not (folder / "config.json").exists():
-        print(f"[rollout_engines] writing random weights to {folder} ...", flush=True)
-        write_model_folder("sdar", folder, args.tiny, std=args.init_std)
-    grid = [(u, g, b) for u in args.unmasking for g in args.gen for b in args.batch]
-    rows: list[dict] = []
+    folders = []  # (folder, weights) for the grid (first) and every parity
+    for std in ([] if args.model else args.init_std):
+        folder = args.workdir / "models" / f"sdar{'-tiny' if args.tiny else ''}-std{std:g}"
+        if not (folder / "config.json").exists():
+            print(f"[rollout_engines] writing random weights to {folder} ...", flush=True)
+            write_model_folder("sdar", folder, args.tiny, std=std)
+        folders.append((str(folder), f"random, std {std:g}{' (--tiny)' if args.tiny else ''}"))
+    if args.model:
+        folders.append((str(args.model), f"checkpoint `{args.model}`"))
+    folders += [(str(p), f"trained checkpoint `{p.name}`") for p in args.parity_model]
+    args.weights = folders[0][1] + " at the SDAR-8B-Chat config" * (not args.model)
+    not_run = lmdeploy_missing()
+    points = [(g, b) for g in args.gen for b in args.batch]
+    parity = {"prompts": args.parity_prompts, "gen": args.parity_gen, "weights": folders[0][1]}
+    common = {"threshold": args.threshold, "prompt": args.prompt, "repeats": args.repeats, "deadline": deadline,
+              "cache_max_entry_count": args.cache_max_entry_count, "workdir": str(args.workdir)}
+    rows_path = args.workdir / "rows.jsonl"
+    rows_path.unlink(missing_ok=True)
+    jobs = [("native", "grid", {**common, "engine": "native", "folder": folders[0][0], "unmasking": args.unmasking,
+                                "points": points, "tokens": str(args.workdir / "tokens_native.pt"), "rows": str(rows_path)}, 0)]
+    if not_run is None:
+        jobs.append(("lmdeploy", "grid", {**common, "engine": "lmdeploy", "folder": folders[0][0], "unmasking": args.unmasking,
+                                          "points": points, "tokens": str(args.workdir / "tokens_lmdeploy.pt"),
+                                          "rows": str(rows_path), "parity": parity}, 1))
+        if folders[1:]:
+            jobs.append(("parity", "parity", {**common, "folders": folders[1:], "parity": parity, "rows": str(rows_path)}, 1))
+    problems: list[str] = []
+    extra = [{"engine": "lmdeploy", "unmasking": u, "gen": g, "batch": b, "error": f"not run: {not_run}"}
+             for u in args.unmasking for g, b in points] if not_run else []
 
-    def emit(row: dict) -> None:
-        rows.append(row)
-        print(f"[rollout_engines] {row}", flush=True)
-        write_results(args, rows, "running", None)
+    def rows_now() -> list[dict]:
+        tokens = {e: torch.load(args.workdir / f"tokens_{e}.pt") if (args.workdir / f"tokens_{e}.pt").exists() else {}
+                  for e in ("native", "lmdeploy")}
+        return with_agreement(jsonl_rows(rows_path), tokens) + extra
 
-    tokens, stopped = native_rows(folder, grid, args, emit)
-    torch.save(tokens, args.workdir / "native_tokens.pt")
-    native_count, problem = len(rows), None
-    not_run = f"--budget {args.budget:g} s ran out before lmdeploy started" if stopped else lmdeploy_missing()
+    def run_queue(queue: list) -> None:
+        """One GPU's jobs, one after the other."""
+        for name, kind, spec, gpu in queue:
+            proc, log = start_worker(args, name, kind, spec, gpu if args.side_by_side else None)
+            proc.wait()
+            if proc.returncode:
+                tail = " / ".join(line for line in log.read_text(errors="replace").splitlines()[-3:] if line.strip())[-400:]
+                problems.append(f"the {name} worker exited with code {proc.returncode} ({log}): {tail}")
 
-    def child_rows(done: list[dict]) -> None:
-        rows[native_count:] = done
-        write_results(args, rows, "running", None)
-
-    if not_run:
-        rows += [failed_row("lmdeploy", p, f"not run: {not_run}") for p in grid]
-    else:
-        problem = run_lmdeploy(args, folder, grid, child_rows)
-    measured = sum("error" not in r or r["error"] == "out of memory" for r in rows)
-    cut = past(args.deadline) and len(rows) < 2 * len(grid)
-    status = (f"stopped by --budget {args.budget:g} s after {measured} of {2 * len(grid)} rows" if stopped or cut
-              else "finished") + (f"; {problem}" if problem else "")
+    for name in ("tokens_native.pt", "tokens_lmdeploy.pt"):
+        (args.workdir / name).unlink(missing_ok=True)
+    queues = [[j for j in jobs if j[3] == gpu] for gpu in (0, 1)] if args.side_by_side else [jobs]
+    threads = [threading.Thread(target=run_queue, args=(q,)) for q in queues if q]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        write_results(args, rows_now(), "running", not_run)
+        time.sleep(5)
+    rows = rows_now()
+    cut = any(r.get("error") == "not run: --budget ran out" for r in rows)
+    status = (f"stopped by --budget {args.budget:g} s" if cut else "finished") + (f"; {'; '.join(problems)}" if problems else "")
     write_results(args, rows, status, not_run)
     print(f"[rollout_engines] {status}; wrote {args.out}", flush=True)
     return 0

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 from stamp import fmt, markdown_table
-from train_step_runs import EXPORT_PHASES, RL_PHASES, STARTUP_PHASES
+from train_step_runs import ENGINE_PHASES, ENGINE_SAMPLER, EXPORT_PHASES, RL_PHASES, STARTUP_PHASES
 from train_step_setup import SHAPES, Settings
 
 def same_run(a: dict, b: dict) -> bool:
@@ -68,6 +68,26 @@ def rl_table(rows: list[dict]) -> list[str]:
             f"{r['other']:.2f}", f"{r['step_s']:.2f}", fmt(r["zero_std_ratio"], ".0%"), fmt(r["peak_gib"], ".1f") or "n/a (CPU)",
             speedup])
     return markdown_table(RL_COLUMNS, cells)
+
+
+ENGINE_COLUMNS = ["run", "model", "rollouts", "step", "rollout s", "reward s", "old+ref scoring s", "fwd+bwd s", "optimizer s",
+                  "weight sync s", "other s", "step s", "mean reward", "peak mem (GiB)", "step vs native"]
+
+
+def engine_table(rows: list[dict]) -> list[str]:
+    """The rl-engines rows: one step with each engine's rollouts, the weight push to lmdeploy included."""
+    cells = []
+    for r in rows:
+        head = [fmt(r.get("run"), "d"), SHAPES[r["shape"]], r["recipe"]]
+        if "error" in r:
+            cells.append(with_error(head + [""], r["error"], ENGINE_COLUMNS))
+            continue
+        native = next((o for o in rows if o["shape"] == r["shape"] and o["recipe"] == "native" and same_run(o, r)
+                       and "error" not in o), None)
+        cells.append(head + [r["step"]] + [f"{r[p]:.2f}" for p in ENGINE_PHASES] + [
+            f"{r['other']:.2f}", f"{r['step_s']:.2f}", fmt(r.get("reward"), ".3f"), fmt(r["peak_gib"], ".1f") or "n/a (CPU)",
+            f"{native['step_s'] / r['step_s']:.2f}x" if native and r["recipe"] != "native" else ""])
+    return markdown_table(ENGINE_COLUMNS, cells)
 
 
 def export_parts(row: dict) -> dict:
@@ -194,6 +214,16 @@ def report(data: dict, s: Settings, args) -> str:
         lines += ["## SFT: tokens/s, MFU and peak memory, packed vs padded", ""] + sft_table(sft) + [""]
     if rl:
         lines += ["## RL: one d1 step, DARE vs d1's own code (seconds)", ""] + rl_table(rl) + [""]
+    engines = [r for r in rows if r["part"] == "rl-engines"]
+    if engines:
+        lines += ["## RL with lmdeploy rollouts: the same SDAR step by rollout engine (seconds)", "",
+                  f"The d1 step above with the rollouts at {ENGINE_SAMPLER} (what lmdeploy honours exactly, both engines "
+                  "alike; `unmasking: topk` is lmdeploy's `low_confidence_static`), one token per denoising step. lmdeploy runs "
+                  "in its own process on the trainer's GPU (docs/sampling.md#engines); 'weight sync' is the push of the "
+                  "policy's weights (LoRA merged) to it over CUDA IPC after the update, 0 for native, which decodes the "
+                  "policy itself. lmdeploy starts during step 1 (not shown)."
+                  + (" The two ran at the same time, native on GPU 0 and lmdeploy on GPU 1." if any(r.get("side_by_side") for r in engines) else ""),
+                  ""] + engine_table(engines) + [""]
     if sft or rl:
         lines += ["## Start-up and export", ""] + startup_table(sft + [r for r in rl if r["recipe"] == "dare"]) + [""]
     lines += ["## Targets", ""] + acceptance(rows, runs) + [""]

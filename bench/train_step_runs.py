@@ -62,6 +62,12 @@ def sft_overrides(spec: dict, s: Settings) -> dict:
     }
 
 
+# the rl-engines runs: what lmdeploy's engine honours exactly and ours does the same way (the untempered
+# confidence of the sampled token at temperature 1, one position committed per step)
+ENGINE_SAMPLER = {"temperature": 1.0, "remasking": "low_confidence", "unmasking": "topk"}
+ENGINE_PHASES = RL_PHASES + ("weight_sync",)
+
+
 def rl_overrides(spec: dict, s: Settings, block_size: Optional[int]) -> dict:
     cuda = torch.cuda.is_available()
     sampler = {
@@ -69,6 +75,9 @@ def rl_overrides(spec: dict, s: Settings, block_size: Optional[int]) -> dict:
         "temperature": s.rl_temperature, "cache": "block_kv" if block_size else "dual",
         "cuda_graphs": True if cuda else None, "compile_forward": cuda, "engine": "native", "batch_size": s.rollout_batch,
     }
+    if spec.get("engine"):  # an rl-engines run: both engines decode the same way
+        sampler.update(ENGINE_SAMPLER, steps=s.rl_gen, engine=spec["engine"],
+                       engine_args={"cache_max_entry_count": 0.3, "log_dir": spec["workdir"]} if spec["engine"] != "native" else {})
     return {
         **common_overrides(spec), "model.packing": "on",
         "model.lora": {"r": s.rl_lora[0], "alpha": s.rl_lora[1]}, "launch.zero_stage": 0, "model.logits_chunk": s.rl_logits_chunk,
@@ -338,6 +347,36 @@ def rl_row(shape: str, recipe: str, result: dict) -> dict:
     return row
 
 
+def rl_engine_row(shape: str, engine: str, result: dict) -> dict:
+    """An rl-engines row: the same step with `engine`'s rollouts, the weight push included."""
+    row = {"part": "rl-engines", "shape": shape, "recipe": engine, "hardware": result.get("hardware")}
+    if "error" in result:
+        return {**row, "error": result["error"]}
+    steps = [m for m in result["metrics"] if "time/step_s" in m]
+    last = steps[-1]
+    row.update({p: last.get(f"time/{p}_s", 0.0) for p in ENGINE_PHASES})
+    row.update(step=last["step"], step_s=last["time/step_s"], peak_gib=last.get("memory/peak_gib"),
+               zero_std_ratio=last.get("zero_std_ratio"), reward=last.get("reward"))
+    row["other"] = row["step_s"] - sum(row[p] for p in ENGINE_PHASES)
+    return row
+
+
+def engine_rows(shape: str, folder: Path, args, run) -> list[dict]:
+    """The rl-engines pair: the step with native rollouts and with lmdeploy's, side by side on two
+    GPUs where asked; a shape lmdeploy does not decode says so."""
+    from dare_core.models.hf_folder import inspect_model
+
+    if inspect_model(folder).block_size is None:
+        return [{"part": "rl-engines", "shape": shape, "recipe": e, "error": "not run: lmdeploy decodes block-diffusion "
+                 "models (SDAR) only"} for e in ("native", "lmdeploy")]
+    if args.side_by_side:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            done = {e: pool.submit(run, f"rl-{e}", gpu, kind="rl", recipe="dare", engine=e)
+                    for gpu, e in enumerate(("native", "lmdeploy"))}
+            return [{**rl_engine_row(shape, e, f.result()), "side_by_side": True} for e, f in done.items()]
+    return [rl_engine_row(shape, e, run(f"rl-{e}", kind="rl", recipe="dare", engine=e)) for e in ("native", "lmdeploy")]
+
+
 class Rows(list):
     """The rows measured so far; each one added rewrites the results file, so a run stopped by a
     time limit still leaves what it measured (its file says which runs it has)."""
@@ -385,6 +424,8 @@ def run_shape(shape: str, parts: list[str], args, s: Settings, runner: Runner, r
             rows.append(sft_row(shape, "lora", packing, result, s, compiled))
     if "sft-full" in parts:
         rows += full_parameter_rows(shape, folder, args, s, run)
+    if "rl-engines" in parts:
+        rows += engine_rows(shape, folder, args, run)
     peer = "rl-d1" in parts and shape in args.public_shapes
     if "rl" in parts and peer and args.side_by_side:
         # one run each on GPU 0 and GPU 1 at the same time: the ratio still comes from one invocation on one machine

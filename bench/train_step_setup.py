@@ -19,7 +19,7 @@ from stamp import REPO, hardware
 CONFIGS = REPO / "bench" / "configs"
 SHAPES = {"llada": "LLaDA-8B-Instruct", "sdar": "SDAR-8B-Chat"}
 FAMILIES = {"llada": "llada", "sdar": "sdar"}
-PARTS = ("sft", "sft-full", "rl", "rl-d1")
+PARTS = ("sft", "sft-full", "rl", "rl-d1", "rl-engines")
 
 # --tiny: the same configs shrunk to two narrow layers, a 256-token vocabulary (ids moved inside it)
 TINY_SIZES = {

@@ -208,7 +208,7 @@ def _ignored(path: str) -> bool:
 
 
 @pytest.mark.parametrize("path", [
-    ".git/HEAD", ".git", ".venv/bin/python", ".cache/prefect/prefect.db", ".dvc/cache/files/md5/ab/cdef",
+    ".git/HEAD", ".git", ".venv/bin/python", ".venv-lmdeploy/bin/python", ".cache/prefect/prefect.db", ".dvc/cache/files/md5/ab/cdef",
     ".dvc/tmp/lock", ".dvc/config.local", "runs/default/sft/checkpoint/state.pt", "models/sft/config.json",
     "data/prepared/sft.parquet", "data/tokenizer/tokenizer.json", "dare_core/__pycache__/cli.cpython-311.pyc",
     "dare.egg-info/PKG-INFO", ".pytest_cache/README.md",

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dare_core.algorithms.registry import build_algorithm
+from dare_core.algorithms.rollout import record_level
 from dare_core.artifacts import artifact_root
 from dare_core.config import ConfigError, DareConfig
 from dare_core.data.schema import DataError, check_ground_truths, read_rows, table_row
@@ -13,12 +14,13 @@ from dare_core.devices import resolve_dtype
 from dare_core.models.hf_folder import inspect_model
 from dare_core.rl_rules import check_rl_config
 from dare_core.sampling.cache import check_cache_fits
+from dare_core.sampling.engines import check_engine
 from dare_core.training import engine as eng
 from dare_core.training.checkpoint import CheckpointManager, SavePolicy
 from dare_core.training.fingerprint import stage_fingerprint
 from dare_core.training.parallel import check_sequence_parallel
 from dare_core.training.preflight import check_outputs, checkpoint_bytes, model_bytes, stage_writes, training_need
-from dare_core.training.rl_validation import RLValidator
+from dare_core.training.rl_validation import RLValidator, validation_params
 from dare_core.training.setup import prepare_for_training, stage_tokenizer
 
 
@@ -52,6 +54,20 @@ def _check_sampler(cfg: DareConfig, spec) -> None:
         raise ConfigError(f"rl.sampler.cache: {exc} (the model in {rl_start_folder(cfg)} is {spec.family.model_type})") from None
 
 
+def _check_engine(cfg: DareConfig, spec, record: str) -> None:
+    """The rollout engine decodes this model with the rollouts' and the validations' settings (an
+    external engine refuses what it cannot honour exactly; better now than after the model loads)."""
+    rl = cfg.rl
+    validating = [("rl.validate_temperature", validation_params(rl))] if rl.validate_every > 0 else []
+    for what, params in [("rl.sampler", rl.sampler)] + validating:
+        try:
+            check_engine(rl.sampler.engine, spec, params, record if what == "rl.sampler" else "none")
+        except ValueError as exc:
+            raise ConfigError(f"rl.sampler.engine '{rl.sampler.engine}' with {what}: {exc}") from None
+        except RuntimeError as exc:  # it cannot run on this machine
+            raise ConfigError(f"rl.sampler.engine '{rl.sampler.engine}': {exc}") from None
+
+
 def _check_prompt_lengths(path: Path, rows: list[dict], tokenizer, gen_length: int, limit: int) -> None:
     for i, row in enumerate(rows):
         n = len(tokenizer.encode(row["prompt_text"]))
@@ -74,6 +90,7 @@ def check_rl(cfg: DareConfig, save_checkpoints: bool = True) -> RLPlan:
     spec = prepare_for_training(inspect_model(start_folder), cfg)
     _check_sampler(cfg, spec)
     algo = build_algorithm(rl, spec)
+    _check_engine(cfg, spec, record_level(algo.requires))
     check_rl_config(cfg, algo.rows_per_prompt)
     check_rl_ranks(cfg, algo.rows_per_prompt)
     check_sequence_parallel(cfg.launch, spec, algo)

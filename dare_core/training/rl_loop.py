@@ -69,7 +69,9 @@ class RLStage(TrainingStage):
         self.micro = min(rl.micro_batch_size, local_mini)
         updates = rl.num_steps * rl.num_iterations * rl.mini_batches
         engine = eng.build_engine(model, rl.optim, updates, self.micro, -(-local_mini // self.micro), self.cfg.launch)
-        self.rollout_engine = build_engine(rl.sampler.engine, engine.module, **rl.sampler.engine_args)
+        # an external engine starts from the folder the policy was loaded from
+        self.rollout_engine = build_engine(rl.sampler.engine, engine.module,
+                                           **{"model_path": str(rl_start_folder(self.cfg)), **rl.sampler.engine_args})
         return engine
 
     def frozen_models(self) -> list:
@@ -143,7 +145,10 @@ class RLStage(TrainingStage):
                 self.ckpt.after_step(engine, step + 1, engine.module.hf_config,
                                      rank_files={ahead_file(rank): ahead} if ahead is not None else None)
 
-        SCHEDULES.lookup(rl.schedule)(run, bar, end_step, ahead)
+        try:
+            SCHEDULES.lookup(rl.schedule)(run, bar, end_step, ahead)
+        finally:
+            run.rollout_engine.close()  # an external engine's process ends with the stage
         bar.close()
         summary = {"steps": rl.num_steps, "algorithm": rl.algorithm, "wall_s": round(time.time() - t_start, 1)}
         if validator.history:  # the last validation, beside the run's other headline numbers

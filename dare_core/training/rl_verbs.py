@@ -205,6 +205,10 @@ def optimize(run: RLRun, rollout: Rollout, scores: Scores) -> Update:
 def sync(run: RLRun, step: int) -> None:
     """After step `step`'s update: the next rollout must see its weights, and the next step's KL is
     to this step's policy where a reference sync is due."""
-    run.rollout_engine.update_weights(run.engine.module)
+    # an external engine gets the policy's weights over to its own copy; under ZeRO-3 they are
+    # gathered for it first (every rank enters: a collective), ours decodes the policy itself
+    external = run.rollout_engine.name != "native"
+    with run.timer.phase("weight_sync"), eng.whole_weights(run.engine, needed=external):
+        run.rollout_engine.update_weights(run.engine.module)
     if run.ref is not None and ref_sync_due(step, run.cfg.rl.ref_sync_steps):
         sync_reference(run.ref, run.engine.module, run.zero3)

@@ -1,7 +1,6 @@
 """bench/rollout_engines.py: its --tiny run on CPU (real native rows, lmdeploy rows that say why they did
 not run, a verdict keeping native), and the pure pieces the GPU run's lmdeploy rows go through
-(greedy agreement, the verdict from measured pairs)."""
-import dataclasses
+(greedy agreement, the verdict from measured pairs and parity, the parity table)."""
 import json
 import re
 import subprocess
@@ -13,7 +12,7 @@ import torch
 from pipeline_helpers import REPO, worker_env
 
 sys.path.insert(0, str(REPO / "bench"))
-from rollout_engines import agreement, verdict  # noqa: E402
+from rollout_engines import agreement, first_difference, parity_lines, verdict, with_agreement  # noqa: E402
 
 
 def test_agreement_counts_positions_and_whole_rows():
@@ -26,24 +25,52 @@ def test_agreement_counts_positions_and_whole_rows():
         agreement(a, b[:, :3])
 
 
-def _pair(tps_native: float, tps_lmdeploy: float, agree: float, gen: int = 256) -> list[dict]:
+def _pair(tps_native: float, tps_lmdeploy: float, gen: int = 256) -> list[dict]:
     base = {"unmasking": "static", "gen": gen, "batch": 32}
     return [dict(base, engine="native", tokens_per_s=tps_native),
-            dict(base, engine="lmdeploy", tokens_per_s=tps_lmdeploy, token_agreement=agree)]
+            dict(base, engine="lmdeploy", tokens_per_s=tps_lmdeploy, token_agreement=0.02)]
 
 
-def test_verdict_weighs_speed_and_agreement():
-    # lmdeploy 2x and 4x as fast: geometric mean sqrt(8) = 2.83x
-    decided, lines = verdict(_pair(100, 200, 0.95) + _pair(100, 400, 0.97, gen=1024), 0.9, None)
-    assert decided["default"] == "lmdeploy" and "2.83x as fast" in decided["reason"] and "96.0%" in decided["reason"]
+def _parity(clear: float, weights: str = "random, std 0.3") -> dict:
+    return {"engine": "lmdeploy", "kind": "parity", "weights": weights, "gen": 32, "prompts": 4, "forwards": 100, "rows": 400,
+            "max_abs_err": 0.5, "max_err_over_std": 0.02, "argmax_agreement": 0.97, "argmax_agreement_clear": clear,
+            "clear_rows": 300, "median_top2_gap": 2.0, "greedy_token_agreement": 0.1, "greedy_row_agreement": 0.0,
+            "first_difference": [3, None, 5, 9]}
+
+
+def test_first_difference():
+    a = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    assert first_difference(a, torch.tensor([[1, 0, 3], [4, 5, 6]])) == [1, None]
+
+
+def test_verdict_weighs_speed_and_teacher_forced_parity():
+    # lmdeploy 2x and 4x as fast: geometric mean sqrt(8) = 2.83x; greedy trajectories may part at near ties
+    decided, lines = verdict(_pair(100, 200) + _pair(100, 400, gen=1024) + [_parity(0.999)], 0.99, None)
+    assert decided["default"] == "lmdeploy" and "2.83x as fast" in decided["reason"] and "99.90%" in decided["reason"]
     assert any("| 2.00x | lmdeploy |" in line for line in lines)
-    decided, _ = verdict(_pair(100, 200, 0.5), 0.9, None)  # faster, but decodes other tokens
-    assert decided["default"] == "native" and "only 50.0%" in decided["reason"]
-    decided, _ = verdict(_pair(300, 100, 1.0), 0.9, None)
+    decided, _ = verdict(_pair(100, 200) + [_parity(0.9)], 0.99, None)  # faster, but another model
+    assert decided["default"] == "native" and "only 90.00%" in decided["reason"]
+    decided, _ = verdict(_pair(100, 200), 0.99, None)
+    assert decided["default"] == "native" and "parity was not measured" in decided["reason"]
+    decided, _ = verdict(_pair(300, 100) + [_parity(1.0)], 0.99, None)
     assert decided["default"] == "native" and "native is 3.00x as fast" in decided["reason"]
+    # the grid's weights decide: the first parity row
+    decided, _ = verdict(_pair(100, 200) + [_parity(0.5), _parity(1.0, "trained")], 0.99, None)
+    assert decided["default"] == "native"
 
 
-def test_tiny_run_measures_native_and_says_why_lmdeploy_did_not_run(tmp_path, monkeypatch):
+def test_parity_table_and_agreement_from_tokens():
+    lines = parity_lines([_parity(0.999), {"engine": "lmdeploy", "kind": "parity", "weights": "x", "error": "Boom: no"}])
+    assert len(lines) == 4 and "| 99.90% of 300 |" in lines[2] and "| 5 of 32 |" in lines[2] and lines[3].endswith("Boom: no |")
+    rows = [{"engine": "lmdeploy", "unmasking": "static", "gen": 2, "batch": 2, "tokens_per_s": 1.0},
+            {"engine": "native", "unmasking": "static", "gen": 2, "batch": 2, "tokens_per_s": 1.0}]
+    tokens = {"native": {"static-2-2": torch.tensor([[1, 2], [3, 4]])}, "lmdeploy": {"static-2-2": torch.tensor([[1, 2], [3, 0]])}}
+    out = with_agreement(rows, tokens)
+    assert out[0]["token_agreement"] == 0.75 and out[0]["row_agreement"] == 0.5 and "token_agreement" not in out[1]
+    assert "token_agreement" not in with_agreement(rows, {"native": {}, "lmdeploy": tokens["lmdeploy"]})[0]
+
+
+def test_tiny_run_measures_native_and_says_why_lmdeploy_did_not_run(tmp_path):
     out = tmp_path / "rollout_engines.md"
     cmd = [sys.executable, str(REPO / "bench" / "rollout_engines.py"), "--tiny", "--workdir", str(tmp_path / "work"), "--out", str(out)]
     r = subprocess.run(cmd, env={**worker_env(), "OMP_NUM_THREADS": "1"}, cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -65,6 +92,7 @@ def test_tiny_run_measures_native_and_says_why_lmdeploy_did_not_run(tmp_path, mo
     assert {(c[1].split()[0], int(c[2]), int(c[3])) for c in lmdeploy} == grid
     for c in lmdeploy:
         assert c[4].strip() == "" and "not run" in c[-1] and "lmdeploy" in c[-1] and "CUDA" in c[-1]
+    assert "## Teacher-forced parity" in text and "(no parity row)" in text
     verdict_text = text.split("## Verdict", 1)[1]
     assert "**native** (unchanged)" in verdict_text and "lmdeploy was not measured" in verdict_text
     saved = json.loads(out.with_suffix(".json").read_text())
@@ -75,58 +103,11 @@ def test_tiny_run_measures_native_and_says_why_lmdeploy_did_not_run(tmp_path, mo
     # the folder as the engine serves it to lmdeploy: its config and tokenizer read without remote code
     folder = next((tmp_path / "work" / "models").glob("sdar-tiny-*"))
     transformers = pytest.importorskip("transformers")
+    from dare_core.models.hf_folder import inspect_model
     from dare_core.sampling.engines.lmdeploy import served_folder
 
-    view = served_folder(folder, tmp_path / "view")
+    model = inspect_model(folder)
+    view = served_folder(folder, tmp_path / "view", model.mask_token_id, model.pad_token_id)
     hf_config = transformers.PretrainedConfig.from_pretrained(view)  # lmdeploy's fallback where AutoConfig fails
     assert hf_config.architectures == ["SDARForCausalLM"] and hf_config.block_size == 4 and hf_config.mask_token_id == 251
     assert transformers.AutoTokenizer.from_pretrained(view, trust_remote_code=True).eos_token is not None
-
-    # the lmdeploy child's own code, on CPU: our loop behind the engine's interface decodes what native did
-    class NativeBehindEngine:
-        def __init__(self, model, model_path, **options):
-            from dare_core.models.hf_folder import load_model
-
-            self.options, self._engine = options, object()
-            self.model = load_model(model_path, dtype=torch.float32).eval()  # as the native rows ran on CPU
-
-        def generate(self, prompts, params):
-            from dare_core.sampling.decode import generate
-
-            return generate(self.model, prompts, dataclasses.replace(params, cuda_graphs=None))  # no CUDA here
-
-        def close(self):
-            pass
-
-    import dare_core.sampling.engines as engines
-    from rollout_engines import lmdeploy_child
-    from stamp import jsonl_rows
-
-    work = tmp_path / "work"
-    spec = {"folder": str(folder), "unmasking": "static", "points": [[8, 1], [16, 2]],
-            "rows": str(work / "child.jsonl"), "tokens": str(work / "native_tokens.pt"), "threshold": 0.9, "prompt": 8,
-            "repeats": 1, "deadline": None, "backend": "ray", "cache_max_entry_count": 0.5}
-    (work / "spec.json").write_text(json.dumps(spec))
-    started = []
-    monkeypatch.setattr(engines, "build_engine", lambda name, model, **kw: started.append((name, kw)) or NativeBehindEngine(model, **kw))
-    assert lmdeploy_child(work / "spec.json") == 0
-    (name, options), = started
-    assert name == "lmdeploy" and options["model_path"] == spec["folder"] and options["max_batch_size"] == 2
-    assert options["distributed_executor_backend"] == "ray" and options["cache_max_entry_count"] == 0.5
-    rows = jsonl_rows(work / "child.jsonl")
-    assert [(r["engine"], r["gen"], r["batch"], r["steps"]) for r in rows] == [("lmdeploy", 8, 1, 8), ("lmdeploy", 16, 2, 16)]
-    assert all(r["token_agreement"] == r["row_agreement"] == 1.0 and r["ms_per_step"] > 0 for r in rows)
-
-    class NeverStarts(NativeBehindEngine):
-        def __init__(self, model, model_path, **options):
-            self._engine = None
-
-        def generate(self, prompts, params):
-            raise RuntimeError("no GPU for you")
-
-    spec["rows"] = str(work / "failed.jsonl")
-    (work / "spec.json").write_text(json.dumps(spec))
-    monkeypatch.setattr(engines, "build_engine", lambda name, model, **kw: NeverStarts(model, **kw))
-    lmdeploy_child(work / "spec.json")
-    first, second = jsonl_rows(work / "failed.jsonl")
-    assert first["error"] == "RuntimeError: no GPU for you" and second["error"].startswith("not run: the engine did not start")

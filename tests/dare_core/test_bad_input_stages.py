@@ -182,6 +182,8 @@ CASES = [
     # settings that do not fit the model, the data or each other
     Case("rl-block-kv-on-llada", "rl", _set("rl.sampler.cache=block_kv"), ("rl.sampler.cache", "block_kv")),
     Case("rl-unknown-reward", "rl", _set("rl.reward=nope"), "rl.reward"),
+    Case("rl-lmdeploy-on-llada", "rl", _set("rl.sampler.engine=lmdeploy"), ("rl.sampler.engine 'lmdeploy'", "SDAR")),
+    Case("rl-unknown-engine", "rl", _set("rl.sampler.engine=vllm"), ("unknown rollout engine 'vllm'", "native")),
     Case("rl-reward-for-other-ground-truths", "rl", _set("rl.reward=countdown"), ("rl.parquet", "ground_truth")),
     Case("rl-validate-k-0", "rl", _set("rl.validate_every=1", "rl.validate_k=0"), "rl.validate_k"),
     Case("rl-canvas-too-long", "rl", _set("rl.sampler.gen_length=32", "rl.sampler.steps=8"), "rl.sampler.gen_length"),

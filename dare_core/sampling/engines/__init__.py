@@ -3,8 +3,9 @@
 Training asks an engine for rollouts; whether they came from our own loop (`native`) or from an
 external inference engine (`lmdeploy`, block diffusion) is a config value. Every engine returns
 token ids in a `GenerationOutput`, never re-tokenised text, honours one seed per prompt, and
-receives the training model's weights before the next rollout (`update_weights`). External engines
-are imported lazily, so CPU installs never need them. `sampling/completions.py` is the one path
+receives the training model's weights before the next rollout (`update_weights`), and is closed when
+its user is done (`close`: an external engine's process ends). External engines are imported lazily
+and run in their own environment and process, so DARE's install never needs them. `sampling/completions.py` is the one path
 through an engine; tree rollouts (d-TreeRPO) are a capability of the engines that can resume their
 own denoising loop (`generate_tree`, the native one).
 """
@@ -34,6 +35,8 @@ class RolloutEngine(Protocol):
 
     def update_weights(self, model) -> None: ...
 
+    def close(self) -> None: ...
+
 
 @ENGINES.register("native")
 class NativeEngine:
@@ -61,8 +64,29 @@ class NativeEngine:
     def update_weights(self, model) -> None:
         self.model = model
 
+    def close(self) -> None:
+        pass
 
-def build_engine(name: str, model, **options) -> RolloutEngine:
+
+def engine_class(name: str) -> type:
     if name not in ENGINES and name in LAZY:
         importlib.import_module(LAZY[name])
-    return ENGINES.lookup(name)(model, **options)
+    return ENGINES.lookup(name)
+
+
+def check_engine(name: str, model, params: SamplingParams, record: str = "none", runtime: bool = True) -> None:
+    """ValueError for what engine `name` cannot do with `model` (its config is enough: a meta model)
+    and `params`, before any weight is read; with `runtime`, RuntimeError where it cannot run on this
+    machine. An engine without a `check` takes whatever ours does and runs wherever ours does."""
+    cls = engine_class(name)
+    if getattr(cls, "check", None) is not None:
+        cls.check(model, params, record)
+    reason = cls.unavailable() if runtime and getattr(cls, "unavailable", None) is not None else None
+    if reason:
+        raise RuntimeError(reason)
+
+
+def build_engine(name: str, model, **options) -> RolloutEngine:
+    """`name`'s engine around `model`. Options every engine takes: `model_path`, the checkpoint
+    folder `model` was loaded from (an external engine starts from it; ours needs none)."""
+    return engine_class(name)(model, **options)

@@ -1,7 +1,9 @@
-"""The lmdeploy rollout engine (docs/sampling.md#block-diffusion-decoding pitfalls, docs/sampling.md#rollout-records): what can be checked without lmdeploy
-on CPU, and one GPU test that runs a tiny SDAR through lmdeploy when it is installed."""
+"""The lmdeploy rollout engine (docs/sampling.md#engines, docs/sampling.md#rollout-records): what can be checked
+without lmdeploy on CPU, and the GPU tests that run tiny SDARs through lmdeploy's own process. The checks
+against lmdeploy's own code on CPU (its config builder, its model and weight loader) are in
+test_lmdeploy_cpu.py."""
 import sys
-from types import SimpleNamespace
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,14 +12,16 @@ from dare_core.diffusion.seeding import generator, sample_generators
 from dare_core.sampling.decode import generate
 from dare_core.sampling.engines import build_engine
 from dare_core.models.family import get_family
-from dare_core.sampling.engines.lmdeploy import (assemble_output, check_model, map_params, request_seeds, required_length,
-                                                 served_folder, session_length, weight_chunks)
+from dare_core.sampling.engines.lmdeploy import (INSTALL_HINT, assemble_output, check_model, engine_config, engine_python,
+                                                 map_params, request_seeds, required_length, served_folder, session_length,
+                                                 weight_buckets)
+from dare_core.sampling.engines.lmdeploy.parity import compare, replay_logits
+from dare_core.sampling.engines.lmdeploy.process import ALIGN, child_environment, visible_device
 from dare_core.sampling.params import SamplingParams
 
-SDAR_MASK_TOKEN = get_family("sdar").engine_mask_ids["lmdeploy"]  # the mask id lmdeploy's SDAR builder assumes
 
 sys.path.insert(0, "tests")
-from tiny_models import tiny  # noqa: E402
+from tiny_models import MASK, VOCAB, tiny  # noqa: E402
 
 EOS, PAD = 62, 61
 
@@ -143,36 +147,77 @@ def test_assemble_output_matches_the_native_layout():
     assert out.prompt_len == native.prompt_len
 
 
-def test_weight_chunks_cover_every_checkpoint_tensor_once():
+def test_weight_buckets_cover_every_checkpoint_tensor_once_at_aligned_offsets():
     state = tiny("sdar").hf_state_dict()
     limit = 8192
-    chunks = weight_chunks(state, limit)
-    names = [name for chunk in chunks for name, _ in chunk]
-    assert sorted(names) == sorted(state) and len(names) == len(set(names))
-    for chunk in chunks:
-        for name, t in chunk:
-            assert t.shape == state[name].shape and t is state[name]
-        size = sum(t.numel() * t.element_size() for _, t in chunk)
-        assert size <= limit or len(chunk) == 1
-    assert len(chunks) > 1
-    assert len(weight_chunks(state, 2**40)) == 1
+    buckets = list(weight_buckets(state.items(), limit))
+    names = [name for bucket, _, _ in buckets for name, _, _ in bucket]
+    assert names == list(state) and len(names) == len(set(names))  # streamed in order, each once
+    assert [last for _, _, last in buckets] == [False] * (len(buckets) - 1) + [True]
+    for bucket, used, _ in buckets:
+        end = 0
+        for name, t, offset in bucket:
+            assert t is state[name] and offset % ALIGN == 0 and offset >= end  # no overlap
+            end = offset + t.numel() * t.element_size()
+        assert used == end and (used <= limit or len(bucket) == 1)
+    assert len(buckets) > 1
+    big = {"a": torch.zeros(3000, dtype=torch.float32), "b": torch.zeros(10, dtype=torch.bfloat16)}
+    assert [[n for n, _, _ in b] for b, _, _ in weight_buckets(big.items(), 1024)] == [["a"], ["b"]]  # too big: alone
+    assert len(list(weight_buckets(state.items(), 2**40))) == 1
     with pytest.raises(ValueError):
-        weight_chunks(state, 0)
+        list(weight_buckets(state.items(), 0))
 
 
 def test_check_model():
-    with pytest.raises(ValueError, match=f"mask token id {SDAR_MASK_TOKEN}"):
-        check_model(tiny("sdar"))
+    check_model(tiny("sdar"))  # any mask id: the engine's process makes lmdeploy read config.json's
+    check_model(tiny("sdar_moe"))
     with pytest.raises(ValueError, match="SDAR models"):
         check_model(tiny("llada"))
-    check_model(SimpleNamespace(family=SimpleNamespace(model_type="sdar"), block_size=4, mask_token_id=SDAR_MASK_TOKEN))
 
 
-def test_build_engine_without_lmdeploy_says_how_to_install(monkeypatch):
-    monkeypatch.setitem(sys.modules, "lmdeploy", None)  # as if not installed, even where it is
-    with pytest.raises(ImportError, match=r"pip install 'dare\[lmdeploy\]'") as err:
+def test_build_engine_without_a_gpu_says_how_to_install():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    with pytest.raises(RuntimeError, match="make lmdeploy") as err:
         build_engine("lmdeploy", tiny("sdar"), model_path="unused")
-    assert "CUDA" in str(err.value)
+    assert "CUDA" in str(err.value) and str(err.value).endswith(INSTALL_HINT)
+
+
+def test_engine_python_order(monkeypatch, tmp_path):
+    monkeypatch.delenv("DARE_LMDEPLOY_PYTHON", raising=False)
+    assert engine_python("/opt/x/python") == "/opt/x/python"
+    monkeypatch.setenv("DARE_LMDEPLOY_PYTHON", "/env/python")
+    assert engine_python() == "/env/python" and engine_python("/opt/x/python") == "/opt/x/python"
+    monkeypatch.delenv("DARE_LMDEPLOY_PYTHON")
+    venv = Path(__file__).resolve().parents[3] / ".venv-lmdeploy" / "bin" / "python"
+    assert engine_python() == (str(venv) if venv.exists() else sys.executable)
+
+
+def test_child_environment_is_one_gpu_and_no_launch():
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1",
+           "TORCHELASTIC_RUN_ID": "x", "CUDA_VISIBLE_DEVICES": "2,3", "NCCL_NVLS_ENABLE": "0", "PATH": "/bin"}
+    child = child_environment(env, visible_device(1, env))
+    assert child == {"CUDA_VISIBLE_DEVICES": "3", "NCCL_NVLS_ENABLE": "0", "PATH": "/bin", "PYTHONUNBUFFERED": "1"}
+    assert visible_device(1, {}) == "1" and visible_device(0, {"CUDA_VISIBLE_DEVICES": "GPU-ab, GPU-cd"}) == "GPU-ab"
+    assert "CUDA_VISIBLE_DEVICES" not in child_environment({"PATH": "/bin"}, None)
+
+
+def test_engine_config_has_every_field_lmdeploy_reads():
+    """A DARE config leaves out keys; a bare transformers 5 config has neither pad_token_id nor a
+    rope_parameters with SDAR's theta (lmdeploy would rotate with 10,000)."""
+    cfg = get_family("sdar").tiny_config(VOCAB, MASK, EOS, **{"hidden_size": 32, "num_attention_heads": 4, "head_dim": 16})
+    for key in ("sliding_window", "pad_token_id", "num_key_value_heads"):
+        cfg.pop(key, None)
+    out = engine_config(cfg | {"auto_map": {"AutoConfig": "x.Y"}}, mask_token_id=MASK, pad_token_id=PAD)
+    assert "auto_map" not in out and out["mask_token_id"] == MASK and out["pad_token_id"] == PAD
+    assert out["rope_parameters"] == {"rope_type": "default", "rope_theta": 1e6} and out["sliding_window"] is None
+    assert out["num_key_value_heads"] == 4 and out["attention_bias"] is False and out["tie_word_embeddings"] is False
+    assert {k: out[k] for k in cfg} == cfg  # nothing the config says is changed
+    assert engine_config(cfg | {"pad_token_id": 7}, MASK, PAD)["pad_token_id"] == 7
+    moe = engine_config(get_family("sdar_moe").tiny_config(VOCAB, MASK, EOS), MASK, PAD)
+    assert moe["decoder_sparse_step"] == 1 and moe["norm_topk_prob"] is True
+    with pytest.raises(ValueError, match="rope_scaling"):
+        engine_config(cfg | {"rope_scaling": {"type": "yarn", "factor": 4.0}}, MASK, PAD)
 
 
 def test_lmdeploy_reads_a_folder_dare_saved_without_its_remote_code(tmp_path):
@@ -203,13 +248,16 @@ def test_lmdeploy_reads_a_folder_dare_saved_without_its_remote_code(tmp_path):
     with pytest.raises(OSError, match="tokenization_qwen2"):
         AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
 
-    view = served_folder(folder, tmp_path / "view")
+    view = served_folder(folder, tmp_path / "view", MASK, PAD)
     with pytest.raises(ValueError):  # no remote code and a model type transformers lacks: lmdeploy's fallback
         AutoConfig.from_pretrained(view, trust_remote_code=True)
-    served = PretrainedConfig.from_pretrained(view, trust_remote_code=True).to_dict()
+    served = PretrainedConfig.from_pretrained(view, trust_remote_code=True)
     sizes = ("architectures", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
              "intermediate_size", "vocab_size", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings")
-    assert {k: served[k] for k in sizes} == {k: config[k] for k in sizes} and "auto_map" not in served
+    assert {k: getattr(served, k) for k in sizes} == {k: config[k] for k in sizes} and "auto_map" not in served.to_dict()
+    # what a bare config lacks and lmdeploy's SDAR code reads, as DARE's model has it
+    assert served.pad_token_id == config["pad_token_id"] and served.mask_token_id == MASK
+    assert served.rope_parameters["rope_theta"] == config["rope_theta"] and served.sliding_window is None
     tokenizer = AutoTokenizer.from_pretrained(view, trust_remote_code=True)
     assert tokenizer.convert_tokens_to_ids(["abc", "<|endoftext|>"]) == [9, 10]
     # the weights are the folder's own files, not copies
@@ -218,47 +266,122 @@ def test_lmdeploy_reads_a_folder_dare_saved_without_its_remote_code(tmp_path):
     assert json.loads((folder / "config.json").read_text()) == config  # the user's folder is left as it was
 
 
+def tiny_engine_model(tmp_path, std: float = 0.3):
+    """A tiny SDAR as DARE's pipeline makes one (its character tokenizer, its ids), saved with the
+    tokenizer (lmdeploy's engine loads it), bf16 on the GPU."""
+    from dare_core.models.hf_folder import save_model
+    from dare_core.models.lm import build_model
+    from dare_core.models.tokenizer import char_tokenizer
+
+    tok = char_tokenizer()
+    cfg = get_family("sdar").tiny_config(tok.vocab_size, tok.mask_token_id, tok.eos_token_id, tok.pad_token_id,
+                                         hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                         head_dim=64, intermediate_size=256)
+    model = build_model(cfg)
+    model.net.init_weights(generator(0, "lmdeploy-test"), std=std)
+    model = model.to(device="cuda", dtype=torch.bfloat16).eval()
+    tok.save(tmp_path / "tokenizer")
+    save_model(model, tmp_path / "sdar", extra_files={"tokenizer": tmp_path / "tokenizer"})
+    return model, tmp_path / "sdar"
+
+
 @pytest.mark.gpu
 def test_tiny_sdar_through_lmdeploy(tmp_path):
-    pytest.importorskip("lmdeploy")
-    from dare_core.models.lm import build_model
-    from dare_core.models.hf_folder import save_model
-
-    # lmdeploy hard-codes SDAR's mask id, so the tiny model needs a vocabulary that holds it
-    eos = 151643
-    cfg = get_family("sdar").tiny_config(SDAR_MASK_TOKEN + 11, SDAR_MASK_TOKEN, eos, hidden_size=64, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, intermediate_size=128,
-                                         max_position_embeddings=512)
-    model = build_model(cfg)
-    model.net.init_weights(generator(0, "lmdeploy-test"), std=0.3)
-    model = model.eval().cuda()
-    save_model(model, tmp_path / "sdar")
-    engine = build_engine("lmdeploy", model, model_path=str(tmp_path / "sdar"), cache_max_entry_count=0.2)
+    """DARE's own tiny SDAR (its own vocabulary and mask id) through lmdeploy's process: the layout,
+    the logits of every forward equal to DARE's on the same inputs, greedy tokens equal to our
+    loop's, seeds, and weights pushed over CUDA IPC."""
+    model, folder = tiny_engine_model(tmp_path)
+    engine = build_engine("lmdeploy", model, model_path=str(folder), cache_max_entry_count=0.1)
     try:
         prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
         greedy = sdar_params(gen_length=16, steps=16)
         out = engine.generate(prompts, greedy)
         assert out.sequences.shape == (3, 5 + 16) and out.sampler["engine"] == "lmdeploy"
         assert all(1 <= n <= 16 for n in out.lengths.tolist())
-        assert not (out.response == SDAR_MASK_TOKEN).any() and (out.response < cfg["vocab_size"]).all()
+        assert not (out.response == model.mask_token_id).any() and (out.response < model.config.vocab_size).all()
         for row, n in zip(out.response.tolist(), out.lengths.tolist()):
-            assert row[n:] == [eos] * (16 - n)
-        # the same model decoded by our loop: greedy agrees on the first block (fp16 engine vs fp32 here)
+            assert row[n:] == [model.eos_token_id] * (16 - n)
         native = generate(model, prompts, greedy)
-        assert (out.response[:, :4].cpu() == native.response[:, :4].cpu()).float().mean() >= 0.75
+        assert (out.response.cpu() == native.response.cpu()).float().mean() >= 0.9  # a near tie may go either way
+
+        engine.probe(True)
+        for p in prompts:  # one request at a time: each record is one sequence
+            engine.generate([p], greedy)
+        records = engine.take_records()
+        assert any(model.mask_token_id in r["input_ids"] for r in records)  # it denoised from this model's own mask id
+        parity = compare(*replay_logits(model, records, torch.device("cuda")))
+        assert parity["argmax_agreement_clear"] == 1.0 and parity["clear_rows"] >= 0.5 * parity["rows"], parity
+        assert parity["mean_abs_err"] <= 0.02 * parity["logit_std"], parity  # bf16 both, other kernels
 
         sampled = sdar_params(gen_length=16, steps=16, temperature=1.0, top_k=50)  # dLLM settings as the engine started
         a = engine.generate(prompts, sampled, seeds=[1, 2, 3])
         b = engine.generate(prompts, sampled, seeds=[1, 2, 3])
         assert torch.equal(a.sequences, b.sequences)  # per-request seeds, same batch
 
-        engine.update_weights(model)  # the weights it already has: greedy output unchanged
-        assert torch.equal(engine.generate(prompts, greedy).sequences, out.sequences)
         g = generator(1, "lmdeploy-test")
         with torch.no_grad():
             for p in model.parameters():
-                p.add_(torch.randn(p.shape, generator=g).to(p.device) * 0.3)
+                p.add_(torch.randn(p.shape, generator=g).to(p) * 0.3)
         engine.update_weights(model)
-        assert not torch.equal(engine.generate(prompts, greedy).sequences, out.sequences)
+        assert engine.last_sync["tensors"] == len(model.hf_state_dict())
+        engine.take_records()
+        engine.generate(prompts[:1], greedy)
+        parity = compare(*replay_logits(model, engine.take_records(), torch.device("cuda")))
+        assert parity["argmax_agreement_clear"] == 1.0 and parity["mean_abs_err"] <= 0.02 * parity["logit_std"], parity  # the pushed weights
     finally:
         engine.close()
+    assert engine.process is None
+
+
+@pytest.mark.gpu
+def test_lmdeploy_process_errors_keep_their_traceback(tmp_path):
+    model, folder = tiny_engine_model(tmp_path)
+    engine = build_engine("lmdeploy", model, model_path=str(folder), cache_max_entry_count=0.1)
+    try:
+        engine.generate([[1, 2]], sdar_params())
+        with pytest.raises(RuntimeError, match="Traceback") as err:
+            engine.process.call("load_weights", key=99, handle=None, tensors=[], finished=True)
+        assert "KeyError" in str(err.value)
+        engine.process.proc.kill()
+        with pytest.raises(RuntimeError, match="exited with code"):
+            engine.generate([[1, 2]], sdar_params())
+    finally:
+        engine.close()
+
+
+def test_replay_forces_dares_model_onto_a_recorded_trajectory():
+    """Records made the way lmdeploy decodes (prefill of the prompt padded to whole blocks, then
+    each block forwarded against the cache until clean), with DARE's own logits as lmdeploy's: the
+    replay gives them back exactly. A record out of place is refused."""
+    model = tiny("sdar")
+    prompt, B = [1, 2, 3, 4, 5, 6], 4
+    canvas = prompt + [MASK] * 2
+    records = []
+
+    def forward(history: int, ids: list[int]) -> None:
+        with torch.no_grad():
+            logits = model(torch.tensor([canvas[:history] + ids]))[0, -B:]
+        records.append({"input_ids": list(ids), "history": [history], "seq_length": [len(ids)], "decoding": history > 0,
+                        "logits": logits.to(torch.bfloat16)})
+
+    forward(0, canvas)  # prefill: the prompt and its tail block's masks
+    for start in (4, 8, 12):
+        block = canvas[start:start + B] if start < len(canvas) else [MASK] * B
+        canvas[start:] = block
+        for i in range(B):  # commit one masked position per step, then one forward of the clean block
+            if MASK in block:
+                forward(start, block)
+                block[block.index(MASK)] = 10 + start + i
+                canvas[start:start + B] = block
+        forward(start, block)
+    theirs, ours = replay_logits(model, records, torch.device("cpu"))
+    assert theirs.shape == ours.shape == (len(records) * B, VOCAB)
+    parity = compare(theirs, ours.to(torch.bfloat16).float())
+    assert parity["max_abs_err"] == 0 and parity["argmax_agreement"] == 1.0
+    noisy = compare(theirs + torch.randn(theirs.shape, generator=torch.Generator().manual_seed(0)) * 0.5 * ours.std(), ours)
+    assert noisy["argmax_agreement"] < 1.0 and noisy["clear_rows"] < noisy["rows"]
+    assert noisy["argmax_agreement_clear"] == 1.0 or noisy["clear_rows"] == 0  # a clear gap survives any error under half of it
+    with pytest.raises(ValueError, match="after 0 known tokens"):
+        replay_logits(model, records[1:], torch.device("cpu"))
+    with pytest.raises(ValueError, match="one request at a time"):
+        replay_logits(model, [dict(records[0], history=[0, 0])], torch.device("cpu"))
