@@ -50,12 +50,12 @@ class DecodeShare:
         return lo, lo + base + (self.rank < extra)
 
 
-def _moved(obj, device):
+def moved(obj, device):
     """`obj` (a tensor, or a dataclass of them such as GenerationOutput) with its tensors on `device`."""
     if isinstance(obj, torch.Tensor):
         return obj.to(device)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: _moved(getattr(obj, f.name), device) for f in dataclasses.fields(obj) if f.init})
+        return dataclasses.replace(obj, **{f.name: moved(getattr(obj, f.name), device) for f in dataclasses.fields(obj) if f.init})
     return obj
 
 
@@ -85,6 +85,6 @@ def generate(engine: RolloutEngine, tokenizer, prompts: Sequence[Sequence[int]],
     finally:
         model.train(was_training)
     if share is not None:  # (on the CPU: a pickled GPU tensor would land on the sender's GPU)
-        outputs = [_moved(o, device) for part in share.gather([_moved(o, "cpu") for o in outputs]) for o in part]
+        outputs = [moved(o, device) for part in share.gather([moved(o, "cpu") for o in outputs]) for o in part]
     seconds = time.time() - t0
     return Completions(outputs, [text for out in outputs for text in decode_responses(tokenizer, out)], seconds)

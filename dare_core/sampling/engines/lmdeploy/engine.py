@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from dare_core.sampling.completions import moved
 from dare_core.sampling.decode import GenerationOutput
 from dare_core.sampling.engines import ENGINES
 from dare_core.sampling.engines.lmdeploy.folder import check_model, served_folder
@@ -88,7 +89,11 @@ class LMDeployEngine:
             raise ValueError(f"lmdeploy's KV cache holds sessions of {self.info['max_session_len']} tokens, the batch needs "
                              f"{required}: raise cache_max_entry_count or shorten prompts / gen_length")
         responses = self.process.call("generate", prompts=[[int(t) for t in p] for p in prompts], request=request, seeds=seeds)
-        return assemble_output(prompts, responses, params, self.model.pad_token_id, self.model.eos_token_id, seeds)
+        out = assemble_output(prompts, responses, params, self.model.pad_token_id, self.model.eos_token_id, seeds)
+        # on the policy's device, as our loop returns them (the trainer scores them there); a bench's
+        # meta model has no device for them
+        device = next(self.model.parameters()).device
+        return out if device.type == "meta" else moved(out, device)
 
     def update_weights(self, model) -> None:
         """Push `model`'s weights (checkpoint names, LoRA merged) before the next rollout; before the
