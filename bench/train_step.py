@@ -98,6 +98,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--side-by-side", action="store_true",
                    help="with rl and rl-d1 and 2+ GPUs: run the two at once, DARE's on GPU 0 and d1's own code on GPU 1")
     p.add_argument("--verbose", action="store_true", help="show the runs' output instead of logging it")
+    p.add_argument("--replay", type=Path, metavar="TASKS",
+                   help="run nothing: build the rows from the task results a finished run wrote to TASKS (its work "
+                        "folder's tasks/), e.g. after a fix of how rows are read from them")
     p.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
                    help="run nothing: write --out from the rows of these results files (earlier ones first, a later "
                         "row replaces an earlier one of the same measurement), each row credited to its run")
@@ -117,11 +120,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         p.error(str(exc))
     workdir = Path(args.workdir)
     # (is_available starts no CUDA context: this process leaves the GPU's memory to the runs)
-    if not torch.cuda.is_available() and not args.tiny:
+    if not torch.cuda.is_available() and not args.tiny and not args.replay:
         p.error("no GPU here: use --tiny for the CPU smoke run")
-    if args.side_by_side and not args.tiny and torch.cuda.device_count() < 2:
+    if args.side_by_side and not args.tiny and not args.replay and torch.cuda.device_count() < 2:
         p.error("--side-by-side needs 2 GPUs")
-    runner = Runner(workdir, args.task_timeout, args.verbose)
+    runner = Runner(workdir, args.task_timeout, args.verbose, args.replay)
     out = Path(args.out)
     commit = git_commit()
     command = "python3 bench/train_step.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
@@ -132,7 +135,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         nonlocal previous
         hw = next((r["hardware"] for r in rows if r.get("hardware")), None) or f"(no run finished) {platform.machine()}"
         run = {"commit": commit, "command": command, "hardware": hw, "settings": dataclasses.asdict(s), "date": date,
-           "libraries": library_versions()}
+           "libraries": library_versions() if not args.replay else "(not recorded: rows read back from the task results of --replay)"}
         if previous is None:  # read once: later saves rewrite the file this run is writing
             previous = merge_previous(out.with_suffix(".json"), run, args.add)
         done = {row_key(r) for r in rows}

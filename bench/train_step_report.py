@@ -85,7 +85,7 @@ def engine_table(rows: list[dict]) -> list[str]:
         native = next((o for o in rows if o["shape"] == r["shape"] and o["recipe"] == "native" and same_run(o, r)
                        and "error" not in o), None)
         cells.append(head + [r["step"]] + [f"{r[p]:.2f}" for p in ENGINE_PHASES] + [
-            f"{r['other']:.2f}", f"{r['step_s']:.2f}", fmt(r.get("reward"), ".3f"), fmt(r["peak_gib"], ".1f") or "n/a (CPU)",
+            f"{r['other']:.2f}", f"{r['step_s']:.2f}", fmt(r.get("mean_reward"), ".3f"), fmt(r["peak_gib"], ".1f") or "n/a (CPU)",
             f"{native['step_s'] / r['step_s']:.2f}x" if native and r["recipe"] != "native" else ""])
     return markdown_table(ENGINE_COLUMNS, cells)
 

@@ -20,7 +20,8 @@ import torch
 from rl_pieces import REWARD, register_rl_pieces, token_hash_reward
 from model_throughput import peak_bf16
 from stamp import REPO, hardware, host_memory_bytes, jsonl_rows, mean
-from train_step_setup import FAMILIES, Settings, evict_page_cache, optimizer_host_bytes, write_data, write_model_folder
+from train_step_setup import (FAMILIES, Settings, evict_page_cache, optimizer_host_bytes, shape_config, write_data,
+                              write_model_folder)
 
 ENTRY = Path(__file__).with_name("train_step.py")  # a child runs `train_step.py --task SPEC`
 RL_PHASES = ("rollout", "reward", "scoring", "forward_backward", "optimizer")
@@ -261,13 +262,17 @@ def child_env() -> dict:
 class Runner:
     """Runs tasks in child processes, logs each to the work folder, returns their results."""
 
-    def __init__(self, workdir: Path, timeout: Optional[float], verbose: bool):
+    def __init__(self, workdir: Path, timeout: Optional[float], verbose: bool, replay: Optional[Path] = None):
         self.dir = workdir / "tasks"
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.timeout, self.verbose = timeout or None, verbose
+        self.timeout, self.verbose, self.replay = timeout or None, verbose, replay
 
     def __call__(self, name: str, spec: dict, gpu: Optional[int] = None) -> dict:
-        """`gpu`: the one GPU the child sees (CUDA_VISIBLE_DEVICES); None: the parent's view."""
+        """`gpu`: the one GPU the child sees (CUDA_VISIBLE_DEVICES); None: the parent's view. With
+        `replay`, nothing runs: the result a finished run's task wrote there is read back."""
+        if self.replay is not None:
+            done = self.replay / f"{name}.result.json"
+            return json.loads(done.read_text()) if done.exists() else {"error": f"no result of {name} in {self.replay}"}
         spec_path = self.dir / f"{name}.json"
         result_path = spec_path.with_suffix(".result.json")
         log_path = spec_path.with_suffix(".log")
@@ -355,8 +360,9 @@ def rl_engine_row(shape: str, engine: str, result: dict) -> dict:
     steps = [m for m in result["metrics"] if "time/step_s" in m]
     last = steps[-1]
     row.update({p: last.get(f"time/{p}_s", 0.0) for p in ENGINE_PHASES})
+    # (`reward` is the reward phase's seconds, as in the rl rows; the step's mean reward is apart)
     row.update(step=last["step"], step_s=last["time/step_s"], peak_gib=last.get("memory/peak_gib"),
-               zero_std_ratio=last.get("zero_std_ratio"), reward=last.get("reward"))
+               zero_std_ratio=last.get("zero_std_ratio"), mean_reward=last.get("reward"))
     row["other"] = row["step_s"] - sum(row[p] for p in ENGINE_PHASES)
     return row
 
@@ -364,9 +370,9 @@ def rl_engine_row(shape: str, engine: str, result: dict) -> dict:
 def engine_rows(shape: str, folder: Path, args, run) -> list[dict]:
     """The rl-engines pair: the step with native rollouts and with lmdeploy's, side by side on two
     GPUs where asked; a shape lmdeploy does not decode says so."""
-    from dare_core.models.hf_folder import inspect_model
+    from dare_core.models.family import get_family
 
-    if inspect_model(folder).block_size is None:
+    if get_family(shape_config(shape, args.tiny)["model_type"]).block_size is None:
         return [{"part": "rl-engines", "shape": shape, "recipe": e, "error": "not run: lmdeploy decodes block-diffusion "
                  "models (SDAR) only"} for e in ("native", "lmdeploy")]
     if args.side_by_side:

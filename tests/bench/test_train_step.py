@@ -84,3 +84,23 @@ def test_tiny_run_writes_every_section(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert [row[1] for row in _table(merged.read_text(), "## RL")] == ["DARE"]
     assert "--drop-parts rl-d1 --merge" in merged.read_text()
+
+
+def test_replay_builds_the_rows_from_a_finished_runs_task_results(tmp_path):
+    """--replay runs nothing: the rl-engines rows of the H200 run, read back from its tasks' results,
+    with every phase of the step and the step's mean reward apart from the reward phase."""
+    out = tmp_path / "replayed.md"
+    tasks = REPO / "bench" / "results" / "train_step_rl_engines_tasks"
+    cmd = [sys.executable, str(REPO / "bench" / "train_step.py"), "--replay", str(tasks), "--workdir", str(tmp_path / "work"),
+           "--shapes", "sdar", "--parts", "rl-engines", "--side-by-side", "--no-cold", "--out", str(out)]
+    r = subprocess.run(cmd, env=worker_env(), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = _table(out.read_text(), "## RL with lmdeploy rollouts")
+    assert [row[1] for row in rows] == ["native", "lmdeploy"]
+    for row in rows:
+        phases, other, step_s = list(map(_number, row[3:9])), _number(row[9]), _number(row[10])
+        assert abs(sum(phases) + other - step_s) <= 0.04 and 0 <= other < 1  # phases, the rest, the step (cells rounded)
+        assert 0 < _number(row[11]) < 1  # the mean reward
+    assert _number(rows[1][8]) > 0 and _number(rows[0][8]) == 0  # the weight push: lmdeploy's only
+    assert _number(rows[1][-1]) == round(_number(rows[0][10]) / _number(rows[1][10]), 2)
+    assert "(not recorded: rows read back" in out.read_text()
