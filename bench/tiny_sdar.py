@@ -10,6 +10,7 @@ the eval stage's OpenCompass score, times).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -30,6 +31,10 @@ EVAL_SAMPLER = {"gen_length": 8, "steps": 8, "block_length": BLOCK, "temperature
 DEFAULT_STEPS, TINY_STEPS = 1200, 5
 # --tiny (the CPU test): a two-layer narrow model on a few hundred problems
 TINY_DATA = {"data.num_sft": 400, "data.num_rl": 64, "data.num_eval": 40, "data.num_preference": 64, "data.num_val": 16}
+# the SDAR family's from-scratch shape (sdar.tiny_config's defaults, written out so that the model stays this
+# one if they change): 4 layers, width 128, 4 heads of 32 with 2 key/value heads (grouped, as SDAR's), MLP 384
+INIT = {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "intermediate_size": 384, "max_position_embeddings": 128, "block_size": BLOCK}
 TINY_INIT = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
              "intermediate_size": 64}
 # --tiny skips `eval`: OpenCompass's start alone takes ~20 s, and a 5-step model scores nothing
@@ -46,9 +51,9 @@ def stage_settings(workdir: Path, steps: int, tiny: bool) -> dict:
         # those digits, whose greedy pick is then decided by rounding, not by the model (no use for engine checks)
         "data.task_args.demo_error_rate": 0,
         "model.family": "sdar",
-        # the family's from-scratch defaults: 4 layers, width 128, 4 heads of 32 (2 key/value heads), MLP 384,
-        # block 4. Two heads of 64 learned far slower here (4% after 1,500 steps against 62% after 400)
-        "model.init": TINY_INIT if tiny else {},
+        # two heads of 64 instead learned far slower here (one seed each: 4% held-out accuracy after 1,500 steps,
+        # against 62% after 400)
+        "model.init": TINY_INIT if tiny else INIT,
         # block diffusion trains the response and its one EOS only: 4 digits + EOS
         "sft.pad_to": 5,
         "sft.max_steps": steps, "sft.log_every": max(1, min(100, steps)), "sft.save_every": 10**9,
@@ -67,9 +72,13 @@ def run_stage(stage: str, sets: list[str], log: Path) -> float:
     log's tail when it fails."""
     cmd = [sys.executable, "-m", "dare_core.cli", "stage", stage, "--restart", "--params", str(REPO / "params.yaml"),
            *(f"--set={s}" for s in sets)]
+    # OpenMP threads that sleep instead of spinning while they wait: on this 2-core machine shared with other
+    # jobs, an SFT step of the default model took 0.78 s spinning and 0.38 s sleeping beside one busy core
+    # (0.20 s and 0.23 s with the machine to itself); the caller's own setting wins
+    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
     t0 = time.perf_counter()
     with log.open("w") as out:
-        code = subprocess.run(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT).returncode
+        code = subprocess.run(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
     if code:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
         raise RuntimeError(f"dare stage {stage} failed (exit {code}); its log: {log}\n{tail}")
@@ -103,7 +112,8 @@ def train(folder: Path, workdir: Path, steps: Optional[int] = None, tiny: bool =
         "commit": commit, "command": command, "date": started, "hardware": hardware(cpu_detail=True),
         "settings": sets, "sft_steps": steps, "stage_seconds": seconds, "sft_seconds": seconds["sft"],
         "total_seconds": round(sum(seconds.values()), 1), "final_loss": sft.get("final_loss"),
-        "eval_sampler": EVAL_SAMPLER, "opencompass_accuracy": {k: v / 100 for k, v in scores.items()} if scores else None,
+        "eval_sampler": json.loads((export / "generation_config.json").read_text()).get("dare_sampler"),
+        "opencompass_accuracy": {k: v / 100 for k, v in scores.items()} if scores else None,
         "eval_items": _rows(workdir / "data" / "prepared" / "eval.parquet"),
         "model": {k: config.get(k) for k in ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
                                              "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size",
