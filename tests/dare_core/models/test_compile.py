@@ -52,9 +52,13 @@ def test_compiled_training_matches_eager(family, checkpointing, packing, lora):
     loss_c, g_c = _loss_and_grads(family, True, checkpointing, packing, lora)
     assert counters["frames"]["ok"] > 0, "the compiled path did not run"
     assert g.abs().sum() > 0
-    # float64 models, but the loss reads float32 log-probabilities: one float32 ulp apart at most
+    # float64 models, but the loss reads float32 log-probabilities: the loss one float32 ulp apart at
+    # most; a gradient sums many terms each rounded at float32, and how Inductor vectorizes (so which
+    # roundings fall where) depends on the CPU: CI's was 8.7 eps of the largest gradient apart
+    # (a wrong compiled graph is apart by percents)
+    f32 = torch.finfo(torch.float32).eps
     torch.testing.assert_close(loss_c, loss, rtol=1e-6, atol=0)
-    torch.testing.assert_close(g_c, g, rtol=0, atol=1e-6 * g.abs().max().item())
+    torch.testing.assert_close(g_c, g, rtol=0, atol=32 * f32 * g.abs().max().item())
 
 
 def test_eval_forward_stays_eager():

@@ -14,11 +14,12 @@ from dare_core.sampling.engines.lmdeploy import EngineProcess
 
 sys.path.insert(0, "tests")
 from lmdeploy_cpu import lmdeploy_cpu, run_in_lmdeploy  # noqa: E402,F401  (lmdeploy_cpu: the fixture)
+from reference_metadata import CHECKPOINTS, NAMES  # noqa: E402
 from tiny_models import MASK, tiny  # noqa: E402
 
 CHECKS = Path(__file__).with_name("lmdeploy_checks.py")
-REFERENCE = Path(__file__).resolve().parents[3].parent / "shared" / "reference" / "checkpoints"
-SDAR_FOLDERS = sorted(p for p in REFERENCE.glob("SDAR-*") if (p / "config.json").exists())
+# the released configs kept in the repository (a clone without ../shared has them too)
+SDAR_FOLDERS = [CHECKPOINTS / name for name in NAMES if name.startswith("SDAR-")]
 
 
 def check(overlay: Path, name: str, *args) -> object:
