@@ -45,10 +45,10 @@ class Family:
     # and the label of its OpenCompass model class (`Dare<label>`; families sharing a label share it)
     sampler_defaults: dict = field(default_factory=dict)
     eval_label: Optional[str] = None
-    # rollout engines besides the native sampler that decode this family, each with the mask id its
-    # own code assumes for the released checkpoints (lmdeploy's SDAR builder hard-codes it; DARE's
-    # engine makes it read config.json's instead: sampling/engines/lmdeploy/child.py)
-    engine_mask_ids: dict[str, int] = field(default_factory=dict)
+    # rollout engines besides the native sampler that decode this family (each reads the model's own
+    # mask id from config.json: lmdeploy's SDAR builder hard-codes the released one, and DARE's
+    # engine makes it read config.json's, sampling/engines/lmdeploy/child.py)
+    engines: tuple[str, ...] = ()
     # words of a `tokenizer_class` whose vocab.json + merges.txt are Qwen2's byte-level BPE
     tokenizer_class_words: tuple[str, ...] = ()
 

@@ -51,10 +51,9 @@ def tiny_config(vocab_size: int, mask_token_id: int, eos_token_id: int, pad_toke
 # has no mask_token_id (docs/families/sdar.md)
 TOKEN_IDS = {"mask": 151669, "eos": 151643}
 # what both layouts share beyond the weights: evaluated with low-confidence remasking in the model's
-# own blocks (4), decodable by lmdeploy (whose SDAR builder assumes the released mask id: DARE's
-# engine makes it read config.json's), and a Qwen2 byte-level BPE tokenizer whose class says SDAR
+# own blocks (4), decodable by lmdeploy, and a Qwen2 byte-level BPE tokenizer whose class says SDAR
 SHARED = dict(block_size=4, default_token_ids=TOKEN_IDS, sampler_defaults={"remasking": "low_confidence"}, eval_label="SDAR",
-              engine_mask_ids={"lmdeploy": TOKEN_IDS["mask"]}, tokenizer_class_words=("SDAR",))
+              engines=("lmdeploy",), tokenizer_class_words=("SDAR",))
 SDAR = register_family(Family(model_type="sdar", config_from_hf=dense_config, name_map=qwen_name_map(qk_norm=True),
                               tiny_config=tiny_config, **SHARED))
 SDAR_MOE = register_family(Family(model_type="sdar_moe", config_from_hf=moe_config, name_map=qwen_name_map(qk_norm=True, moe=True),

@@ -124,6 +124,7 @@ def test_every_family_carries_its_own_facts():
 
     from dare_core.eval.lm import family_sampler_defaults
     from dare_core.models.family import own_families
+    from dare_core.sampling.engines import engine_class
     from dare_core.sampling.params import SamplingParams
 
     settings = {f.name for f in fields(SamplingParams)}
@@ -131,5 +132,5 @@ def test_every_family_carries_its_own_facts():
         assert family.eval_label, f"{family.model_type}: no eval_label"
         assert set(family.sampler_defaults) <= settings, family.model_type
         assert family_sampler_defaults(family.model_type) == family.sampler_defaults
-        assert all(isinstance(i, int) for i in family.engine_mask_ids.values()), family.model_type
+        assert all(engine_class(engine).name == engine for engine in family.engines), family.model_type
     assert family_sampler_defaults("llada_moe") == {} and family_sampler_defaults(None) == {}  # an alias is no model_type

@@ -61,8 +61,8 @@ def served_folder(model_path: Path, view: Path, mask_token_id: int, pad_token_id
 
 
 def check_model(model) -> None:
-    """Only the families that say lmdeploy decodes them (`Family.engine_mask_ids`), as block diffusion."""
-    served = [f for f in own_families() if ENGINE in f.engine_mask_ids]
+    """Only the families that say lmdeploy decodes them (`Family.engines`), as block diffusion."""
+    served = [f for f in own_families() if ENGINE in f.engines]
     if model.block_size is None or model.family.model_type not in {f.model_type for f in served}:
         labels = "/".join(dict.fromkeys(f.eval_label for f in served))
         raise ValueError(f"the lmdeploy engine decodes {labels} models ({tuple(f.model_type for f in served)}), "
