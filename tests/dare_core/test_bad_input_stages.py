@@ -342,6 +342,28 @@ def test_restart_if_changed_resumes_matching_checkpoints_and_sets_others_aside(p
     assert_clean_failure(bad, "block_kv", before, project)
 
 
+def test_an_edit_to_a_user_reward_or_what_it_imports_retrains(project: Path) -> None:
+    """A user reward's source, and the project's modules it imports, are inputs of the RL stage: after
+    an edit the stage never resumes checkpoints trained under the old code; it names the edited file."""
+    (project / "grading_util.py").write_text("def same(a, b):\n    return float(a.strip() == b.strip())\n")
+    (project / "my_reward.py").write_text("from grading_util import same\n\n\n"
+                                          "def score(completion, ground_truth, row):\n    return same(completion, ground_truth)\n")
+    reward = _set("rl.reward=my_reward:score")
+    first = run(project, "stage", "rl", "--restart-if-changed", *reward)
+    assert first.returncode == 0 and "resuming" not in first.stderr, first.stderr[-3000:]
+    same = run(project, "stage", "rl", *reward)
+    assert same.returncode == 0 and "resuming RL from step00000003" in same.stderr, same.stderr[-3000:]
+    (project / "grading_util.py").write_text("def same(a, b):\n    return float(a.strip().lower() == b.strip().lower())\n")
+    before = snapshot(project)
+    refused = run(project, "stage", "rl", *reward)
+    assert_clean_failure(refused, "the reward module grading_util grading_util.py changed", before, project)
+    changed = run(project, "stage", "rl", "--restart-if-changed", *reward)
+    assert changed.returncode == 0 and "resuming" not in changed.stderr, changed.stderr[-3000:]
+    assert "the reward module grading_util grading_util.py changed" in changed.stderr
+    meta = json.loads((project / "runs/t/rl/checkpoints/step00000003/dare_checkpoint.json").read_text())
+    assert meta["inputs"]["reward module grading_util"]["path"] == "grading_util.py"
+
+
 def test_config_file_rejects_restart_as_a_key(tmp_path: Path) -> None:
     from dare_core.config import ConfigError, load_config
 
