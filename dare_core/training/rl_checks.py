@@ -109,7 +109,9 @@ def check_rl(cfg: DareConfig, save_checkpoints: bool = True) -> RLPlan:
 
     # rl.schedule is recorded only when it is not the default: checkpoints made before the key
     # existed (all on-policy) still resume
-    unrecorded = VALIDATION_KEYS + (("schedule",) if rl.schedule == "on_policy" else ())
+    # reward_errors_allowed only decides whether a failing reward stops the run: a run stopped by it
+    # resumes under a looser share
+    unrecorded = VALIDATION_KEYS + ("reward_errors_allowed",) + (("schedule",) if rl.schedule == "on_policy" else ())
     # a user reward's sources are inputs: checkpoints trained under another version of it are another run's
     inputs = {"data file": data_path, "start model": start_folder, **reward_inputs(rl.reward)}
     fingerprint = stage_fingerprint(cfg, "rl", inputs, unrecorded)

@@ -142,7 +142,8 @@ def collect(run: RLRun, step: int) -> Rollout:
         batch, metrics = run.algo.rollout(run.rollout_engine, run.tokenizer, mine, spec)
     seconds = time.time() - t0
     with run.timer.phase("reward"):
-        context = RolloutContext(run.tokenizer, prompt_rows_expanded(mine, rl.group_size), rl.reward, rl.reward_args)
+        context = RolloutContext(run.tokenizer, prompt_rows_expanded(mine, rl.group_size), rl.reward, rl.reward_args,
+                                 rl.reward_errors_allowed)
         metrics.update(run.algo.prepare(batch, context))
     if layout().sp_size > 1:
         # the ranks of a sequence-parallel group hold the same decoded rollouts; they all keep the

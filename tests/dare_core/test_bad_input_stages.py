@@ -300,7 +300,9 @@ def _kept_set(folder: Path) -> dict:
     files = _tree(folder)
     note = json.loads(files.pop("set_aside.json"))
     assert note["settings"] and note["why"], note
-    return files
+    logs = {k for k in files if k.startswith("logs/")}
+    assert "logs/metrics.jsonl" in logs, sorted(files)  # what the run logged is kept with it
+    return {k: v for k, v in files.items() if k not in logs}
 
 
 def test_restart_sets_old_checkpoints_aside_and_trains(project: Path) -> None:
@@ -362,6 +364,27 @@ def test_an_edit_to_a_user_reward_or_what_it_imports_retrains(project: Path) -> 
     assert "the reward module grading_util grading_util.py changed" in changed.stderr
     meta = json.loads((project / "runs/t/rl/checkpoints/step00000003/dare_checkpoint.json").read_text())
     assert meta["inputs"]["reward module grading_util"]["path"] == "grading_util.py"
+
+
+@pytest.mark.parametrize("body,culprit", [
+    ("raise KeyError('answer')", "raised KeyError on row val-0: 'answer' (1 of 64 responses so far, rl.reward_errors_allowed 0)"),
+    ("return None", "returned None (NoneType) on row val-0; expected a number or a dict with 'score' "
+                    "(a reward must return a finite number)"),
+])
+def test_a_broken_user_reward_stops_rl_with_one_line_and_keeps_the_last_run(project: Path, body: str, culprit: str) -> None:
+    """A reward of the user's that raises (or returns no number) ends the RL stage at the first batch
+    it grades, with one line naming the function, the row and the exception; the previous run's
+    checkpoints and logs are kept in superseded/ (the fresh start set them aside)."""
+    stage = project / "runs/t/rl"
+    kept = _tree(stage / "checkpoints")
+    logged = {name: (stage / name).read_bytes() for name in ("metrics.jsonl", "validation.jsonl")}
+    (project / "bad_reward.py").write_text(f"def score(completion, ground_truth, row):\n    {body}\n")
+    broken = run(project, "stage", "rl", "--restart-if-changed", *_set("rl.reward=bad_reward:score"))
+    assert broken.returncode != 0 and "Traceback" not in broken.stderr, broken.stderr[-3000:]
+    last = [line for line in broken.stderr.splitlines() if line.strip()][-1]
+    assert last == f"error: reward 'bad_reward:score' {culprit}", broken.stderr[-3000:]
+    assert _kept_set(stage / "superseded/0001") == kept
+    assert {name: (stage / "superseded/0001/logs" / name).read_bytes() for name in logged} == logged
 
 
 def test_config_file_rejects_restart_as_a_key(tmp_path: Path) -> None:
