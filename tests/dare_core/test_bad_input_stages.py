@@ -387,6 +387,18 @@ def test_a_broken_user_reward_stops_rl_with_one_line_and_keeps_the_last_run(proj
     assert {name: (stage / "superseded/0001/logs" / name).read_bytes() for name in logged} == logged
 
 
+def test_a_broken_user_reward_stops_eval_and_keeps_the_earlier_results(project: Path) -> None:
+    assert run(project, "stage", "eval").returncode == 0
+    (project / "bad_reward.py").write_text("def score(completion, ground_truth, row):\n    raise KeyError('x')\n")
+    assert run(project, "stage", "prepare", *_set("rl.reward=bad_reward:score")).returncode == 0  # rows name their reward
+    before = snapshot(project)
+    bad = run(project, "stage", "eval", *_set("rl.reward=bad_reward:score"))
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr, bad.stderr[-3000:]
+    last = [line for line in bad.stderr.splitlines() if line.strip()][-1]
+    assert last.startswith("error: ") and "reward 'bad_reward:score' raised KeyError on row eval-0: 'x'" in last, last
+    assert snapshot(project) == before  # the results of the earlier eval, untouched
+
+
 def test_config_file_rejects_restart_as_a_key(tmp_path: Path) -> None:
     from dare_core.config import ConfigError, load_config
 
