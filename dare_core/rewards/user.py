@@ -63,6 +63,8 @@ def _import(reference: str, module_name: str):
         raise RewardError(f"reward {reference!r}: importing {module_name} failed: {exc}") from exc
     except Exception as exc:
         raise RewardError(f"reward {reference!r}: importing {module_name} failed: {type(exc).__name__}: {exc}") from exc
+    except SystemExit as exc:  # a module that exits at import would end the stage without a word
+        raise RewardError(f"reward {reference!r}: importing {module_name} called sys.exit({exc.code!r})") from None
 
 
 def _check_call(reference: str, fn: Callable, args: dict, partial: bool = False) -> None:
