@@ -346,6 +346,11 @@ class RLConfig:
     # options of rl.reward, passed to it as keyword arguments, e.g. {case: false} for exact_match;
     # needs a reward named above (with "auto", a row's options come from its `reward_args` column)
     reward_args: dict = field(default_factory=dict)
+    # the share of a batch's responses (a step's rollouts, a validation) on which a reward function
+    # of your own may fail (raise or time out) before the stage stops with its error; each failure
+    # scores 0 until then. A return that is not a finite number always stops it. (DARE's rewards
+    # failing on a response, e.g. a crashing program under `code`, score 0 and never stop it.)
+    reward_errors_allowed: float = 0.0
     num_steps: int = 100
     prompts_per_step: int = 16
     group_size: int = 8
@@ -401,6 +406,8 @@ class RLConfig:
         if not self.reward:
             raise FieldError("reward", "is empty; name a reward, a module:function, or auto")
         # "auto" may pick a different reward per row: options meant for one would be rejected by another
+        if not 0.0 <= self.reward_errors_allowed <= 1.0:
+            raise FieldError("reward_errors_allowed", f"must be a share in [0, 1], got {self.reward_errors_allowed}")
         if self.reward == "auto" and self.reward_args:
             raise FieldError("reward_args", f"needs rl.reward set to a reward, not auto (got {self.reward_args})")
 

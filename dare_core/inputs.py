@@ -6,11 +6,14 @@ null setting would break it), and a path that stays the same hides an edited fil
 each input to `<run.metrics_dir>/inputs.json`: a local file's SHA-256, an object's size and ETag in
 object storage, and the source file of a user reward (`rl.reward: module:function`). The stages that
 read these inputs (prepare, rl, eval) depend on that file: DVC reruns them, and what follows them,
-exactly when an input's content changed. The module of a user reward is found on disk, never
-imported (importing runs the user's code).
+exactly when an input's content changed. The module of a user reward, and the project's modules it
+imports, are found on disk by reading their sources, never imported (importing runs the user's code).
+Paths under the project (the stages' working directory) are recorded relative to it, so that the
+record, which users commit, reads the same in every clone.
 """
 from __future__ import annotations
 
+import ast
 import os
 import sys
 from pathlib import Path
@@ -50,7 +53,7 @@ def file_identity(setting: str, value: Optional[str]) -> Optional[dict]:
     path = Path(os.path.expanduser(value[len("file://"):] if value.startswith("file://") else value))
     if not path.is_file():
         raise UserError(f"{setting}: {value} is not a file")
-    return {"path": value, "sha256": file_digest(path, "sha256")}
+    return {"path": project_path(path), "sha256": file_digest(path, "sha256")}
 
 
 def module_source(module: str, search: list[str]) -> Optional[Path]:
@@ -64,9 +67,71 @@ def module_source(module: str, search: list[str]) -> Optional[Path]:
     return None
 
 
+def project_path(path: Path) -> str:
+    """`path` relative to the project (the working directory) where it lies inside it, else as given."""
+    try:
+        return Path(path).resolve().relative_to(Path.cwd().resolve()).as_posix()
+    except ValueError:
+        return str(path)
+
+
+# DARE's own code is tracked by dvc.yaml; a user module importing it does not make it the user's input
+OWN_PACKAGES = ("dare_core",)
+# a reward module importing more of the project than this is read only this far (each file is hashed)
+MAX_SOURCES = 500
+
+
+def _imported_names(source: Path, module: str) -> list[str]:
+    """The absolute names of the modules `source` (the file of `module`) imports; for `from a import
+    b`, both `a.b` (b may be a submodule) and `a`. A file that does not parse imports nothing here:
+    importing it fails, with the real error, when the reward loads."""
+    try:
+        tree = ast.parse(source.read_bytes(), filename=str(source))
+    except (SyntaxError, ValueError):
+        return []
+    package = module if source.name == "__init__.py" else module.rpartition(".")[0]
+    names: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: from the module's package, `level - 1` packages up
+                parts = package.split(".") if package else []
+                parts = parts[:len(parts) - (node.level - 1)] if node.level > 1 else parts
+                base = ".".join(parts + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            if base:
+                names.append(base)
+            names += [f"{base}.{alias.name}" if base else alias.name for alias in node.names if alias.name != "*"]
+    return names
+
+
+def project_sources(module: str, root: Path) -> dict[str, Path]:
+    """The files of `module` and of every module it imports, transitively, that lie under `root` (the
+    user's project), found by reading their sources (never by importing them); the module's own
+    file first, by module name. A package's `__init__.py` is included wherever a module under it is
+    (importing runs it)."""
+    root = root.resolve()
+    found: dict[str, Path] = {}
+    queue = [module]
+    while queue and len(found) < MAX_SOURCES:
+        name = queue.pop(0)
+        if name in found or name.split(".")[0] in OWN_PACKAGES:
+            continue
+        path = module_source(name, [str(root)])
+        if path is None:
+            continue
+        found[name] = path
+        parents = [".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)]
+        queue += parents + _imported_names(path, name)
+    return found
+
+
 def reward_identity(reward: str) -> Optional[dict]:
-    """A user reward's module file and its SHA-256; None for a built-in reward (its code is DARE's,
-    which dvc.yaml tracks) or a module that is not a plain file (compiled, zipped)."""
+    """A user reward's module file and its SHA-256, and those of the project's modules it imports
+    (`imports`); None for a built-in reward (its code is DARE's, which dvc.yaml tracks). `file` is
+    None for a module that is not a plain file (compiled, zipped) or not found."""
     if ":" not in reward:
         return None
     module = reward.split(":", 1)[0]
@@ -74,7 +139,21 @@ def reward_identity(reward: str) -> Optional[dict]:
     found = module_source(module, [os.getcwd(), *sys.path[1:]])
     if found is None:
         return {"module": module, "file": None}
-    return {"module": module, "file": str(found), "sha256": file_digest(found, "sha256")}
+    out = {"module": module, "file": project_path(found), "sha256": file_digest(found, "sha256")}
+    imports = [p for p in project_sources(module, Path.cwd()).values() if p.resolve() != found.resolve()]
+    if imports:
+        out["imports"] = {project_path(p): file_digest(p, "sha256") for p in imports}
+    return out
+
+
+def reward_inputs(reward: str) -> dict[str, Path]:
+    """{role: file} of a user reward's sources in the project (its module and what it imports from
+    the project), for the fingerprint of a stage that scores with it: an edit to any of them makes
+    the stage's checkpoints another run's. Empty for a built-in reward."""
+    if ":" not in reward:
+        return {}
+    module = reward.split(":", 1)[0]
+    return {f"reward module {name}": Path(project_path(p)) for name, p in project_sources(module, Path.cwd()).items()}
 
 
 def identities(cfg: DareConfig) -> dict[str, Any]:

@@ -125,6 +125,13 @@ def weighted_mean_metrics(metrics: dict, weight: torch.Tensor) -> dict:
     return {k: float((v.float() * weight).sum()) / max(total, 1e-12) for k, v in metrics.items()}
 
 
+def ratio_max(clip: dict, mask: torch.Tensor) -> float:
+    """The largest importance ratio among the scored entries (1.0 where none is): a mean hides the
+    one sequence whose ratio spikes. Combined over micro-batches and ranks by max (`*_max` keys)."""
+    scored = clip["ratio"][mask.bool()]
+    return float(scored.max()) if scored.numel() else 1.0
+
+
 def wants_entropy(rl) -> bool:
     """Whether the update needs the policy's entropy at the scored tokens (rl.entropy_coeff > 0):
     only then do the scores compute the full-vocabulary entropy (5.1.6)."""
@@ -152,6 +159,7 @@ def token_policy_loss(s: torch.Tensor, old: Optional[torch.Tensor], ref: Optiona
     loss = (per_token * weight).sum() / max(denom, 1e-12)
     mask = (weight != 0).float()
     metrics = weighted_mean_metrics(clip, mask)
+    metrics["ratio_max"] = ratio_max(clip, mask)
     metrics["approx_kl"] = weighted_mean_metrics({"d": (old - s).detach()}, mask)["d"]
     if rl.kl_beta > 0 and ref is not None:
         kl = kl_estimate(s, ref, rl.kl_estimator)
@@ -180,6 +188,7 @@ def sequence_policy_loss(score: torch.Tensor, old: Optional[torch.Tensor], ref: 
     per_seq, clip = ppo_clip_log_space((score - old) * ratio_scale, adv, rl.clip_eps_low, rl.clip_eps_high, rl.dual_clip)
     loss = per_seq.sum() / max(denom, 1e-12)
     metrics = weighted_mean_metrics(clip, torch.ones_like(per_seq))
+    metrics["ratio_max"] = ratio_max(clip, torch.ones_like(per_seq))
     metrics["approx_kl"] = float(((old - score) * ratio_scale).detach().mean())
     kl = sequence_kl(score, ref, rl)
     if kl is not None:

@@ -220,7 +220,7 @@ class DTreeRPO(RLAlgorithm):
         leaves = tree.responses.reshape(-1, tree.responses.shape[-1])
         texts = response_texts(tokenizer, leaves)
         with phase("reward"):  # time/reward_s, as for the default rollout (not charged to the rollout)
-            graded = grade([r for r in rows for _ in range(n_leaves)], texts, spec.reward, spec.reward_args)
+            graded = grade([r for r in rows for _ in range(n_leaves)], texts, spec.reward, spec.reward_args, spec.errors_allowed)
         rewards = graded.rewards.view(len(rows), n_leaves)
         batch, info = self.transition_batch(tree, prompts, uids, rewards, spec.step / max(self.rl.num_steps, 1),
                                             model.pad_token_id, next(model.parameters()).device)

@@ -29,12 +29,13 @@ class RolloutSpec:
     step: int  # the RL step (the seeds name it)
     reward: str = "auto"
     reward_args: dict = field(default_factory=dict)
+    errors_allowed: float = 0.0  # rl.reward_errors_allowed
     # ranks that decode the prompts together, each a share (a sequence-parallel group); None: alone
     share: Optional[DecodeShare] = None
 
     @classmethod
     def of(cls, rl: RLConfig, seed: int, step: int) -> "RolloutSpec":
-        return cls(rl.sampler, rl.group_size, seed, step, rl.reward, rl.reward_args)
+        return cls(rl.sampler, rl.group_size, seed, step, rl.reward, rl.reward_args, rl.reward_errors_allowed)
 
 
 def record_level(requires: frozenset) -> str:
@@ -69,7 +70,7 @@ def _rewarded_batch(done: Completions, expanded: list[dict], uids: list, model, 
         seqs.append(torch.nn.functional.pad(o.sequences, (pad, 0), value=model.pad_token_id))
         attn.append(torch.nn.functional.pad(o.attention_mask, (pad, 0), value=0))
     input_ids, attention_mask = torch.cat(seqs), torch.cat(attn)
-    graded = grade(expanded, done.texts, spec.reward, spec.reward_args)
+    graded = grade(expanded, done.texts, spec.reward, spec.reward_args, spec.errors_allowed)
     adv, adv_metrics = group_advantages(graded.rewards, spec.group_size, adv_estimator)
     response = input_ids[:, width:]
     # V: up to and including the first stop token (EOS or any of stop_token_ids), as the engine reports
@@ -120,8 +121,9 @@ class RolloutContext:
     rows: list  # the prompt row of every rollout
     reward: str
     reward_args: dict = field(default_factory=dict)  # rl.reward_args
+    errors_allowed: float = 0.0  # rl.reward_errors_allowed
 
     def rewards(self, rollout_index: list, responses: torch.Tensor) -> torch.Tensor:
         """Rewards of response ids [N, L] (cut at the first EOS) for the given rollouts' prompts."""
         texts = response_texts(self.tokenizer, responses)
-        return grade([self.rows[i] for i in rollout_index], texts, self.reward, self.reward_args).rewards
+        return grade([self.rows[i] for i in rollout_index], texts, self.reward, self.reward_args, self.errors_allowed).rewards

@@ -66,7 +66,8 @@ def at_k_metrics(groups: Sequence[Sequence[Sample]]) -> dict[str, float]:
 
 
 def sample_groups(engine: RolloutEngine, tokenizer, rows: Sequence[dict], params: SamplingParams, k: int, seed: int,
-                  step: int, batch_size: int, reward: str = "auto", reward_args: Optional[dict] = None
+                  step: int, batch_size: int, reward: str = "auto", reward_args: Optional[dict] = None,
+                  errors_allowed: float = 0.0
                   ) -> tuple[list[list[Sample]], int]:
     """The k graded samples of every row (a list per row, in row order) and the forward passes the
     sampling took. The engine's model is left in the train/eval mode it came in."""
@@ -80,7 +81,7 @@ def sample_groups(engine: RolloutEngine, tokenizer, rows: Sequence[dict], params
     samples = [(i, j) for i in range(len(rows)) for j in range(k)]  # a prompt's k samples are adjacent
     seeds = [(seed, "val", step, rows[i]["uid"], j) for i, j in samples]
     done = generate(engine, tokenizer, [prompts[i] for i, _ in samples], params, seeds, batch_size)
-    results = grade([rows[i] for i, _ in samples], done.texts, reward, reward_args).results
+    results = grade([rows[i] for i, _ in samples], done.texts, reward, reward_args, errors_allowed).results
     graded = list(zip(results, done.texts))
     return [graded[i:i + k] for i in range(0, len(graded), k)], done.nfe
 

@@ -42,6 +42,23 @@ class RewardSampleError(RewardError):
     failure = "exception"  # the reason recorded for the response (FAILURE_REASONS)
 
 
+class UserRewardFault(RewardSampleError):
+    """The user's own reward function failed on one response: it raised, returned something that is
+    not a finite number, or outlived its time limit. Unlike a program under test that crashes (the
+    response's fault), this is the reward's: a batch stops on it (`scoring.score_texts`)."""
+
+
+class UserRewardMalformed(UserRewardFault):
+    """The user's function returned something that is not a finite number: never a response's fault."""
+
+    failure = "malformed"
+
+
+class RewardFailed(RewardError):
+    """The user's reward failed on more of a batch's responses than allowed: the stage stops with
+    this line (the function, the row, the exception)."""
+
+
 def _signature_keywords(fn: Callable) -> tuple[Optional[frozenset], frozenset]:
     try:
         params = list(inspect.signature(fn).parameters.values())

@@ -31,8 +31,12 @@ class Grades:
         }
 
 
+ERRORS_SETTING = "rl.reward_errors_allowed"
+
+
 def grade(rows: Sequence[dict], texts: Sequence[str], reward: str = "auto",
-          reward_args: Optional[Mapping[str, Any]] = None) -> Grades:
-    """Grade `texts[i]` against `rows[i]` with the row's reward (`scoring.reward_for`)."""
-    results = score_texts(rows, texts, reward, reward_args)
+          reward_args: Optional[Mapping[str, Any]] = None, errors_allowed: float = 0.0) -> Grades:
+    """Grade `texts[i]` against `rows[i]` with the row's reward (`scoring.reward_for`); a user's
+    reward failing on more than `errors_allowed` of them raises RewardFailed (`scoring.score_texts`)."""
+    results = score_texts(rows, texts, reward, reward_args, errors_allowed=errors_allowed, setting=ERRORS_SETTING)
     return Grades(results, torch.tensor([r.score for r in results], dtype=torch.float32))

@@ -8,10 +8,14 @@ Which reward grades a row, first match wins:
 Data preparation fills the `reward` column of every row it writes (a synthetic task's from its
 registration, `dare_core.data.sources`), so prepared rows always match at 1 or 2.
 
-`score_texts` never stops on one response: a reward that raises on it (or a run of the code sandbox
-that times out, crashes, floods or sends an unusable result) gives that response 0 with
-`extra["failure"]` (and `extra["error"]`), counted by `failure_metrics` in the RL step metrics. What
-is not a response's fault still raises: no sandbox (`SandboxUnavailable`), an unknown reward, bad
+A response whose grading fails (a run of the code sandbox that times out, crashes, floods or sends
+an unusable result; a built-in reward's parser raising on odd text) scores 0 with `extra["failure"]`
+(and `extra["error"]`), counted by `failure_metrics` in the RL step metrics. A user's own function
+that fails (raises, returns no finite number, times out: `UserRewardFault`, marked
+`extra["user_code"]`) is the reward's fault, not the response's: `score_texts` stops the batch with
+`RewardFailed` (one line: the function, the row, the exception) once such faults pass
+`errors_allowed` (a share of the batch; 0 by default), and at the first non-number whatever the share,
+so a broken reward never trains or scores on quiet zeros. What is not a response's fault raises too: no sandbox (`SandboxUnavailable`), an unknown reward, bad
 reward options (`RewardError`), a row without a reward. Code rewards of a batch run concurrently,
 `workers` at a time (default: $DARE_REWARD_WORKERS, else the usable CPU cores shared among the
 host's ranks); each program runs in its own jailed process, so the threads only wait on pipes.
@@ -24,7 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from dare_core.errors import UserError
-from dare_core.rewards.base import FAILURE_REASONS, RewardResult, RewardSampleError
+from dare_core.rewards.base import (FAILURE_REASONS, RewardFailed, RewardResult, RewardSampleError, UserRewardFault,
+                                    UserRewardMalformed)
 from dare_core.rewards.registry import REWARDS, get_reward
 from dare_core.rewards.sandbox import SandboxUnavailable, check_available
 
@@ -73,9 +78,13 @@ def reward_name_for(row: dict, configured: str = "auto") -> str:
 
 def score_row(row: dict, text: str, reward: str = "auto", reward_args: Optional[Mapping[str, Any]] = None) -> RewardResult:
     """Grade one response against `row["ground_truth"]` with the row's reward (a failure of this
-    response's grading scores 0 with its reason, as in `score_texts`)."""
+    response's grading scores 0 with its reason, as in `score_texts`; a fault of a user's function
+    raises RewardFailed: one response is all there is)."""
     name, args = reward_for(row, reward, reward_args)
-    return _graded(get_reward(name, args), row, text)
+    result = _graded(get_reward(name, args), row, text)
+    if result.extra.get("user_code"):
+        raise RewardFailed(result.extra["error"])
+    return result
 
 
 def default_workers() -> int:
@@ -94,7 +103,29 @@ def default_workers() -> int:
 
 def _failed(exc: BaseException) -> RewardResult:
     reason = getattr(exc, "failure", "exception")  # a user's reward that timed out: "timeout"
+    if isinstance(exc, UserRewardFault):  # its message names the function, the row and the exception
+        return RewardResult(0.0, 0.0, None, {"failure": reason, "error": str(exc)[:500], "user_code": True,
+                                             "malformed": isinstance(exc, UserRewardMalformed)})
     return RewardResult(0.0, 0.0, None, {"failure": reason, "error": f"{type(exc).__name__}: {exc}"[:300]})
+
+
+class _FaultLimit:
+    """Counts a batch's user-code faults as they come and raises RewardFailed past the allowed share."""
+
+    def __init__(self, n: int, errors_allowed: float, setting: str):
+        if not 0.0 <= errors_allowed <= 1.0:
+            raise ValueError(f"errors_allowed must be a share in [0, 1], got {errors_allowed}")
+        self.n, self.share, self.setting = n, errors_allowed, setting
+        self.allowed, self.count = int(errors_allowed * n), 0
+
+    def see(self, result: RewardResult) -> None:
+        if not result.extra.get("user_code"):
+            return
+        self.count += 1
+        if result.extra.get("malformed") or self.count > self.allowed:
+            why = ("a reward must return a finite number" if result.extra.get("malformed")
+                   else f"{self.count} of {self.n} responses so far, {self.setting} {self.share:g}")
+            raise RewardFailed(f"{result.extra['error']} ({why})")
 
 
 def _graded(fn: Callable, row: dict, text: str) -> RewardResult:
@@ -112,8 +143,12 @@ def _graded(fn: Callable, row: dict, text: str) -> RewardResult:
 
 
 def score_texts(rows: Sequence[dict], texts: Sequence[str], reward: str = "auto",
-                reward_args: Optional[Mapping[str, Any]] = None, *, workers: Optional[int] = None) -> list[RewardResult]:
-    """Grade `texts[i]` against `rows[i]`, results in input order (see the module docstring)."""
+                reward_args: Optional[Mapping[str, Any]] = None, *, workers: Optional[int] = None,
+                errors_allowed: float = 0.0, setting: str = "errors_allowed") -> list[RewardResult]:
+    """Grade `texts[i]` against `rows[i]`, results in input order (see the module docstring). More
+    than `errors_allowed` (a share of the batch) faults of a user's function raise RewardFailed, as
+    soon as they happen (a reward that times out on every response stops at the first); `setting`
+    is the name the error gives the share (e.g. rl.reward_errors_allowed)."""
     if len(rows) != len(texts):
         raise ValueError(f"score_texts: {len(rows)} rows but {len(texts)} texts")
     rewards: dict[tuple, Callable] = {}
@@ -130,14 +165,17 @@ def score_texts(rows: Sequence[dict], texts: Sequence[str], reward: str = "auto"
         check_available()  # once per process: without a sandbox no response is graded at all
     workers = default_workers() if workers is None else workers
     results: list[Optional[RewardResult]] = [None] * len(rows)
+    limit = _FaultLimit(len(rows), errors_allowed, setting)
     pool = ThreadPoolExecutor(min(workers, len(sandboxed)), "reward") if workers > 1 and len(sandboxed) > 1 else None
     try:
         futures = {i: pool.submit(_graded, graders[i], rows[i], texts[i]) for i in sandboxed} if pool else {}
         for i in range(len(rows)):  # the rest (and every response without a pool) on this thread, meanwhile
             if i not in futures:
                 results[i] = _graded(graders[i], rows[i], texts[i])
+                limit.see(results[i])
         for i, future in futures.items():
             results[i] = future.result()
+            limit.see(results[i])
     finally:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)

@@ -13,8 +13,9 @@ The module is imported once per process, from the installed packages or the curr
 its `validate` run in a host process of their own under a time limit (user_host.py,
 $DARE_USER_CODE_TIMEOUT_S, default 60 s): a response whose grading outlives it scores 0 (reason
 `timeout`), a `validate` that does (during prepare) stops the stage with one line naming the function. Every problem is a RewardError naming `module:function`;
-one of scoring a single response (the function raised on it, or returned something unusable) is a
-RewardSampleError, which `score_texts` turns into a score of 0 for that response.
+one of scoring a single response (the function raised on it, returned something unusable or timed
+out) is a UserRewardFault: the response scores 0 and `score_texts` stops the batch with it once the
+faults pass the allowed share (a non-number at once).
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ import sys
 from typing import Any, Callable, Optional
 
 from dare_core.errors import clip
-from dare_core.rewards.base import RewardError, RewardFn, RewardResult, RewardSampleError, accepted_args, check_options
+from dare_core.rewards.base import (RewardError, RewardFn, RewardResult, UserRewardFault, UserRewardMalformed, accepted_args,
+                                    check_options)
 from dare_core.rewards.user_host import TIMEOUT_ENV, UserCodeFailed, UserCodeTimeout, run_user_code
 
 # reference -> the loaded function: the import and its checks run once per process
@@ -61,6 +63,8 @@ def _import(reference: str, module_name: str):
         raise RewardError(f"reward {reference!r}: importing {module_name} failed: {exc}") from exc
     except Exception as exc:
         raise RewardError(f"reward {reference!r}: importing {module_name} failed: {type(exc).__name__}: {exc}") from exc
+    except SystemExit as exc:  # a module that exits at import would end the stage without a word
+        raise RewardError(f"reward {reference!r}: importing {module_name} called sys.exit({exc.code!r})") from None
 
 
 def _check_call(reference: str, fn: Callable, args: dict, partial: bool = False) -> None:
@@ -100,7 +104,7 @@ def load_user_function(reference: str) -> Callable:
     return obj
 
 
-class RewardTimeout(RewardSampleError):
+class RewardTimeout(UserRewardFault):
     """The user's reward did not return within the time limit on one response: it scores 0."""
 
     failure = "timeout"
@@ -113,11 +117,11 @@ def _on_row(row: dict) -> str:
 
 def _finite(reference: str, key: str, value: Any, row: dict) -> float:
     if not isinstance(value, numbers.Real):
-        raise RewardSampleError(f"reward {reference!r} returned {key} {_clip(value)} ({type(value).__name__}){_on_row(row)}; "
+        raise UserRewardMalformed(f"reward {reference!r} returned {key} {_clip(value)} ({type(value).__name__}){_on_row(row)}; "
                           f"expected a number")
     value = float(value)
     if not math.isfinite(value):
-        raise RewardSampleError(f"reward {reference!r} returned a non-finite {key} {value}{_on_row(row)}")
+        raise UserRewardMalformed(f"reward {reference!r} returned a non-finite {key} {value}{_on_row(row)}")
     return value
 
 
@@ -125,7 +129,7 @@ def to_result(reference: str, value: Any, row: dict) -> RewardResult:
     """The RewardResult of what the user's function returned: a number, or a dict with `score`."""
     if isinstance(value, dict):
         if "score" not in value:
-            raise RewardSampleError(f"reward {reference!r} returned a dict without 'score' (keys: {sorted(map(str, value))})"
+            raise UserRewardMalformed(f"reward {reference!r} returned a dict without 'score' (keys: {sorted(map(str, value))})"
                               f"{_on_row(row)}")
         score = _finite(reference, "score", value["score"], row)
         acc = _finite(reference, "acc", value["acc"], row) if "acc" in value else score
@@ -135,7 +139,7 @@ def to_result(reference: str, value: Any, row: dict) -> RewardResult:
     if isinstance(value, numbers.Real):
         score = _finite(reference, "score", value, row)
         return RewardResult(score, score, None, {})
-    raise RewardSampleError(f"reward {reference!r} returned {_clip(value)} ({type(value).__name__}){_on_row(row)}; "
+    raise UserRewardMalformed(f"reward {reference!r} returned {_clip(value)} ({type(value).__name__}){_on_row(row)}; "
                       f"expected a number or a dict with 'score'")
 
 
@@ -159,7 +163,7 @@ def user_reward(reference: str, args: dict) -> RewardFn:
         except UserCodeTimeout as exc:
             raise RewardTimeout(str(exc)) from None
         except UserCodeFailed as exc:
-            raise RewardSampleError(f"reward {reference!r} raised {exc.type_name}{_on_row(row)}: {exc.message}") from None
+            raise UserRewardFault(f"reward {reference!r} raised {exc.type_name}{_on_row(row)}: {exc.message}") from None
         return to_result(reference, value, row)
 
     return reward

@@ -11,6 +11,7 @@ from dare_core.artifacts import artifact_root
 from dare_core.config import ConfigError, DareConfig
 from dare_core.data.schema import DataError, check_ground_truths, read_rows, table_row
 from dare_core.devices import resolve_dtype
+from dare_core.inputs import reward_inputs
 from dare_core.models.hf_folder import inspect_model
 from dare_core.rl_rules import check_rl_config
 from dare_core.sampling.cache import check_cache_fits
@@ -108,8 +109,12 @@ def check_rl(cfg: DareConfig, save_checkpoints: bool = True) -> RLPlan:
 
     # rl.schedule is recorded only when it is not the default: checkpoints made before the key
     # existed (all on-policy) still resume
-    unrecorded = VALIDATION_KEYS + (("schedule",) if rl.schedule == "on_policy" else ())
-    fingerprint = stage_fingerprint(cfg, "rl", {"data file": data_path, "start model": start_folder}, unrecorded)
+    # reward_errors_allowed only decides whether a failing reward stops the run: a run stopped by it
+    # resumes under a looser share
+    unrecorded = VALIDATION_KEYS + ("reward_errors_allowed",) + (("schedule",) if rl.schedule == "on_policy" else ())
+    # a user reward's sources are inputs: checkpoints trained under another version of it are another run's
+    inputs = {"data file": data_path, "start model": start_folder, **reward_inputs(rl.reward)}
+    fingerprint = stage_fingerprint(cfg, "rl", inputs, unrecorded)
     dtype = resolve_dtype(cfg.model.dtype)
     # no export: `convert` reads the last checkpoint, of the weights only where no resume point is due
     ckpt = CheckpointManager(out_dir / "checkpoints", rl.keep_last, fingerprint, "rl", cfg.restart, checkpoint_bytes(spec, dtype),

@@ -35,6 +35,12 @@ RANK_SUM_METRICS = frozenset({"rollout_nfe", "rollout_tokens_per_s", "sd_pairs"}
 RANK_SAME_METRICS = frozenset({"lr", "sd_lambda", "tree_transitions", "tree_leaves"})
 
 
+def is_max_metric(key: str) -> bool:
+    """An update metric that combines by max over micro-batches and ranks (e.g. ratio_max), not by
+    the weighted mean."""
+    return key.endswith("_max")
+
+
 def _rank_rule(key: str) -> str:
     if key in RANK_SUM_METRICS:
         return "sum"
@@ -76,7 +82,10 @@ def combine_rank_metrics(parts: list[dict], loss_terms: int = 1) -> dict:
     ukeys = list(dict.fromkeys(k for p in parts for k in p.get("updates", {})))
     for key in ukeys:
         have = [p["updates"][key] for p in parts if key in p.get("updates", {})]
-        out[key] = math.fsum(s for s, _ in have) / max(math.fsum(w for _, w in have), 1e-12)
+        if is_max_metric(key):  # (max, 1.0) on each rank
+            out[key] = max(s for s, _ in have)
+        else:
+            out[key] = math.fsum(s for s, _ in have) / max(math.fsum(w for _, w in have), 1e-12)
     return out
 
 

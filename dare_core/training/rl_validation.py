@@ -150,7 +150,8 @@ class RLValidator:
         # a padding entry samples this rank's first prompt again (or, with none of its own, prompt 0)
         rows = [self.rows[i if i is not None else (share[0] if share[0] is not None else 0)] for i in share]
         groups, nfe = sample_groups(rollout_engine, tokenizer, rows, self.params, self.rl.validate_k, self.seed, step,
-                                    self.rl.sampler.batch_size, self.rl.reward, self.rl.reward_args)
+                                    self.rl.sampler.batch_size, self.rl.reward, self.rl.reward_args,
+                                    self.rl.reward_errors_allowed)
         mine = [(i, prompt_at_k(g)) for i, g in zip(share, groups) if i is not None]
         parts = eng.all_gather_objects({"scores": mine, "nfe": nfe}, every_rank=True)  # split over every rank
         graded = [item for part in parts for item in part["scores"]]

@@ -24,7 +24,7 @@ from dare_core.timing import PhaseTimer
 from dare_core.training import engine as eng
 from dare_core.training.parallel import from_group_first, layout
 from dare_core.training.reference import reference_model, sync_reference
-from dare_core.training.rl_ranks import rank_prompts
+from dare_core.training.rl_ranks import is_max_metric, rank_prompts
 
 
 @dataclass
@@ -142,7 +142,8 @@ def collect(run: RLRun, step: int) -> Rollout:
         batch, metrics = run.algo.rollout(run.rollout_engine, run.tokenizer, mine, spec)
     seconds = time.time() - t0
     with run.timer.phase("reward"):
-        context = RolloutContext(run.tokenizer, prompt_rows_expanded(mine, rl.group_size), rl.reward, rl.reward_args)
+        context = RolloutContext(run.tokenizer, prompt_rows_expanded(mine, rl.group_size), rl.reward, rl.reward_args,
+                                 rl.reward_errors_allowed)
         metrics.update(run.algo.prepare(batch, context))
     if layout().sp_size > 1:
         # the ranks of a sequence-parallel group hold the same decoded rollouts; they all keep the
@@ -196,6 +197,9 @@ def optimize(run: RLRun, rollout: Rollout, scores: Scores) -> Update:
                 # sequence mean whatever the micro-batches and ranks
                 weight = float(algo.denominator(batch.select(mc), corruptions[it].select(mc))[0])
                 for k, v in out.metrics.items():
+                    if is_max_metric(k):
+                        update.metrics[k] = (max(update.metrics.get(k, (v, 1.0))[0], v), 1.0)
+                        continue
                     s, w = update.metrics.get(k, (0.0, 0.0))
                     update.metrics[k] = (s + v * weight, w + weight)
                 update.loss += float(out.loss)

@@ -53,6 +53,7 @@ class TrainingStage:
         self.out_dir = self.cfg.stage_dir(self.name)
         self.ckpt: Optional[CheckpointManager] = None
         self.engine = None
+        self._bars: list = []  # the progress bars made, closed before an error is reported
         self.world, self.rank, self.start, self.steps = 1, 0, 0, 0
         # the data-parallel units (the ranks, or their sequence-parallel groups: training/parallel.py)
         # and this rank's: what the data is split by
@@ -113,15 +114,23 @@ class TrainingStage:
             plot_keys, pngs = self.plots()
             self.logger = MetricsLogger(self.out_dir, resume_step=self.start, plot_keys=plot_keys, enabled=self.rank == 0,
                                         pngs=pngs, rank_of_several=self.world > 1)
-            summary = self.finish(self.train())
+            try:
+                summary = self.finish(self.train())
+            except BaseException:
+                # the bar's line ends first: the error's line then starts a line of its own
+                for bar in self._bars:
+                    bar.close()
+                raise
             self.logger.close()
             return summary
 
     # ------------------------------------------------------------------ shared parts
     def progress_bar(self, total: int, desc: str) -> tqdm:
         """The steps from `start` to `total`, a progress bar on rank 0 (when asked for)."""
-        return tqdm(range(self.start, total), initial=self.start, total=total, desc=desc,
-                    disable=not self.progress or self.rank != 0, dynamic_ncols=True)
+        bar = tqdm(range(self.start, total), initial=self.start, total=total, desc=desc,
+                   disable=not self.progress or self.rank != 0, dynamic_ncols=True)
+        self._bars.append(bar)
+        return bar
 
     def export_model(self) -> None:
         """Rank 0: the engine's weights as a Hugging Face folder in <stage>/model, with the

@@ -1,6 +1,8 @@
 """Checkpoints a training stage set aside: `<stage>/superseded/NNNN/`, one folder per set, numbered in
 the order they were set aside (newest last), each with `set_aside.json` (when, why, and the settings
-of its last checkpoint). Nothing here deletes a set: the user prunes the folder. A run whose settings
+of its last checkpoint) and `logs/`, a copy of what the run logged beside its checkpoints (metrics,
+validation rows, their CSVs and plots, TensorBoard's events), which a fresh run rewrites. Nothing
+here deletes a set: the user prunes the folder. A run whose settings
 and inputs match a set's last checkpoint (a change reverted, after any number of others) resumes
 from it: `CheckpointManager.check` finds it with `find_matching`, `begin` moves it back.
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -18,6 +21,21 @@ from dare_core.artifacts import CHECKPOINT_MARKER as META_NAME
 from dare_core.storage import atomic_write_json
 
 SET_INFO = "set_aside.json"
+LOGS = "logs"
+# folders of a stage's output that are not its run's logs
+NOT_LOGS = frozenset({"checkpoints", "superseded", "model"})
+
+
+def _copy_logs(stage_dir: Path, dest: Path) -> None:
+    """What the run logged in `stage_dir` (its files, and folders such as tensorboard/), into `dest`."""
+    for entry in stage_dir.iterdir() if stage_dir.is_dir() else ():
+        if entry.name in NOT_LOGS or entry.name.startswith("."):
+            continue
+        dest.mkdir(parents=True, exist_ok=True)
+        if entry.is_dir():
+            shutil.copytree(entry, dest / entry.name, dirs_exist_ok=True)
+        elif entry.is_file():
+            shutil.copy2(entry, dest / entry.name)
 
 
 def _numbered(root: Path) -> list[Path]:
@@ -86,13 +104,18 @@ def keep(ckpt_dir: Path, root: Path, why: str) -> Path:
     dest = root / f"{(max(numbers) if numbers else 0) + 1:04d}"
     os.replace(ckpt_dir, dest)
     ckpt_dir.mkdir(parents=True)
+    _copy_logs(ckpt_dir.parent, dest / LOGS)
     _write_info(dest, why)
     return dest
 
 
 def restore(folder: Path, ckpt_dir: Path) -> None:
-    """Move a numbered set back to be the stage's checkpoints (`ckpt_dir`: absent or empty)."""
+    """Move a numbered set back to be the stage's checkpoints (`ckpt_dir`: absent or empty), and its
+    logs back beside them (the resumed run continues them)."""
     (folder / SET_INFO).unlink(missing_ok=True)
+    if (folder / LOGS).is_dir():
+        _copy_logs(folder / LOGS, ckpt_dir.parent)
+        shutil.rmtree(folder / LOGS)
     if ckpt_dir.is_dir():
         ckpt_dir.rmdir()  # empty: what `keep` left, or a fresh folder
     ckpt_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -61,6 +61,22 @@ def _write_checkpoint(manager, step: int) -> None:
     (manager.dir / "latest").write_text(tag)
 
 
+def _write_logs(stage: Path, lr: float) -> None:
+    """What a run logs beside its checkpoints: metrics, a plot's CSV, TensorBoard events (and its model)."""
+    (stage / "metrics.jsonl").write_text(json.dumps({"step": 1, "lr": lr}) + "\n")
+    (stage / "loss.csv").write_text(f"step,loss\n1,{lr}\n")
+    (stage / "tensorboard").mkdir(exist_ok=True)
+    (stage / "tensorboard" / "events").write_text(str(lr))
+    (stage / "model").mkdir(exist_ok=True)
+    (stage / "model" / "weights").write_text(str(lr))
+
+
+def _logged(folder: Path) -> float:
+    lr = json.loads((folder / "metrics.jsonl").read_text())["lr"]
+    assert (folder / "loss.csv").read_text().endswith(f"1,{lr}\n") and (folder / "tensorboard/events").read_text() == str(lr)
+    return lr
+
+
 def _settings_of(folder: Path) -> float:
     return json.loads((folder / "set_aside.json").read_text())["settings"]["sft.optim.lr"]
 
@@ -69,15 +85,20 @@ def test_superseded_keeps_every_set_and_a_revert_resumes(tmp_path: Path) -> None
     stage = tmp_path / "sft"
     first = _manager(stage, 0.1)
     _write_checkpoint(first, 10)
+    _write_logs(stage, 0.1)
     # two settings changes in the pipeline's mode: each sets the previous checkpoints aside
     for lr in (0.2, 0.3):
         run_ = _manager(stage, lr, restart="if_changed")
         assert run_.check() is None
         assert run_.begin(_Engine(), "SFT") == 0
         _write_checkpoint(run_, 20)
+        _write_logs(stage, lr)
     kept = sorted(p.name for p in (stage / "superseded").iterdir())
     assert kept == ["0001", "0002"]
     assert [_settings_of(stage / "superseded" / k) for k in kept] == [0.1, 0.2]  # newest last, with settings
+    # what each run logged is kept with its checkpoints (a fresh run rewrites the stage's logs)
+    assert [_logged(stage / "superseded" / k / "logs") for k in kept] == [0.1, 0.2]
+    assert not (stage / "superseded/0001/logs/model").exists()
     # by hand, without --restart: the first settings again find their checkpoints and resume them
     revert = _manager(stage, 0.1)
     assert revert.check() == "step00000010"
@@ -85,9 +106,10 @@ def test_superseded_keeps_every_set_and_a_revert_resumes(tmp_path: Path) -> None
     assert revert.begin(engine, "SFT") == 10
     assert engine.loaded == [(str(stage / "checkpoints"), "step00000010")]
     assert (stage / "checkpoints/step00000010/mp_rank_00_model_states.pt").read_bytes() == b"weights of step00000010"
-    assert not (stage / "checkpoints/set_aside.json").exists()
+    assert not (stage / "checkpoints/set_aside.json").exists() and not (stage / "checkpoints/logs").exists()
     kept = sorted(p.name for p in (stage / "superseded").iterdir())
     assert kept == ["0002", "0003"] and [_settings_of(stage / "superseded" / k) for k in kept] == [0.2, 0.3]
+    assert _logged(stage) == 0.1 and _logged(stage / "superseded/0003/logs") == 0.3  # the resumed run's logs are back
     # --restart never looks there
     fresh = _manager(stage, 0.2, restart="always")
     assert fresh.check() is None and fresh.begin(_Engine(), "SFT") == 0
@@ -236,14 +258,20 @@ def test_a_validate_that_never_returns_is_refused_naming_the_function(hanging: s
     assert took < 1.5 + 15, f"refused after {took:.1f} s"
 
 
-def test_a_reward_that_never_returns_scores_zero_with_a_reason(hanging: str) -> None:
+def test_a_reward_that_never_returns_scores_zero_within_the_share_and_a_storm_stops_at_once(hanging: str) -> None:
+    from dare_core.rewards.base import RewardFailed
     from dare_core.rewards.scoring import failure_metrics, score_texts
 
     rows = [{"prompt": "a", "ground_truth": "1", "task": "x", "uid": f"u{i}"} for i in range(3)]
-    results = score_texts(rows, ["ok", "hang", "ok"], reward=hanging)
+    results = score_texts(rows, ["ok", "hang", "ok"], reward=hanging, errors_allowed=0.5)
     assert [r.score for r in results] == [1.0, 0.0, 1.0]  # the host restarts after the one it stopped
     assert results[1].extra["failure"] == "timeout" and hanging in results[1].extra["error"]
     assert failure_metrics(results)["reward_failed/timeout"] == pytest.approx(1 / 3)
+    # a reward that hangs on every response: the batch ends at the first time-out, not after all of them
+    t0 = time.monotonic()
+    with pytest.raises(RewardFailed, match=rf"reward '{hanging}' did not return within 1.5 s on row u0"):
+        score_texts(rows * 20, ["hang"] * 60, reward=hanging)
+    assert time.monotonic() - t0 < 1.5 + 15
 
 
 # --------------------------------------------------------------------------- files and processes

@@ -300,7 +300,9 @@ def _kept_set(folder: Path) -> dict:
     files = _tree(folder)
     note = json.loads(files.pop("set_aside.json"))
     assert note["settings"] and note["why"], note
-    return files
+    logs = {k for k in files if k.startswith("logs/")}
+    assert "logs/metrics.jsonl" in logs, sorted(files)  # what the run logged is kept with it
+    return {k: v for k, v in files.items() if k not in logs}
 
 
 def test_restart_sets_old_checkpoints_aside_and_trains(project: Path) -> None:
@@ -340,6 +342,61 @@ def test_restart_if_changed_resumes_matching_checkpoints_and_sets_others_aside(p
     before = snapshot(project)
     bad = run(project, "stage", "rl", "--restart-if-changed", *_set("rl.sampler.cache=block_kv"))
     assert_clean_failure(bad, "block_kv", before, project)
+
+
+def test_an_edit_to_a_user_reward_or_what_it_imports_retrains(project: Path) -> None:
+    """A user reward's source, and the project's modules it imports, are inputs of the RL stage: after
+    an edit the stage never resumes checkpoints trained under the old code; it names the edited file."""
+    (project / "grading_util.py").write_text("def same(a, b):\n    return float(a.strip() == b.strip())\n")
+    (project / "my_reward.py").write_text("from grading_util import same\n\n\n"
+                                          "def score(completion, ground_truth, row):\n    return same(completion, ground_truth)\n")
+    reward = _set("rl.reward=my_reward:score")
+    first = run(project, "stage", "rl", "--restart-if-changed", *reward)
+    assert first.returncode == 0 and "resuming" not in first.stderr, first.stderr[-3000:]
+    same = run(project, "stage", "rl", *reward)
+    assert same.returncode == 0 and "resuming RL from step00000003" in same.stderr, same.stderr[-3000:]
+    (project / "grading_util.py").write_text("def same(a, b):\n    return float(a.strip().lower() == b.strip().lower())\n")
+    before = snapshot(project)
+    refused = run(project, "stage", "rl", *reward)
+    assert_clean_failure(refused, "the reward module grading_util grading_util.py changed", before, project)
+    changed = run(project, "stage", "rl", "--restart-if-changed", *reward)
+    assert changed.returncode == 0 and "resuming" not in changed.stderr, changed.stderr[-3000:]
+    assert "the reward module grading_util grading_util.py changed" in changed.stderr
+    meta = json.loads((project / "runs/t/rl/checkpoints/step00000003/dare_checkpoint.json").read_text())
+    assert meta["inputs"]["reward module grading_util"]["path"] == "grading_util.py"
+
+
+@pytest.mark.parametrize("body,culprit", [
+    ("raise KeyError('answer')", "raised KeyError on row val-0: 'answer' (1 of 64 responses so far, rl.reward_errors_allowed 0)"),
+    ("return None", "returned None (NoneType) on row val-0; expected a number or a dict with 'score' "
+                    "(a reward must return a finite number)"),
+])
+def test_a_broken_user_reward_stops_rl_with_one_line_and_keeps_the_last_run(project: Path, body: str, culprit: str) -> None:
+    """A reward of the user's that raises (or returns no number) ends the RL stage at the first batch
+    it grades, with one line naming the function, the row and the exception; the previous run's
+    checkpoints and logs are kept in superseded/ (the fresh start set them aside)."""
+    stage = project / "runs/t/rl"
+    kept = _tree(stage / "checkpoints")
+    logged = {name: (stage / name).read_bytes() for name in ("metrics.jsonl", "validation.jsonl")}
+    (project / "bad_reward.py").write_text(f"def score(completion, ground_truth, row):\n    {body}\n")
+    broken = run(project, "stage", "rl", "--restart-if-changed", *_set("rl.reward=bad_reward:score"))
+    assert broken.returncode != 0 and "Traceback" not in broken.stderr, broken.stderr[-3000:]
+    last = [line for line in broken.stderr.splitlines() if line.strip()][-1]
+    assert last == f"error: reward 'bad_reward:score' {culprit}", broken.stderr[-3000:]
+    assert _kept_set(stage / "superseded/0001") == kept
+    assert {name: (stage / "superseded/0001/logs" / name).read_bytes() for name in logged} == logged
+
+
+def test_a_broken_user_reward_stops_eval_and_keeps_the_earlier_results(project: Path) -> None:
+    assert run(project, "stage", "eval").returncode == 0
+    (project / "bad_reward.py").write_text("def score(completion, ground_truth, row):\n    raise KeyError('x')\n")
+    assert run(project, "stage", "prepare", *_set("rl.reward=bad_reward:score")).returncode == 0  # rows name their reward
+    before = snapshot(project)
+    bad = run(project, "stage", "eval", *_set("rl.reward=bad_reward:score"))
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr, bad.stderr[-3000:]
+    last = [line for line in bad.stderr.splitlines() if line.strip()][-1]
+    assert last.startswith("error: ") and "reward 'bad_reward:score' raised KeyError on row eval-0: 'x'" in last, last
+    assert snapshot(project) == before  # the results of the earlier eval, untouched
 
 
 def test_config_file_rejects_restart_as_a_key(tmp_path: Path) -> None:

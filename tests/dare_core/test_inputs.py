@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ import pytest
 
 from dare_core.config import DareConfig
 from dare_core.errors import UserError
-from dare_core.inputs import identities, module_source, reward_identity
+from dare_core.inputs import identities, module_source, project_sources, reward_identity, reward_inputs
 from pipeline_helpers import REPO
 
 
@@ -36,7 +37,7 @@ def test_a_user_reward_module_is_hashed_without_being_imported(tmp_path, monkeyp
     (tmp_path / "pkg" / "__init__.py").write_text("raise SystemExit('imported')\n")
     (tmp_path / "pkg" / "grade.py").write_text("raise SystemExit('imported')\ndef score(c, g, r): return 1.0\n")
     found = reward_identity("pkg.grade:score")
-    assert found["file"] == str(tmp_path / "pkg" / "grade.py")
+    assert found["file"] == "pkg/grade.py"  # relative to the project: the record reads the same in every clone
     assert found["sha256"] == hashlib.sha256((tmp_path / "pkg" / "grade.py").read_bytes()).hexdigest()
     assert "pkg.grade" not in sys.modules
     assert module_source("pkg", [str(tmp_path)]) == tmp_path / "pkg" / "__init__.py"
@@ -54,3 +55,43 @@ def test_the_stage_writes_the_record(tmp_path):
     # DVC runs it on every `dvc repro`: it must not pay for torch's import
     probe = "import sys, dare_core.workers.inputs; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+def test_the_project_modules_a_reward_imports_are_its_sources(tmp_path, monkeypatch):
+    """Whatever the reward module imports from the project, by any import form and transitively, is
+    part of its identity; the standard library, installed packages and DARE are not; nothing runs."""
+    monkeypatch.chdir(tmp_path)
+    stop = "raise SystemExit('imported')\n"
+    (tmp_path / "pkg" / "sub").mkdir(parents=True)
+    (tmp_path / "pkg" / "__init__.py").write_text(stop)
+    (tmp_path / "pkg" / "grade.py").write_text(stop + "import json, torch\nimport helpers\nfrom . import norms\n"
+                                               "from .sub.deep import x\nfrom dare_core.rewards import math\n")
+    (tmp_path / "pkg" / "norms.py").write_text(stop + "from .sub import tables\n")
+    (tmp_path / "pkg" / "sub" / "__init__.py").write_text(stop)
+    (tmp_path / "pkg" / "sub" / "deep.py").write_text(stop + "x = 1\n")
+    (tmp_path / "pkg" / "sub" / "tables.py").write_text(stop)
+    (tmp_path / "helpers.py").write_text(stop + "from pkg.sub import deep\nimport broken\n")
+    (tmp_path / "broken.py").write_text("def (:\n")  # does not parse: hashed, imports nothing here
+    (tmp_path / "unused.py").write_text(stop)
+    found = project_sources("pkg.grade", tmp_path)
+    assert list(found)[0] == "pkg.grade"
+    assert set(found) == {"pkg.grade", "pkg", "helpers", "pkg.norms", "pkg.sub", "pkg.sub.deep", "pkg.sub.tables", "broken"}
+    assert "pkg" not in sys.modules and "helpers" not in sys.modules
+    record = reward_identity("pkg.grade:score")
+    assert set(record["imports"]) == {"pkg/__init__.py", "helpers.py", "pkg/norms.py", "pkg/sub/__init__.py",
+                                      "pkg/sub/deep.py", "pkg/sub/tables.py", "broken.py"}
+    (tmp_path / "pkg" / "sub" / "tables.py").write_text(stop + "# an edit two imports away\n")
+    again = reward_identity("pkg.grade:score")
+    assert again["sha256"] == record["sha256"] and again["imports"] != record["imports"]
+    roles = reward_inputs("pkg.grade:score")
+    assert roles["reward module pkg.sub.tables"] == Path("pkg/sub/tables.py") and len(roles) == 8
+    assert reward_inputs("exact_match") == {}
+
+
+def test_files_in_the_project_are_recorded_relative_to_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text('{"prompt": "a", "response": "b"}\n')
+    cfg = DareConfig()
+    cfg.data.source = str(tmp_path / "data" / "train.jsonl")  # given absolute
+    assert identities(cfg)["data.source"]["path"] == "data/train.jsonl"

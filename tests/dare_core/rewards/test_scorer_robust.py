@@ -12,11 +12,11 @@ import pytest
 
 from dare_core.errors import UserError
 from dare_core.rewards import RewardError, sandbox
-from dare_core.rewards.base import FAILURE_REASONS
+from dare_core.rewards.base import FAILURE_REASONS, RewardFailed
 from dare_core.rewards.extract import _PYTHON_LANGS, python_blocks
 from dare_core.rewards.gsm8k import _d1_soft, _d1_strict
 from dare_core.rewards.sandbox import SandboxUnavailable
-from dare_core.rewards.scoring import default_workers, failure_metrics, score_texts
+from dare_core.rewards.scoring import default_workers, failure_metrics, score_row, score_texts
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox is Linux-only")
 
@@ -157,17 +157,36 @@ def mod(user_module):
         "    return float('nan') if completion == 'nan' else float(completion == ground_truth)\n")
 
 
-def test_a_reward_that_raises_scores_zero_with_the_reason(mod):
+def test_a_user_reward_that_raises_scores_zero_within_the_allowed_share(mod):
+    """Within rl.reward_errors_allowed, a raise of the user's function scores 0 with its reason, like
+    a built-in reward's parser failing on odd text (which never stops a batch)."""
     rows = [row(f"{mod}:picky", "ok", "a"), row(f"{mod}:picky", "ok", "b"), row(f"{mod}:picky", "ok", "c"),
             row("countdown", "not a ground truth", "d"), row("arithmetic", "4", "e")]
-    results = score_texts(rows, ["boom", "ok", "nan", "1+1", "4"])
+    results = score_texts(rows, ["boom", "ok", "boom", "1+1", "4"], errors_allowed=0.4)
     assert [r.score for r in results] == [0.0, 1.0, 0.0, 0.0, 1.0]
-    assert "raised RuntimeError on row a: kaput" in results[0].extra["error"]
-    assert "non-finite score" in results[2].extra["error"] and "countdown" in results[3].extra["error"]
+    assert "raised RuntimeError on row a: kaput" in results[0].extra["error"] and "countdown" in results[3].extra["error"]
     assert [r.extra.get("failure") for r in results] == ["exception", None, "exception", "exception", None]
+    assert [bool(r.extra.get("user_code")) for r in results] == [True, False, True, False, False]
     metrics = failure_metrics(results)
     assert metrics["reward_failed"] == metrics["reward_failed/exception"] == 0.6
     assert set(metrics) == {"reward_failed", *(f"reward_failed/{r}" for r in FAILURE_REASONS)}
+    # a built-in reward failing on every response never stops the batch
+    assert [r.score for r in score_texts([row("countdown", "not a ground truth", "d")] * 3, ["1+1"] * 3)] == [0.0] * 3
+
+
+def test_a_broken_user_reward_stops_the_batch_with_one_line(mod):
+    rows = [row(f"{mod}:picky", "ok", u) for u in "abcd"]
+    with pytest.raises(RewardFailed, match=r"^reward '[^']+:picky' raised RuntimeError on row b: kaput \(1 of 4 responses "
+                                           r"so far, errors_allowed 0\)$"):
+        score_texts(rows, ["ok", "boom", "ok", "ok"])
+    with pytest.raises(RewardFailed, match=r"raised RuntimeError on row c: kaput \(2 of 4 responses so far, "
+                                           r"rl.reward_errors_allowed 0.25\)"):
+        score_texts(rows, ["ok", "boom", "boom", "ok"], errors_allowed=0.25, setting="rl.reward_errors_allowed")
+    # not a number: whatever the share
+    with pytest.raises(RewardFailed, match=r"non-finite score nan on row c \(a reward must return a finite number\)"):
+        score_texts(rows, ["ok", "ok", "nan", "ok"], errors_allowed=1.0)
+    with pytest.raises(RewardFailed, match=r"raised RuntimeError on row a: kaput$"):  # eval grades one response at a time
+        score_row(rows[0], "boom")
 
 
 def test_configuration_errors_still_raise(mod):

@@ -164,6 +164,15 @@ def test_module_that_fails_to_import(tmp_path, monkeypatch):
     sys.modules.pop("broken_rewards_81c2", None)
 
 
+def test_module_that_exits_at_import(tmp_path, monkeypatch):
+    (tmp_path / "exiting_rewards_81c2.py").write_text("import sys\nsys.exit(3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RewardError, match=r"reward 'exiting_rewards_81c2:score': importing exiting_rewards_81c2 "
+                                          r"called sys.exit\(3\)"):
+        get_reward("exiting_rewards_81c2:score")
+    sys.modules.pop("exiting_rewards_81c2", None)
+
+
 def test_imported_from_the_current_directory(tmp_path, monkeypatch):
     """Stages run from the repository root, where a console script's sys.path does not look."""
     (tmp_path / "cwd_rewards_5d1e.py").write_text(textwrap.dedent('''

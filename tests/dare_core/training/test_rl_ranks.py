@@ -108,12 +108,14 @@ def test_rank_metrics_combine_into_the_one_rank_numbers():
     one = {"reward": sum(rewards) / 12, "rollout_nfe": 8, "lr": 1e-4, "step_time_s": 3.0}
     halves = [rewards[:6], rewards[6:]]
     parts = [{"prompts": 3, "metrics": {"reward": sum(h) / 6, "rollout_nfe": 4, "lr": 1e-4, "step_time_s": t},
-              "updates": {"approx_kl": (0.5 * 6, 6), **({"sd_kl": (1.0, 2)} if t > 2 else {})}, "loss": 0.25}
+              "updates": {"approx_kl": (0.5 * 6, 6), "ratio_max": (t * 10, 1.0), **({"sd_kl": (1.0, 2)} if t > 2 else {})},
+              "loss": 0.25}
              for h, t in zip(halves, (2.0, 3.0))]
     out = combine_rank_metrics(parts, loss_terms=2)
     assert math.isclose(out["reward"], one["reward"], rel_tol=1e-15)
     assert out["rollout_nfe"] == 8 and out["lr"] == 1e-4 and out["step_time_s"] == 3.0  # sum, same, slowest
     assert out["loss"] == 0.25 and out["approx_kl"] == 0.5 and out["sd_kl"] == 0.5  # sd_kl: the rank that has it
+    assert out["ratio_max"] == 30.0  # the largest ratio of any rank, not a mean
     # one rank: its metrics as they are
     assert combine_rank_metrics([{"prompts": 6, "metrics": one}])["reward"] == one["reward"]
 
