@@ -1,7 +1,11 @@
 """The content of the user's input files, recorded so that DVC sees an edit.
 
 `data.source` and the other input files are settings, so dvc.yaml cannot name them as `deps` (a
-null setting would break it), and a path that stays the same hides an edited file from DVC. The
+null setting would break it), and a path that stays the same hides an edited file from DVC. Two
+records make up for it. `data/input_files.yaml` lists the files inside the project that the
+settings name (data files, a user reward's sources); dvc.yaml reads it (`vars`) and makes one
+`input_file@<path>` stage depend on each, so `dvc status` names an edited file before anything
+runs (a file in object storage is seen only when a stage reads it). The
 `inputs` stage, which DVC runs on every `dvc repro` (`always_changed`), writes the identity of
 each input to `<run.metrics_dir>/inputs.json`: a local file's SHA-256, an object's size and ETag in
 object storage, and the source file of a user reward (`rl.reward: module:function`). The stages that
@@ -44,13 +48,23 @@ def inputs_file(cfg: DareConfig) -> Path:
     return Path(cfg.run.metrics_dir) / "inputs.json"
 
 
+# written by the inputs stage, read by dvc.yaml's `vars` (module docstring); a fresh project ships it empty
+INPUT_FILES_LIST = Path("data") / "input_files.yaml"
+INPUT_FILES_HEADER = ("# Written by `dare stage inputs` (commit it): the files in this project that params.yaml names as\n"
+                      "# inputs. dvc.yaml makes an `input_file@<path>` stage depend on each, so `dvc status` sees an edit.\n")
+
+
+def local_path(value: str) -> Path:
+    return Path(os.path.expanduser(value[len("file://"):] if value.startswith("file://") else value))
+
+
 def file_identity(setting: str, value: Optional[str]) -> Optional[dict]:
     """What identifies the content at `value` (None when the setting is empty)."""
     if not value:
         return None
     if is_remote(value):
         return {"url": value, "objects": listing(value, setting)}
-    path = Path(os.path.expanduser(value[len("file://"):] if value.startswith("file://") else value))
+    path = local_path(value)
     if not path.is_file():
         raise UserError(f"{setting}: {value} is not a file")
     return {"path": project_path(path), "sha256": file_digest(path, "sha256")}
@@ -161,3 +175,28 @@ def identities(cfg: DareConfig) -> dict[str, Any]:
     out: dict[str, Any] = {key: file_identity(key, getattr(cfg.data, key.split(".")[1])) for key in FILES}
     out["rl.reward"] = reward_identity(cfg.rl.reward)
     return out
+
+
+def project_input_files(cfg: DareConfig) -> list[str]:
+    """The files under the project (relative paths) that the settings name as inputs: local data
+    files and a user reward's sources. Files elsewhere are in inputs.json only."""
+    found = [local_path(value) for value in (getattr(cfg.data, key.split(".")[1]) for key in FILES)
+             if value and not is_remote(value)]
+    found += list(reward_inputs(cfg.rl.reward).values())
+    relative = {project_path(p) for p in found if p.is_file()}
+    return sorted(p for p in relative if not Path(p).is_absolute())
+
+
+def write_input_files_list(files: list[str], path: Path = INPUT_FILES_LIST) -> bool:
+    """Write the list dvc.yaml reads, only where it changed (an unchanged file keeps git and DVC quiet).
+    Returns whether it was written."""
+    import yaml
+
+    text = INPUT_FILES_HEADER + yaml.safe_dump({"input_files": files}, default_flow_style=False, sort_keys=False)
+    if path.is_file() and path.read_text() == text:
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return True

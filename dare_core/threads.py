@@ -5,14 +5,17 @@ machine (or a machine shared with other jobs) oversubscribe the cores and spin-w
 a user measured SFT at 10 samples/s that way against 71-92/s with one thread per rank.
 
 Precedence: an int in `launch.threads` > `OMP_NUM_THREADS` in the environment (the user's choice)
-> auto = (the physical cores this process may use (CPU affinity, cgroup CPU quota) - those other
-processes keep busy as the stage starts) / local ranks: OpenMP threads that share a core with
-another job collapse (they spin-wait for the one that is descheduled), and threads beyond the free
-cores gain only by taking CPU time from the other jobs (bench/results/threads.md). OpenMP's own wait
-policy is kept: making idle threads sleep at once (OMP_WAIT_POLICY=PASSIVE) would survive load that
-arrives later, but cost a third or more of the speed of an idle machine there. The decision is
-applied at the start of every worker (`configure_threads`) and logged once the
-stage's checks have passed (`log_threads`): a failing check leaves only its error line on stderr.
+> auto = the physical cores this process may use (CPU affinity, cgroup CPU quota) / local ranks.
+auto reads the machine, never its load: the thread count changes how torch splits its sums, so a
+count that followed the load made the same params and seed print different tables on a busy
+machine than on an idle one. What the load decides is OpenMP's wait policy, which changes speed
+only: when other processes keep cores busy as the stage starts, the launcher exports
+OMP_WAIT_POLICY=PASSIVE (unless the user set one), so a thread whose core another job holds
+sleeps instead of spinning while its peers wait for it (bench/results/threads.md: spinning threads
+that share cores with other jobs ran up to 3 times slower; on an idle machine PASSIVE cost up
+to a third of the speed, so it is not the default). The decision is applied at the start of every worker
+(`configure_threads`) and logged once the stage's checks have passed (`log_threads`): a failing
+check leaves only its error line on stderr.
 """
 from __future__ import annotations
 
@@ -49,6 +52,8 @@ class Machine:
 class ThreadChoice:
     count: int
     reason: str
+    # other processes kept cores busy: the launcher makes idle threads sleep (module docstring)
+    passive: bool = False
 
 
 def physical_cores(cpus: Collection[int], cpuinfo: str) -> Optional[int]:
@@ -127,23 +132,26 @@ def busy_cpus(stat_before: str, stat_after: str, cpus: Collection[int]) -> Optio
 
 
 def auto_threads(machine: Machine, ranks: int) -> ThreadChoice:
-    """Physical cores available to this process (else logical CPUs) less those other processes keep
-    busy, capped by the cgroup quota, shared among `ranks` local processes; at least 1. A core that
-    another process holds makes torch's threads wait on each other (a user's SFT on a shared 2-core
-    machine: 28 samples/s with 2 threads, 339 with 1); threads beyond the free cores only win by
-    taking CPU time from the other jobs (bench/results/threads.md)."""
+    """Physical cores available to this process (else logical CPUs), capped by the cgroup quota,
+    shared among `ranks` local processes; at least 1. The load never changes the count (results
+    follow it); cores that other processes keep busy make the choice `passive` where a rank runs
+    more than one thread (with one, the wait policy does nothing)."""
     logical = max(1, len(machine.cpus))
     physical = physical_cores(machine.cpus, machine.cpuinfo) if machine.cpuinfo else None
     cores, what = (physical, "physical cores") if physical else (logical, "CPUs")
-    # a CPU counts as taken when another process used more than half of it
-    busy = math.floor(machine.busy + 0.5) if machine.busy else 0
-    free, label = max(1, cores - busy), f"{cores} {what}" + (f" - {busy} busy" if busy else "")
+    free, label = cores, f"{cores} {what}"
     quota = cgroup_cpus(machine.cpu_max)
     if quota is not None and quota < free:
         free, label = quota, f"{quota} CPUs of cgroup quota"
     ranks = max(1, ranks)
     count = max(1, free // ranks)
-    return ThreadChoice(count, f"{label} / {ranks} local rank{'s' if ranks != 1 else ''}")
+    reason = f"{label} / {ranks} local rank{'s' if ranks != 1 else ''}"
+    # a CPU counts as taken when another process used more than half of it
+    busy = math.floor(machine.busy + 0.5) if machine.busy else 0
+    passive = busy > 0 and count > 1
+    if passive:
+        reason += f"; {busy} busy with other work: OMP_WAIT_POLICY=PASSIVE"
+    return ThreadChoice(count, reason, passive)
 
 
 def omp_threads(environ: Mapping[str, str]) -> Optional[int]:
@@ -252,6 +260,8 @@ def launcher_env(setting: Union[str, int], nproc: int, environ: Mapping[str, str
         return env  # the user's OMP_NUM_THREADS reaches every rank as it is
     choice = resolve_threads(setting, {**env, "LOCAL_WORLD_SIZE": str(nproc)}, machine)
     env["OMP_NUM_THREADS"] = str(choice.count)
+    if choice.passive:
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if isinstance(setting, str):
         env.setdefault("MKL_NUM_THREADS", str(choice.count))
     else:

@@ -109,12 +109,22 @@ def sort_rows(n: int, seed: int) -> list[dict]:
     return rows
 
 
+# the pipeline a project copies: dvc.yaml, and the input-file list it reads (`vars`)
+PIPELINE_FILES = ("dvc.yaml", "data/input_files.yaml")
+
+
+def copy_pipeline(repo: Path) -> None:
+    for name in PIPELINE_FILES:
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text((REPO / name).read_text())
+
+
 def make_project(repo: Path, params: dict, links: tuple = ("dare_core", "configs"), env: dict | None = None) -> Path:
     """A throwaway DARE project at `repo`: the real dvc.yaml, `links` symlinked from this checkout
     (dvc.yaml's code dependencies and recipes; add flows/tasks to deploy it), `params` with its
     outputs at the project's own relative paths, `git init` and `dvc init`."""
     repo.mkdir()
-    (repo / "dvc.yaml").write_text((REPO / "dvc.yaml").read_text())
+    copy_pipeline(repo)
     for name in links:
         os.symlink(REPO / name, repo / name)
     params["run"].update(runs_dir="runs", models_dir="models", metrics_dir="metrics")

@@ -38,7 +38,10 @@ MODULE_NAME = re.compile(rf"{PACKAGE}(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
 def _stages() -> dict:
-    return yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    """The `dare stage` stages (input_file, a foreach over data/input_files.yaml, only depends on the
+    user's files: tests/dare_core/test_inputs.py)."""
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    return {name: body for name, body in stages.items() if "foreach" not in body}
 
 
 def module_file(name: str) -> Path | None:

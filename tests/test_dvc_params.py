@@ -20,7 +20,9 @@ def _has(tree: dict, dotted: str) -> bool:
 def test_every_stage_param_is_in_params_yaml_and_it_loads():
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
-    assert list(stages) == ["inputs", "prepare", "sft", "preference", "rl", "convert", "eval"]
+    assert list(stages) == ["input_file", "inputs", "prepare", "sft", "preference", "rl", "convert", "eval"]
+    # one status-only stage per listed project input file (tests/dare_core/test_inputs.py runs it)
+    assert stages.pop("input_file")["foreach"] == "${input_files}"
     for name, stage in stages.items():
         # training stages resume their checkpoints, or (params changed) set them aside and start fresh
         training = name in ("sft", "preference", "rl")

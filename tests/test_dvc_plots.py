@@ -24,6 +24,7 @@ import yaml
 from dare_core.training.metrics import MetricsLogger
 from dare_core.training.plots import STAGE_PLOTS, VALIDATION
 from dare_core.training.rl_validation import validation_csv
+from pipeline_helpers import copy_pipeline
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / ".dvc" / "plots" / "offline.html"
@@ -109,8 +110,8 @@ def _write_runs(repo: Path) -> dict[str, list]:
 def scratch(tmp_path_factory):
     """A git + DVC repository with this one's pipeline and plot settings, and plot data."""
     repo = tmp_path_factory.mktemp("dvc_plots")
-    for name in ("dvc.yaml", "params.yaml"):
-        shutil.copy(REPO / name, repo / name)
+    copy_pipeline(repo)
+    shutil.copy(REPO / "params.yaml", repo / "params.yaml")
     env = {**os.environ, "DVC_NO_ANALYTICS": "1", "GIT_CONFIG_GLOBAL": os.devnull}
     subprocess.run(["git", "init", "-q"], cwd=repo, check=True, env=env)
     subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=repo, check=True, env=env)

@@ -3,6 +3,7 @@ its hash, a user reward by its module's source, found without running it."""
 from __future__ import annotations
 
 import hashlib
+import os
 import json
 from pathlib import Path
 import subprocess
@@ -95,3 +96,45 @@ def test_files_in_the_project_are_recorded_relative_to_it(tmp_path, monkeypatch)
     cfg = DareConfig()
     cfg.data.source = str(tmp_path / "data" / "train.jsonl")  # given absolute
     assert identities(cfg)["data.source"]["path"] == "data/train.jsonl"
+
+
+def test_dvc_status_names_an_edited_input_file(tmp_path):
+    """The inputs stage lists the project files the settings name (data/input_files.yaml); dvc.yaml
+    makes a stage depend on each, so `dvc status` sees a data or reward edit before anything runs."""
+    from pipeline_helpers import copy_pipeline
+
+    copy_pipeline(tmp_path)
+    (tmp_path / "data" / "own").mkdir(parents=True)
+    train = tmp_path / "data" / "own" / "train.jsonl"
+    train.write_text('{"prompt": "a", "response": "b", "ground_truth": "b"}\n')
+    (tmp_path / "own_reward.py").write_text("from helpers import norm\ndef score(c, g, r): return float(norm(c) == g)\n")
+    (tmp_path / "helpers.py").write_text("def norm(text): return text.strip()\n")
+    outside = tmp_path.parent / f"{tmp_path.name}-eval.jsonl"  # outside the project: inputs.json only
+    outside.write_text(train.read_text())
+    params = (REPO / "params.yaml").read_text()
+    (tmp_path / "params.yaml").write_text(params)
+    settings = ["data.source=data/own/train.jsonl", f"data.eval_source={outside}", "rl.reward=own_reward:score"]
+    env = {**os.environ, "DVC_NO_ANALYTICS": "1", "GIT_CONFIG_GLOBAL": os.devnull}
+    for cmd in (["git", "init", "-q"], [sys.executable, "-m", "dvc", "init", "-q"]):
+        subprocess.run(cmd, cwd=tmp_path, check=True, env=env, capture_output=True)
+    done = subprocess.run([sys.executable, "-m", "dare_core.workers.inputs", "--params", "params.yaml",
+                           *[a for s in settings for a in ("-S", s)]], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    import yaml
+
+    listed = yaml.safe_load((tmp_path / "data" / "input_files.yaml").read_text())["input_files"]
+    assert listed == ["data/own/train.jsonl", "helpers.py", "own_reward.py"]
+
+    def status() -> set:
+        out = subprocess.run([sys.executable, "-m", "dvc", "status", "--json"], cwd=tmp_path, env=env,
+                             capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return {name for name in json.loads(out.stdout.strip().splitlines()[-1]) if name.startswith("input_file@")}
+
+    ran = subprocess.run([sys.executable, "-m", "dvc", "repro", "input_file"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
+    assert status() == set()
+    train.write_text(train.read_text() + '{"prompt": "c", "response": "d", "ground_truth": "d"}\n')
+    assert status() == {"input_file@data/own/train.jsonl"}
+    (tmp_path / "helpers.py").write_text("def norm(text): return text.strip().lower()\n")
+    assert status() == {"input_file@data/own/train.jsonl", "input_file@helpers.py"}

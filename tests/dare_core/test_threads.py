@@ -55,29 +55,37 @@ def test_auto_is_physical_cores_under_quota_per_local_rank():
     assert auto_threads(machine(range(2), cpuinfo(2, 1)), 8).count == 1  # more ranks than cores: still one each
 
 
-def test_cores_other_processes_keep_busy_are_left_to_them():
+def test_the_load_sets_the_wait_policy_never_the_count():
+    """The count follows the machine, so the same params give the same numbers on a busy machine;
+    cores other processes keep busy make idle threads sleep (PASSIVE) instead of spinning."""
     info = cpuinfo(2, 1)
     choice = auto_threads(machine(range(2), info, busy=1.0), 1)  # the issue's shared 2-core machine
-    assert (choice.count, choice.reason) == (1, "2 physical cores - 1 busy / 1 local rank")
-    choice = auto_threads(machine(range(2), info, busy=3.7), 1)  # more busy than there are: still one
-    assert (choice.count, choice.reason) == (1, "2 physical cores - 4 busy / 1 local rank")
+    assert (choice.count, choice.passive) == (2, True)
+    assert choice.reason == "2 physical cores / 1 local rank; 1 busy with other work: OMP_WAIT_POLICY=PASSIVE"
+    assert auto_threads(machine(range(2), info, busy=3.7), 1).count == 2  # more busy than there are
     big = cpuinfo(16, 2)
-    assert auto_threads(machine(range(32), big, busy=6.2), 2).reason == "16 physical cores - 6 busy / 2 local ranks"
-    assert auto_threads(machine(range(32), big, busy=6.2), 2).count == 5
-    # a core counts as taken from half its time on; a little background work takes none
-    assert auto_threads(machine(range(32), big, busy=0.4), 1).count == 16
-    assert auto_threads(machine(range(32), big, busy=0.5), 1).count == 15
-    # the quota caps what is left, and is itself the limit while the host has cores to spare
-    assert auto_threads(machine(range(32), big, "800000 100000", busy=12), 1).reason == "16 physical cores - 12 busy / 1 local rank"
+    assert auto_threads(machine(range(32), big, busy=6.2), 2).count == 8
+    # a core counts as taken from half its time on; a little background work leaves the policy alone
+    assert not auto_threads(machine(range(32), big, busy=0.4), 1).passive
+    assert auto_threads(machine(range(32), big, busy=0.5), 1).passive
+    # one thread a rank: the wait policy does nothing, so none is chosen
+    assert not auto_threads(machine(range(2), info, busy=1.0), 2).passive
+    # the quota caps the count
     choice = auto_threads(machine(range(32), big, "300000 100000", busy=12), 1)
-    assert (choice.count, choice.reason) == (3, "3 CPUs of cgroup quota / 1 local rank")
+    assert (choice.count, choice.reason.split(";")[0]) == (3, "3 CPUs of cgroup quota / 1 local rank")
+    # the launcher exports the policy, unless the user chose one
+    env = launcher_env("auto", 1, {"PATH": "/bin"}, machine(range(2), info, busy=1.0))
+    assert (env["OMP_NUM_THREADS"], env["OMP_WAIT_POLICY"]) == ("2", "PASSIVE")
+    env = launcher_env("auto", 1, {"OMP_WAIT_POLICY": "ACTIVE"}, machine(range(2), info, busy=1.0))
+    assert (env["OMP_NUM_THREADS"], env["OMP_WAIT_POLICY"]) == ("2", "ACTIVE")
+    assert "OMP_WAIT_POLICY" not in launcher_env("auto", 1, {}, machine(range(2), info, busy=0.0))
 
 
 def test_an_idle_or_unmeasured_machine_keeps_every_core():
     info = cpuinfo(8, 2)
     for busy in (None, 0.0, 0.2):
         choice = auto_threads(machine(range(16), info, busy=busy), 2)
-        assert (choice.count, choice.reason) == (4, "8 physical cores / 2 local ranks")
+        assert (choice.count, choice.reason, choice.passive) == (4, "8 physical cores / 2 local ranks", False)
 
 
 def stat(*cpus) -> str:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline_helpers import REPO, sort_rows, tiny_params, worker_env, write_params
+from pipeline_helpers import REPO, copy_pipeline, sort_rows, tiny_params, worker_env, write_params
 from s3_server import ACCESS_KEY, SECRET, s3_bucket, s3_server  # noqa: F401  (fixtures)
 
 STAGES = ("prepare", "sft", "preference", "rl", "convert", "eval")
@@ -88,7 +88,8 @@ def test_pipeline_on_s3_pushes_and_a_fresh_clone_pulls_with_nothing_to_reproduce
     # ---- a project: the repository's code, pipeline, ignore files; tiny params, committed and pushed
     repo, origin = tmp_path / "repo", tmp_path / "origin.git"
     repo.mkdir()
-    for name in ("dvc.yaml", ".gitignore", ".dvcignore"):
+    copy_pipeline(repo)
+    for name in (".gitignore", ".dvcignore"):
         shutil.copy(REPO / name, repo / name)
     for name in ("dare_core", "configs"):  # dvc.yaml's code dependencies and the recipes
         shutil.copytree(REPO / name, repo / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))

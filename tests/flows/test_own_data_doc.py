@@ -9,8 +9,10 @@ How the page is executed, in its order:
   says (every other key keeps its value);
 - every ```bash block runs as it stands, under `bash -e`, in the project folder.
 The project's params.yaml starts as the repository's, shrunk to a tiny model and a few steps
-(`pipeline_helpers.TINY`, its run name left as shipped); the page's keys go on top. After the page,
-the test edits the training file in place and the reward module, and checks that DVC sees both.
+(`pipeline_helpers.TINY`, its run name left as shipped); the page's keys go on top. Section 5 edits the
+training file and the reward module and runs `dvc status`, which must name both; after the page the
+test edits the training file again and checks that `dvc repro` reruns prepare, and the reward's
+edit the stages that read it.
 """
 from __future__ import annotations
 
@@ -81,6 +83,8 @@ def test_own_data_md_runs_as_written(tmp_path):
             params = merged(yaml.safe_load((repo / "params.yaml").read_text()), yaml.safe_load(text))
             (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
         elif lang == "bash":
+            if "dvc status" in text:  # section 5 edits the files: before it, the whole run is up to date
+                assert dvc_json(repo, env, "status") == {"inputs": ["always changed"]}
             done = subprocess.run(["bash", "-e", "-c", text], cwd=repo, env=env, capture_output=True, text=True)
             assert done.returncode == 0, f"{text}\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
             shell_output.append(done.stdout + done.stderr)
@@ -100,11 +104,13 @@ def test_own_data_md_runs_as_written(tmp_path):
     assert summary["counts"]["preference"] == 0 and any("preference stage will be off" in w for w in summary["warnings"])
     assert json.loads((repo / "metrics" / "preference.json").read_text())["enabled"] is False
     # the metrics diff after the temperature change: eval.json's numbers against the baseline commit
-    assert "metrics/eval.json" in shell_output[-1] and "sort_letters" in shell_output[-1], shell_output[-1]
+    assert "metrics/eval.json" in shell_output[-2] and "sort_letters" in shell_output[-2], shell_output[-2]
+    # section 5: `dvc status` names the edited training file and reward module before anything runs
+    assert "input_file@user/sort_letters.jsonl" in shell_output[-1] and "input_file@sort_rewards.py" in shell_output[-1]
+    assert {"input_file@user/sort_letters.jsonl", "input_file@sort_rewards.py"} <= set(dvc_json(repo, env, "status"))
 
     # the source edited in place (same path, so no setting changed): prepare reruns and everything
     # that reads its outputs is out of date; the reward module is tracked the same way
-    assert dvc_json(repo, env, "status") == {"inputs": ["always changed"]}
     train = repo / "user" / "sort_letters.jsonl"
     rows = [json.loads(line) for line in train.read_text().splitlines()]
     rows[0] = {"prompt": "sort j i h", "response": "h i j", "ground_truth": "h i j"}
