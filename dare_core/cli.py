@@ -91,6 +91,25 @@ def _config_sets(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
+    """Run the stage; its last line says how long it took, so a `dvc repro` log shows each stage's
+    wall time where it ends (a failure ends with its error line instead)."""
+    import time
+
+    started = time.monotonic()
+    code = _run_stage(args)
+    if code == 0:
+        print(f"dare stage {args.name}: done in {_duration(time.monotonic() - started)}", flush=True)
+    return code
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes} min {rest:02d} s" if minutes < 60 else f"{minutes // 60} h {minutes % 60:02d} min {rest:02d} s"
+
+
+def _run_stage(args: argparse.Namespace) -> int:
     from dare_core.env_file import apply_env_defaults
 
     # what the Makefile exports, for a stage not started by make (a deployment's worker, `dvc repro`):

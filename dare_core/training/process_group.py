@@ -5,8 +5,11 @@ this stays free of the training code: prepare, convert and eval import it too.""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
+import io
 import os
+import re
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -57,9 +60,27 @@ def init_distributed() -> None:
             bound["device_id"] = gpu
     torch.distributed.init_process_group(backend, timeout=timeout, **bound)
     _default_timeout_for_later_groups(timeout)
-    deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
+    with _quiet_build_notice():
+        deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
     if backend == "gloo":
         _release_shared_workspace_name()
+
+
+# printed by DeepSpeed on the CPU each time a stage loads its shared-memory allreduce op, which is
+# built once and cached: every stage's log carried it as if something had been compiled
+BUILD_NOTICE = re.compile(r"^DeepSpeed \S+ built successfully$")
+
+
+@contextlib.contextmanager
+def _quiet_build_notice():
+    """Everything the block prints to sys.stdout, less DeepSpeed's build notice, passed on as it was."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(captured):
+            yield
+    finally:
+        kept = [line for line in captured.getvalue().splitlines(keepends=True) if not BUILD_NOTICE.match(line.strip())]
+        sys.stdout.write("".join(kept))
 
 
 def shared_workspace_path(rank: int) -> Path:

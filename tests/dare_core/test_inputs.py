@@ -138,3 +138,18 @@ def test_dvc_status_names_an_edited_input_file(tmp_path):
     assert status() == {"input_file@data/own/train.jsonl"}
     (tmp_path / "helpers.py").write_text("def norm(text): return text.strip().lower()\n")
     assert status() == {"input_file@data/own/train.jsonl", "input_file@helpers.py"}
+
+
+def test_a_stage_ends_with_its_wall_time(tmp_path):
+    """`dare stage <name>`'s last line on success: how long it took (what a `dvc repro` log shows)."""
+    import re
+
+    params = tmp_path / "params.yaml"
+    params.write_text((REPO / "params.yaml").read_text())
+    done = subprocess.run([sys.executable, "-m", "dare_core.cli", "stage", "inputs", "--params", str(params),
+                           "-S", f"run.metrics_dir={tmp_path / 'metrics'}"], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert re.fullmatch(r"dare stage inputs: done in \d+\.\d s", done.stdout.strip().splitlines()[-1]), done.stdout
+    from dare_core.cli import _duration
+
+    assert (_duration(3.04), _duration(265.4), _duration(3725)) == ("3.0 s", "4 min 25 s", "1 h 02 min 05 s")

@@ -27,3 +27,28 @@ def test_exit_before_teardown_runs_exit_handlers_and_flushes_output(tmp_path):
     assert r.stdout == "buffered, no newline"
     assert (tmp_path / "probe.atexit").read_text() == "ran"
     assert "logged before exit" in (tmp_path / "probe.log").read_text()
+
+
+INIT = """
+import torch
+from dare_core.training.process_group import init_distributed
+init_distributed()
+print("group", torch.distributed.get_world_size())
+"""
+
+
+def test_making_the_group_prints_no_build_notice():
+    """DeepSpeed prints 'DeepSpeed ... built successfully' whenever a CPU stage loads its cached
+    shared-memory op; the stages' logs no longer carry it, and other output passes."""
+    r = subprocess.run([sys.executable, "-c", INIT], env=worker_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "group 1" in r.stdout and "built successfully" not in r.stdout + r.stderr, r.stdout
+
+
+def test_the_filter_keeps_other_lines(capsys):
+    from dare_core.training.process_group import _quiet_build_notice
+
+    with _quiet_build_notice():
+        print("DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully")
+        print("something else")
+    assert capsys.readouterr().out == "something else\n"
