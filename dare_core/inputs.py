@@ -26,7 +26,7 @@ from typing import Any, Optional
 from dare_core.config import DareConfig
 from dare_core.errors import UserError
 from dare_core.remote import file_digest, listing, local_copy
-from dare_core.storage import is_remote
+from dare_core.storage import atomic_write_text, is_remote
 
 FILES = ("data.source", "data.eval_source", "data.val_source", "data.preference_source")
 
@@ -195,8 +195,5 @@ def write_input_files_list(files: list[str], path: Path = INPUT_FILES_LIST) -> b
     text = INPUT_FILES_HEADER + yaml.safe_dump({"input_files": files}, default_flow_style=False, sort_keys=False)
     if path.is_file() and path.read_text() == text:
         return False
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    atomic_write_text(path, text)
     return True

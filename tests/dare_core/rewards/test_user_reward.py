@@ -155,22 +155,17 @@ def test_loading_errors_name_the_function(mod, reference, problem):
         get_reward(reference)
 
 
-def test_module_that_fails_to_import(tmp_path, monkeypatch):
-    (tmp_path / "broken_rewards_81c2.py").write_text("import json\nraise KeyError('setup')\n")
+@pytest.mark.parametrize("name, source, problem", [
+    ("broken_rewards_81c2", "import json\nraise KeyError('setup')\n", "failed: KeyError: 'setup'"),
+    # SystemExit is no Exception: it ended the stage with exit 3 and no word
+    ("exiting_rewards_81c2", "import sys\nsys.exit(3)\n", r"called sys.exit\(3\)"),
+])
+def test_module_that_fails_to_import(tmp_path, monkeypatch, name, source, problem):
+    (tmp_path / f"{name}.py").write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(RewardError, match=r"reward 'broken_rewards_81c2:score': importing broken_rewards_81c2 "
-                                          r"failed: KeyError: 'setup'"):
-        get_reward("broken_rewards_81c2:score")
-    sys.modules.pop("broken_rewards_81c2", None)
-
-
-def test_module_that_exits_at_import(tmp_path, monkeypatch):
-    (tmp_path / "exiting_rewards_81c2.py").write_text("import sys\nsys.exit(3)\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(RewardError, match=r"reward 'exiting_rewards_81c2:score': importing exiting_rewards_81c2 "
-                                          r"called sys.exit\(3\)"):
-        get_reward("exiting_rewards_81c2:score")
-    sys.modules.pop("exiting_rewards_81c2", None)
+    with pytest.raises(RewardError, match=rf"reward '{name}:score': importing {name} {problem}"):
+        get_reward(f"{name}:score")
+    sys.modules.pop(name, None)
 
 
 def test_imported_from_the_current_directory(tmp_path, monkeypatch):
