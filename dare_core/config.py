@@ -392,8 +392,14 @@ class RLConfig:
     validate_k: int = 4
     validate_prompts: int = 0
     validate_temperature: float = 1.0
+    # what the convert stage exports: the kept checkpoint whose validation scored highest on
+    # export_metric@k (mean | best | maj; kept past keep_last), or the last (training/export_choice.py)
+    export: str = "best"
+    export_metric: str = "mean"
 
     def __post_init__(self) -> None:
+        _one_of(self, "export", ("best", "last"))
+        _one_of(self, "export_metric", ("mean", "best", "maj"))
         # rl.validate_* are checked with the stage (training/rl_validation.check_validation_config)
         _at_least(self, 1, "num_steps", "prompts_per_step", "num_iterations", "mini_batches", "micro_batch_size",
                   "rows_per_forward", "log_every", "save_every", "keep_last")

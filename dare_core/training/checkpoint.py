@@ -10,7 +10,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -85,9 +85,11 @@ class CheckpointManager:
 
     def __init__(self, directory: Path, keep_last: int, fingerprint: Fingerprint, stage: str, restart: str = "never",
                  checkpoint_bytes: int = 0, mirror: Optional[ArtifactRoot] = None, policy: Optional[SavePolicy] = None,
-                 weights_bytes: int = 0):
+                 weights_bytes: int = 0, protect: Optional[Callable[[list[str]], set[str]]] = None):
         self.dir = Path(directory)
         self.keep_last = keep_last
+        # tags -> those of them pruning keeps beyond the last keep_last (RL's best validated one)
+        self.protect = protect
         self.fingerprint = fingerprint
         self.stage = stage
         self.restart = restart
@@ -323,7 +325,8 @@ class CheckpointManager:
 
     def _prune(self, keep: str) -> list[str]:
         tags = self._tags()
-        pruned = [old for old in tags[: -self.keep_last] if old != keep]
+        kept = {keep} | (self.protect(tags) if self.protect else set())
+        pruned = [old for old in tags[: -self.keep_last] if old not in kept]
         for old in pruned:
             shutil.rmtree(self.dir / old, ignore_errors=True)
         for stale in self.dir.glob(".tmp-step*"):

@@ -18,6 +18,7 @@ from dare_core.sampling.cache import check_cache_fits
 from dare_core.sampling.engines import check_engine
 from dare_core.training import engine as eng
 from dare_core.training.checkpoint import CheckpointManager, SavePolicy
+from dare_core.training.export_choice import protected_tags
 from dare_core.training.fingerprint import stage_fingerprint
 from dare_core.training.parallel import check_sequence_parallel
 from dare_core.training.preflight import check_outputs, checkpoint_bytes, model_bytes, stage_writes, training_need
@@ -111,7 +112,9 @@ def check_rl(cfg: DareConfig, save_checkpoints: bool = True) -> RLPlan:
     # existed (all on-policy) still resume
     # reward_errors_allowed only decides whether a failing reward stops the run: a run stopped by it
     # resumes under a looser share
-    unrecorded = VALIDATION_KEYS + ("reward_errors_allowed",) + (("schedule",) if rl.schedule == "on_policy" else ())
+    # export and export_metric choose what convert reads, never what is trained
+    unrecorded = VALIDATION_KEYS + ("reward_errors_allowed", "export", "export_metric") + (
+        ("schedule",) if rl.schedule == "on_policy" else ())
     # a user reward's sources are inputs: checkpoints trained under another version of it are another run's
     inputs = {"data file": data_path, "start model": start_folder, **reward_inputs(rl.reward)}
     fingerprint = stage_fingerprint(cfg, "rl", inputs, unrecorded)
@@ -119,12 +122,19 @@ def check_rl(cfg: DareConfig, save_checkpoints: bool = True) -> RLPlan:
     # no export: `convert` reads the last checkpoint, of the weights only where no resume point is due
     ckpt = CheckpointManager(out_dir / "checkpoints", rl.keep_last, fingerprint, "rl", cfg.restart, checkpoint_bytes(spec, dtype),
                              mirror=artifact_root(cfg), policy=SavePolicy(rl.save_every, rl.num_steps, exports=False),
-                             weights_bytes=model_bytes(spec, dtype))
+                             weights_bytes=model_bytes(spec, dtype), protect=_best_validated(rl, validator))
     ckpt.check()
     saves, existing = ckpt.planned_writes() if save_checkpoints else ([], [])
     check_outputs(stage_writes(out_dir) + [Path(cfg.run.metrics_dir) / "rl.json"],
                   [(out_dir, training_need(saves, existing, rl.keep_last, 0))], "the RL checkpoints")
     return RLPlan(rows, validator, tokenizer, ckpt)
+
+
+def _best_validated(rl, validator: RLValidator):
+    """What pruning keeps for `rl.export: best`: the best validated checkpoint (training/export_choice.py)."""
+    if rl.export != "best":
+        return None
+    return lambda tags: protected_tags(validator.history, rl.export_metric, tags)
 
 
 def check_rl_ranks(cfg: DareConfig, rows_per_prompt: int) -> None:

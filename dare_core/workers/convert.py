@@ -1,4 +1,5 @@
-"""Worker of the `convert` stage: the RL stage's last checkpoint -> a Hugging Face folder."""
+"""Worker of the `convert` stage: the RL stage's chosen checkpoint (`rl.export`: the best validated,
+or the last; training/export_choice.py) -> a Hugging Face folder."""
 import sys
 
 import torch
@@ -10,6 +11,7 @@ from dare_core.models.lm import build_model
 from dare_core.ownership import check_replaceable
 from dare_core.storage import check_free_space, check_writable
 from dare_core.training.checkpoint import convert_checkpoint, latest_checkpoint
+from dare_core.training.export_choice import export_choice
 from dare_core.training.preflight import model_bytes
 from dare_core.inputs import tokenizer_folder
 from dare_core.threads import log_threads
@@ -34,7 +36,11 @@ def run_convert(cfg: DareConfig) -> None:
     cfg = resolve_lengths(cfg)  # the exported sampler settings hold the derived lengths
     check_convert(cfg)
     log_threads()
-    out = convert_checkpoint(cfg.stage_dir("rl") / "checkpoints", cfg.final_model_dir, tokenizer_folder(cfg), sampler=cfg.eval.sampler.decoding_settings())
+    rl_dir = cfg.stage_dir("rl")
+    choice = export_choice(rl_dir / "checkpoints", rl_dir / "validation.jsonl", cfg.rl.export, cfg.rl.export_metric)
+    print(f"exporting {choice.why}", flush=True)
+    out = convert_checkpoint(rl_dir / "checkpoints", cfg.final_model_dir, tokenizer_folder(cfg), tag=choice.tag,
+                             sampler=cfg.eval.sampler.decoding_settings())
     print(f"wrote {out}")
 
 
