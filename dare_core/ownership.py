@@ -28,6 +28,13 @@ MARKER_TEXT = ("This folder was written by DARE: a stage replaces it whole when 
 STAGE_OFF_NOTE = "STAGE_OFF.txt"
 
 
+def leave_stage_off_note(folder: Union[str, Path], why: str) -> None:
+    """Say in `folder` (made if missing) why it holds nothing else: DVC warns at every `dvc repro`
+    about an empty output folder, and a reader of the folder learns why it is empty."""
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    (Path(folder) / STAGE_OFF_NOTE).write_text(why + "\n")
+
+
 def stage_off_note(folder: Union[str, Path]) -> Optional[str]:
     """The text an off stage left in its model folder, or None."""
     note = Path(folder) / STAGE_OFF_NOTE

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import logging
 import os
 import re
 import subprocess
@@ -37,6 +38,8 @@ from typing import Callable
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.logging.handlers import APILogHandler
+from prefect.logging.loggers import PrefectLogAdapter
 from prefect.runtime import task_run
 
 from dare_core.env_file import apply_env_defaults
@@ -44,6 +47,9 @@ from dare_core.exits import killed_by, signal_of
 from tasks.stage_output import WORKER_ERROR, LineForwarder, dvc_error, error_line
 
 __all__ = ["StageFailed", "StageResult", "dvc_stage", "run_stage", "stage_changes"]
+
+# a task's stage output goes to the API alone (to_ui_only)
+STAGE_OUTPUT_LOGGER = "prefect.task_runs.stage_output"
 
 # DVC 3's line (dvc/stage/cache.py) for a stage it checks out of its cache instead of running
 RESTORED = re.compile(r"^Stage '[^']+' is cached - skipping run, checking out outputs", re.M)
@@ -236,6 +242,17 @@ def run_stage(stage: str, repo: str | Path = ".", force: bool = False, attempt: 
     return StageResult(stage, status, time.perf_counter() - t0, attempt, reason)
 
 
+def to_ui_only(logger: logging.LoggerAdapter) -> Callable[[str], None]:
+    """Log a stage's output lines to the task's Prefect log (the UI) and not to the console: the
+    console already shows them, echoed live, and Prefect's console handler would print each twice."""
+    quiet = logging.getLogger(STAGE_OUTPUT_LOGGER)
+    if not any(isinstance(h, APILogHandler) for h in quiet.handlers):
+        quiet.addHandler(APILogHandler())
+        quiet.setLevel(logging.INFO)
+        quiet.propagate = False  # prefect.task_runs' parents end at the root's console handler
+    return PrefectLogAdapter(quiet, extra=dict(logger.extra or {})).info
+
+
 @task(
     name="dvc-stage",
     task_run_name="{stage}",
@@ -254,6 +271,6 @@ def dvc_stage(stage: str, repo: str = ".", force: bool = False, publish: bool = 
     logger = get_run_logger()
     attempt = int(task_run.run_count or 1)
     logger.info("stage %s: attempt %d in %s", stage, attempt, repo)
-    result = run_stage(stage, repo, force=force, attempt=attempt, log_line=logger.info, publish=publish)
+    result = run_stage(stage, repo, force=force, attempt=attempt, log_line=to_ui_only(logger), publish=publish)
     logger.info("stage %s: %s in %.1f s (%s)", stage, result.status, result.seconds, result.reason)
     return result

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from dare_core.algorithms.base import RLAlgorithm
-from dare_core.algorithms.common import LossOutput, ppo_clip_ratio, sequence_kl, weighted_mean_metrics
+from dare_core.algorithms.common import LossOutput, ppo_clip_ratio, ratio_max, sequence_kl, weighted_mean_metrics
 from dare_core.algorithms.registry import register_rl
 from dare_core.batch import Batch
 from dare_core.diffusion.likelihood import elbo_rows, proxy_backward, separable_backward
@@ -88,7 +88,8 @@ class BGPO(RLAlgorithm):
                 o = old[:, idx] if old is not None else e.detach()
                 per_row, clip = self._row_loss(e, o.to(e), adv)
                 w = torch.ones_like(per_row)
-                return per_row.sum() / (N * n_seq), {k: v * len(idx) / N for k, v in weighted_mean_metrics(clip, w).items()}
+                metrics = {k: v * len(idx) / N for k, v in weighted_mean_metrics(clip, w).items()}
+                return per_row.sum() / (N * n_seq), {**metrics, "ratio_max": ratio_max(clip, w)}
 
             loss, metrics = separable_backward(corruption, self.rows_per_forward, chunk_loss, backward)
             return LossOutput(torch.tensor(loss), metrics)
@@ -99,6 +100,7 @@ class BGPO(RLAlgorithm):
             kl = sequence_kl(e.mean(1), ref.to(e).mean(1), self.rl)
             loss = per_row.mean(1).sum() / n_seq + self.rl.kl_beta * kl.sum() / n_seq
             metrics = weighted_mean_metrics(clip, torch.ones_like(per_row))
+            metrics["ratio_max"] = ratio_max(clip, torch.ones_like(per_row))
             metrics["kl"] = float(kl.detach().mean())
             return loss, metrics
 

@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from dare_core.diffusion.likelihood import chunks, elbo_rows, proxy_backward, rows_logprobs, separable_backward
+from dare_core.metric_keys import is_max_metric
 from dare_core.registry import Registry
 
 
@@ -255,4 +256,4 @@ def replayed_token_update(algo, model, batch, corruption, old, ref, backward, we
 
     loss, metrics = separable_backward(corruption, algo.rows_per_forward, chunk_loss, backward)
     n = len(chunks(len(corruption), algo.rows_per_forward))
-    return LossOutput(torch.tensor(loss), {k: v / max(n, 1) for k, v in metrics.items()})
+    return LossOutput(torch.tensor(loss), {k: v if is_max_metric(k) else v / max(n, 1) for k, v in metrics.items()})

@@ -20,11 +20,12 @@ import torch
 from dare_core.algorithms.base import RLAlgorithm
 from dare_core.algorithms.common import LossOutput
 from dare_core.batch import Batch
-from dare_core.algorithms.common import (ADVANTAGES, kl_estimate, ppo_clip, replay_temperature, wants_entropy,
-                                        weighted_mean_metrics)
+from dare_core.algorithms.common import (ADVANTAGES, kl_estimate, ppo_clip, ratio_max, replay_temperature,
+                                        wants_entropy, weighted_mean_metrics)
 from dare_core.algorithms.registry import register_rl
 from dare_core.diffusion.likelihood import rows_logprobs, separable_backward
 from dare_core.diffusion.masking import Corruption, CorruptionSet
+from dare_core.metric_keys import add_chunk_metrics
 
 
 def step_scores(rewards: torch.Tensor) -> torch.Tensor:
@@ -156,8 +157,8 @@ class MDPO(RLAlgorithm):
                     h_mean = weighted_mean_metrics({"h": h[j].detach()}, mask)["h"]
                     metrics["entropy"] = metrics.get("entropy", 0.0) + h_mean / len(corruption)
                 loss = loss + (term * c * mask).sum() / float(denom[i]) / used
-                for k, v in weighted_mean_metrics(clip, mask).items():
-                    metrics[k] = metrics.get(k, 0.0) + v / len(corruption)
+                add_chunk_metrics(metrics, {k: v / len(corruption) for k, v in weighted_mean_metrics(clip, mask).items()})
+                add_chunk_metrics(metrics, {"ratio_max": ratio_max(clip, mask)})
             return loss, metrics
 
         loss, metrics = separable_backward(corruption, self.rows_per_forward, chunk_loss, backward)

@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dare_core.diffusion.block import two_stream_logits, two_stream_scored_hidden, two_stream_scored_stream
 from dare_core.diffusion.masking import Corruption, CorruptionSet
+from dare_core.metric_keys import add_chunk_metrics
 from dare_core.models.packing import packed_backend
 from dare_core.models.sequence_parallel import pad_for_shards, shard_stream_hidden
 from dare_core.models.ulysses import sum_over_group
@@ -279,14 +280,13 @@ def separable_backward(corruptions: CorruptionSet, rows_per_forward: int,
                        backward: Callable[[torch.Tensor], None]) -> tuple[float, dict]:
     """For a loss that is a sum of per-row terms: forward and backward one chunk of rows at a time,
     so activation memory is that of one chunk whatever the number of rows. Returns the summed loss
-    value and the metrics of every chunk, summed."""
+    value and the metrics of every chunk, summed (`*_max` keys by max: metric_keys.py)."""
     total, metrics = 0.0, {}
     for idx in chunks(len(corruptions), rows_per_forward):
         loss, m = chunk_loss(idx)
         backward(loss)
         total += float(loss.detach())
-        for k, v in m.items():
-            metrics[k] = metrics.get(k, 0.0) + v
+        add_chunk_metrics(metrics, m)
     return total, metrics
 
 

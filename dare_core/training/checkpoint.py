@@ -16,6 +16,7 @@ import torch
 
 from dare_core.artifacts import ArtifactRoot
 from dare_core.errors import UserError
+from dare_core.ownership import STAGE_OFF_NOTE
 from dare_core.remote import RemoteError, file_lock
 from dare_core.storage import atomic_write_json, atomic_write_text, read_json
 from dare_core.training import superseded as sets_aside
@@ -153,6 +154,10 @@ class CheckpointManager:
         export after training that would read the engine's (then untrained) weights."""
         return self.policy is not None and step == self.policy.last_step and not self.policy.exports
 
+    def _holds_anything(self) -> bool:
+        """Whether the folder holds more than an off stage's note (ownership.leave_stage_off_note)."""
+        return self.dir.is_dir() and any(p.name != STAGE_OFF_NOTE for p in self.dir.iterdir())
+
     def check(self) -> Optional[str]:
         """The tag of the last checkpoint, made under this fingerprint; None when the run starts
         fresh. Reads only; but with an artifact root and no local checkpoint, it first fetches the
@@ -164,10 +169,10 @@ class CheckpointManager:
                 if not (self.dir / "latest").exists():
                     self._restore()
         if not (self.dir / "latest").exists():
-            if self.restart == "always" and self.dir.is_dir() and any(self.dir.iterdir()):
+            if self.restart == "always" and self._holds_anything():
                 self._set_aside = "--restart"
             if self.restart != "always" and self._from_superseded():
-                if self.dir.is_dir() and any(self.dir.iterdir()):
+                if self._holds_anything():
                     self._set_aside = "the checkpoints of these settings were found in " + str(self._source)
                 return self._tag
             return None
@@ -329,6 +334,7 @@ class CheckpointManager:
         pruned = [old for old in tags[: -self.keep_last] if old not in kept]
         for old in pruned:
             shutil.rmtree(self.dir / old, ignore_errors=True)
+        (self.dir / STAGE_OFF_NOTE).unlink(missing_ok=True)  # a stage once off holds checkpoints now
         for stale in self.dir.glob(".tmp-step*"):
             shutil.rmtree(stale, ignore_errors=True)
         return pruned

@@ -20,6 +20,20 @@ PLOT_TIME_SHARE = 0.05
 LOG_STEPS_ENV = "DARE_LOG_STEPS"
 
 
+def write_rows(path: Path, rows: list[dict]) -> None:
+    """Rewrite the JSON-lines record `path` with `rows`."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def end_without_rows(path: Path) -> None:
+    """A finished stage's record that got no row holds one blank line, not nothing: DVC warns at
+    every `dvc repro` that an empty output is empty, and every reader of these records skips blank
+    lines. Only then: a record with rows has no blank line for a simpler reader to trip on."""
+    if not path.is_file() or path.stat().st_size == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n")
+
+
 def rows_upto(path: Path, resume_step: int) -> list[dict]:
     """The JSON-lines rows of `path` a run resumed at `resume_step` keeps: those logged at or before
     it (later ones are redone); none for a fresh run (resume_step 0) or a missing file."""
@@ -68,7 +82,7 @@ class MetricsLogger:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
         rows = rows_upto(self.jsonl, resume_step)
-        self.jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        write_rows(self.jsonl, rows)
         self._rewrite_plots(rows)
         for key in self.pngs:
             self._series[key] = [(r["step"], r[key]) for r in rows if key in r]
@@ -155,6 +169,8 @@ class MetricsLogger:
         self._throttle.record(started)
 
     def close(self) -> None:
+        if self.enabled:
+            end_without_rows(self.jsonl)
         self.draw(force=True)  # the last logged step, whatever the throttle skipped
         if self._drawer is not None:
             self._drawer.close()

@@ -4,8 +4,8 @@ Preference optimisation is a side branch (nothing downstream reads its model), s
 yields no pairs (a user's file with string answers and no `data.preference_source`) turns the stage
 off instead of failing `dvc repro`. An off stage still leaves every output dvc.yaml declares, so
 DVC finds its metrics and plots: `metrics/preference.json` says `enabled: false` and why, the plot
-CSVs hold their header only, and the model folder holds a note (ownership.STAGE_OFF_NOTE) instead of
-weights.
+CSVs hold their header only, metrics.jsonl no row, and the model and checkpoint folders hold a note
+(ownership.STAGE_OFF_NOTE) instead of weights.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Optional
 from dare_core.config import DareConfig
 from dare_core.data.pairs import pairs_required, why_no_pairs
 from dare_core.data.schema import DataError, read_rows
-from dare_core.ownership import STAGE_OFF_NOTE
+from dare_core.ownership import STAGE_OFF_NOTE, leave_stage_off_note
 from dare_core.storage import atomic_dir, atomic_write_json
 from dare_core.training.metrics import MetricsLogger
 from dare_core.training.plots import STAGE_PLOTS
@@ -54,7 +54,7 @@ def write_off_stage(cfg: DareConfig, reason: str, writer: bool) -> dict:
     if not writer:
         return summary
     log.info("preference stage off: %s. Set %s: true to require it (it then needs pairs).", reason, SWITCH)
-    (out_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+    leave_stage_off_note(out_dir / "checkpoints", reason)
     plots = STAGE_PLOTS["preference"]
     MetricsLogger(out_dir, plot_keys=tuple(plots), pngs=plots).close()  # an empty record, header-only CSVs
     with atomic_dir(model_dir) as tmp:  # an earlier run's model is replaced only once the note is written

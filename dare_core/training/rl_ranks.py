@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from dare_core.metric_keys import is_max_metric
 from dare_core.training import engine as eng
 
 
@@ -33,12 +34,6 @@ def rank_prompts(n_prompts: int, mini_batches: int, rank: int, world: int) -> li
 # and those of `algo.update`) are reduced apart (`combine_rank_metrics`).
 RANK_SUM_METRICS = frozenset({"rollout_nfe", "rollout_tokens_per_s", "sd_pairs"})
 RANK_SAME_METRICS = frozenset({"lr", "sd_lambda", "tree_transitions", "tree_leaves"})
-
-
-def is_max_metric(key: str) -> bool:
-    """An update metric that combines by max over micro-batches and ranks (e.g. ratio_max), not by
-    the weighted mean."""
-    return key.endswith("_max")
 
 
 def _rank_rule(key: str) -> str:

@@ -29,7 +29,7 @@ from dare_core.eval.validation import at_k_of_prompts, prompt_at_k, sample_group
 from dare_core.sampling.params import SamplingParams
 from dare_core.storage import atomic_write_text
 from dare_core.training import engine as eng
-from dare_core.training.metrics import rows_upto
+from dare_core.training.metrics import end_without_rows, rows_upto, write_rows
 from dare_core.training.plots import VALIDATION, line_plot
 
 log = logging.getLogger(__name__)
@@ -131,7 +131,9 @@ class RLValidator:
             # always written (empty when validation is off): dvc.yaml tracks them as outputs
             self.jsonl.parent.mkdir(parents=True, exist_ok=True)
             self.history = rows_upto(self.jsonl, resume_step)
-            self.jsonl.write_text("".join(json.dumps(r) + "\n" for r in self.history))
+            write_rows(self.jsonl, self.history)
+            if self.rl.validate_every <= 0:
+                end_without_rows(self.jsonl)  # no validation will add a row
             atomic_write_text(self.csv, validation_csv(self.history))
             if self.history:
                 plot_validation(self.history, self.png)

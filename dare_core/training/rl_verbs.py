@@ -24,7 +24,8 @@ from dare_core.timing import PhaseTimer
 from dare_core.training import engine as eng
 from dare_core.training.parallel import from_group_first, layout
 from dare_core.training.reference import reference_model, sync_reference
-from dare_core.training.rl_ranks import is_max_metric, rank_prompts
+from dare_core.metric_keys import is_max_metric
+from dare_core.training.rl_ranks import rank_prompts
 
 
 @dataclass

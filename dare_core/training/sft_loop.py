@@ -19,10 +19,11 @@ from dare_core.devices import resolve_dtype
 from dare_core.diffusion.seeding import sample_generators
 from dare_core.inputs import tokenizer_folder
 from dare_core.models.hf_folder import save_model
+from dare_core.ownership import leave_stage_off_note
 from dare_core.training import engine as eng
 from dare_core.training.checkpoint import CheckpointManager, SavePolicy
 from dare_core.training.fingerprint import stage_fingerprint
-from dare_core.training.metrics import last_logged
+from dare_core.training.metrics import end_without_rows, last_logged
 from dare_core.training.parallel import check_sequence_parallel
 from dare_core.training.plots import sft_plots
 from dare_core.training.preflight import check_outputs, checkpoint_bytes, model_bytes, stage_writes, training_need
@@ -169,8 +170,8 @@ class SFTStage(TrainingStage):
             loss = last_logged(out_dir, "loss")
         if scfg.max_steps == 0 and rank == 0:
             # no SFT: the stage's outputs exist (DVC expects them) and the model is exported unchanged
-            (out_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-            (out_dir / "metrics.jsonl").touch()
+            leave_stage_off_note(out_dir / "checkpoints", "sft.max_steps is 0: nothing trained, no checkpoint")
+            end_without_rows(out_dir / "metrics.jsonl")
         return {"final_loss": loss, "steps": scfg.max_steps, "global_batch": global_batch, "wall_s": round(time.time() - t0, 1)}
 
 

@@ -217,7 +217,7 @@ def _artifact_versions(key: str) -> int:
     return asyncio.run(count())
 
 
-def test_prefect_sees_stage_output_errors_overrides_and_isolated_runs(tmp_path, prefect_env):
+def test_prefect_sees_stage_output_errors_overrides_and_isolated_runs(tmp_path, prefect_env, capsys):
     from flows.pipeline import dare_pipeline
     from prefect.artifacts import Artifact
     from tasks.dvc_stage import StageFailed
@@ -229,7 +229,11 @@ def test_prefect_sees_stage_output_errors_overrides_and_isolated_runs(tmp_path, 
     (tmp_path / "typo.py").write_text(TYPO_PY)
 
     # the stage's own lines reach the task's log: each step, the bar's last frame, the rate-limit note
+    capsys.readouterr()
     state = dare_pipeline(stages=["chatty"], repo=str(tmp_path), return_state=True)
+    # ... and the console once: echoed live, not again by Prefect's console handler
+    console = capsys.readouterr()
+    assert (console.out + console.err).count("step 1 loss 3.000") == 1, console.err[-2000:]
     logs, _ = _task_logs(state.state_details.flow_run_id)
     chatty = logs["chatty"]
     assert {"step 1 loss 3.000", "step 3 loss 1.000", "sampling 200/200"} <= set(chatty)

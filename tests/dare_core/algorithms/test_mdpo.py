@@ -1,4 +1,5 @@
 """MDPO: step scores by hand, step selection, the scored set, and the reduction to token PPO."""
+import pytest
 import torch
 
 from algo_helpers import make_algo, run_update
@@ -129,7 +130,7 @@ def test_loss_by_hand_with_step_weights_and_confidences():
 
     steps, decoded = batch.records["step_map"].long(), batch.records["decoded"].long()
     x0, conf = batch.records["x0_hat"].long(), batch.records["confidence"].double()
-    total = 0.0
+    total, ratios = 0.0, []
     for j, t in enumerate((1, 2)):  # step t: positions committed at steps < t are known
         step_loss, count = 0.0, 0
         state = batch.input_ids.clone()
@@ -148,6 +149,7 @@ def test_loss_by_hand_with_step_weights_and_confidences():
                     continue
                 s = logp[b, P + i, x0[b, t - 1, i]]
                 r = float(torch.exp(s - old[b, j, P + i].double()))
+                ratios.append(r)
                 lc = max(-a * r, -a * min(max(r, 0.8), 1.2))
                 if a < 0:
                     lc = min(lc, -a * 3.0)
@@ -156,3 +158,5 @@ def test_loss_by_hand_with_step_weights_and_confidences():
         total += step_loss / count
     assert n_masked == 3  # the second step is weighted 5/3, not 1
     torch.testing.assert_close(out.loss.double(), torch.tensor(total / 2, dtype=torch.float64), atol=1e-6, rtol=1e-5)
+    # the largest ratio of any scored token of any step, not a mean over the steps
+    assert out.metrics["ratio_max"] == pytest.approx(max(ratios), rel=1e-5)

@@ -112,7 +112,7 @@ def test_validation_does_not_change_training(sft_run, tmp_path):
         runs[name] = tmp_path / name / "runs" / "t" / "rl"
     on, off = _jsonl(runs["on"] / "metrics.jsonl"), _jsonl(runs["off"] / "metrics.jsonl")
     assert [v["step"] for v in _jsonl(runs["on"] / "validation.jsonl")] == [0, 2, 3]  # every 2, and the last
-    assert (runs["off"] / "validation.jsonl").read_text() == "" and not (runs["off"] / "validation.png").exists()
+    assert (runs["off"] / "validation.jsonl").read_text() == "\n" and not (runs["off"] / "validation.png").exists()
     assert (runs["off"] / "validation.csv").read_text() == "step,metric,accuracy\n"  # a DVC plot output, empty
     assert _csv_matches(runs["on"], _jsonl(runs["on"] / "validation.jsonl"))
     train_on = [m for m in on if m["step"] > 0]
