@@ -80,10 +80,18 @@ def _set_seed() -> Callable[[int], None]:
         return set_seed
 
 
-def source_commit(path: Path) -> Optional[str]:
-    """The git commit of the checkout holding `path`, if it is one."""
-    r = subprocess.run(["git", "-C", str(path.parent), "rev-parse", "HEAD"], capture_output=True, text=True)
-    return r.stdout.strip() if r.returncode == 0 else None
+def source_commit(path: Path, checkout: Path = PEERS / "d1") -> Optional[str]:
+    """The git commit of the peer's checkout `checkout`, which holds `path`; None unless `checkout` is
+    itself a git checkout: a copied folder there sits inside this repository (an ignored folder of it),
+    and git would name this repository's commit for it."""
+    def git(*args: str) -> Optional[str]:
+        r = subprocess.run(["git", "-C", str(path.parent), *args], capture_output=True, text=True)
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    top = git("rev-parse", "--show-toplevel")
+    if top is None or Path(top).resolve() != checkout.resolve():
+        return None
+    return git("rev-parse", "HEAD")
 
 
 class HFView:

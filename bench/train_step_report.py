@@ -51,19 +51,29 @@ def sft_table(rows: list[dict]) -> list[str]:
 
 # what ran a row: DARE, d1's own code, or (rows of commits before 80fcd47) the bench's transcription of d1's recipe
 RECIPES = {"dare": "DARE", "d1": "d1's own code", "public": "public d1 recipe (transcribed)"}
+UNKNOWN_D1 = "not compared: d1's commit is unknown (bench/.peers/d1 is not a git checkout of dllm-reasoning/d1)"
+
+
+def unknown_commit(row: dict) -> bool:
+    """A measured row of d1's own code without its checkout's commit: no ratio is given against code
+    of an unknown version."""
+    return row.get("recipe") == "d1" and "error" not in row and not row.get("d1_commit")
 
 
 def rl_table(rows: list[dict]) -> list[str]:
     cells = []
     for r in rows:
         recipe = RECIPES[r["recipe"]] + (f" @{r['d1_commit'][:7]}" if r.get("d1_commit") else "")
+        recipe += " @unknown commit" if unknown_commit(r) else ""
         head = [fmt(r.get("run"), "d"), SHAPES[r["shape"]], recipe]
         if "error" in r:
             cells.append(with_error(head + [""], r["error"], RL_COLUMNS))
             continue
         peer = next((o for o in rows if o["shape"] == r["shape"] and o["recipe"] == "d1" and same_run(o, r)
                      and "error" not in o), None)
-        speedup = f"{peer['step_s'] / r['step_s']:.2f}x" if r["recipe"] == "dare" and peer else ""
+        speedup = ""
+        if r["recipe"] == "dare" and peer:
+            speedup = UNKNOWN_D1 if unknown_commit(peer) else f"{peer['step_s'] / r['step_s']:.2f}x"
         cells.append(head + [r["step"]] + [f"{r[p]:.2f}" for p in RL_PHASES] + [
             f"{r['other']:.2f}", f"{r['step_s']:.2f}", fmt(r["zero_std_ratio"], ".0%"), fmt(r["peak_gib"], ".1f") or "n/a (CPU)",
             speedup])
@@ -147,6 +157,8 @@ def run_acceptance(rows: list[dict]) -> list[str]:
     if ours and peer and not same_run(ours, peer):
         out.append(f"- RL step at LLaDA-8B vs d1's own code: not compared (DARE {ours['step_s']:.1f} s and d1 "
                    f"{peer['step_s']:.1f} s come from different runs)")
+    elif ours and peer and unknown_commit(peer):
+        out.append(f"- RL step at LLaDA-8B vs d1's own code: {UNKNOWN_D1}")
     elif ours and peer:
         ratio = peer["step_s"] / ours["step_s"]
         out.append(f"- RL step at LLaDA-8B vs d1's own code: {ratio:.2f}x (target >= 8x): {'met' if ratio >= 8 else 'not met'}")
@@ -241,8 +253,9 @@ def merge_previous(path: Path, run: dict, keep: bool) -> dict:
         return {"runs": [], "rows": []}
     old = json.loads(path.read_text())
     last = old["runs"][-1] if old.get("runs") else {}
-    if any(last.get(k) != run[k] for k in ("commit", "hardware", "settings")):
-        print(f"[train_step] {path}: earlier rows are from another commit, machine or settings; not kept", flush=True)
+    # compared as the file holds them: JSON has no tuples (the LoRA settings), which read back as lists
+    if any(last.get(k) != json.loads(json.dumps(run[k])) for k in ("commit", "hardware", "settings")):
+        print(f"{path}: earlier rows are from another commit, machine or settings; not kept", flush=True)
         return {"runs": [], "rows": []}
     return old
 

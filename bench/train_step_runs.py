@@ -95,9 +95,11 @@ def metrics_rows(out_dir: Path) -> list[dict]:
     return jsonl_rows(out_dir / "metrics.jsonl")
 
 
-def run_rl_on_folder(cfg, folder: str) -> dict:
+def run_rl_on_folder(cfg, folder: str, stage: Optional[Callable[..., object]] = None) -> dict:
     """The RL stage loop (phase times on, no checkpoints) started from `folder` in place of the SFT
-    stage's export, with the bench's synthetic reward registered."""
+    stage's export, with the bench's synthetic reward registered. `stage`: an RLStage subclass (or a
+    partial of one) to run instead, phase times off (bench/profile_step.py's, which profiles parts
+    of a step in place of running steps)."""
     from dare_core.training.rl_checks import rl_start_folder
     from dare_core.training.rl_loop import run_rl
 
@@ -107,6 +109,8 @@ def run_rl_on_folder(cfg, folder: str) -> dict:
     if start.is_symlink():  # (an earlier run's)
         start.unlink()
     start.symlink_to(folder, target_is_directory=True)
+    if stage is not None:
+        return stage(cfg, progress=False, save_checkpoints=False, export=False, phase_times=False).run()
     return run_rl(cfg, progress=False, save_checkpoints=False, phase_times=True)
 
 
@@ -157,12 +161,19 @@ def run_sft_task(spec: dict, s: Settings) -> dict:
     return out
 
 
-def run_rl_task(spec: dict, s: Settings) -> dict:
+def rl_stage_config(spec: dict, s: Settings):
+    """An RL run's config (params.yaml with `rl_overrides` at the folder's block size), its run
+    folder emptied."""
     from dare_core.models.hf_folder import inspect_model
 
     block_size = inspect_model(spec["folder"]).block_size
     cfg = stage_config({**spec, "overrides": rl_overrides(spec, s, block_size)})
     shutil.rmtree(cfg.run_dir, ignore_errors=True)
+    return cfg
+
+
+def run_rl_task(spec: dict, s: Settings) -> dict:
+    cfg = rl_stage_config(spec, s)
     launch = time.time() - spec["spawned_at"]
     summary = run_rl_on_folder(cfg, spec["folder"])
     return {"summary": summary, "metrics": metrics_rows(cfg.stage_dir("rl")), "launch_s": launch}
@@ -224,12 +235,13 @@ def run_task(spec: dict) -> dict:
     return run_rl_task(spec, s)
 
 
-def task_main(spec_path: Path) -> int:
-    """A child: run one task, write its result (or its error) next to the spec."""
+def task_main(spec_path: Path, run: Callable[[dict], dict] = run_task) -> int:
+    """A child: run one task (`run`: another bench's tasks, which hand this one's kinds to
+    `run_task`), write its result (or its error) next to the spec."""
     spec = json.loads(spec_path.read_text())
     result_path = spec_path.with_suffix(".result.json")
     try:
-        result = run_task(spec)
+        result = run(spec)
         result.update(hardware=hardware(), peak_flops=peak_bf16())
     except Exception as exc:  # recorded in the results file: a bench reports what failed, and goes on
         traceback.print_exc()
@@ -260,12 +272,14 @@ def child_env() -> dict:
 
 
 class Runner:
-    """Runs tasks in child processes, logs each to the work folder, returns their results."""
+    """Runs tasks in child processes (`entry --task SPEC`: train_step.py, or another bench built on
+    its tasks), logs each to the work folder, returns their results."""
 
-    def __init__(self, workdir: Path, timeout: Optional[float], verbose: bool, replay: Optional[Path] = None):
+    def __init__(self, workdir: Path, timeout: Optional[float], verbose: bool, replay: Optional[Path] = None,
+                 entry: Path = ENTRY):
         self.dir = workdir / "tasks"
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.timeout, self.verbose, self.replay = timeout or None, verbose, replay
+        self.timeout, self.verbose, self.replay, self.entry = timeout or None, verbose, replay, entry
 
     def __call__(self, name: str, spec: dict, gpu: Optional[int] = None) -> dict:
         """`gpu`: the one GPU the child sees (CUDA_VISIBLE_DEVICES); None: the parent's view. With
@@ -278,12 +292,12 @@ class Runner:
         log_path = spec_path.with_suffix(".log")
         result_path.unlink(missing_ok=True)
         spec_path.write_text(json.dumps({**spec, "spawned_at": time.time()}))
-        print(f"[train_step] {name} ...", flush=True)
+        print(f"[{self.entry.stem}] {name} ...", flush=True)
         t0 = time.perf_counter()
         with log_path.open("w") as log:
             try:
                 env = child_env() if gpu is None else {**child_env(), "CUDA_VISIBLE_DEVICES": str(gpu)}
-                proc = subprocess.run([sys.executable, str(ENTRY), "--task", str(spec_path)], env=env, cwd=REPO,
+                proc = subprocess.run([sys.executable, str(self.entry), "--task", str(spec_path)], env=env, cwd=REPO,
                                       stdout=None if self.verbose else log, stderr=subprocess.STDOUT, timeout=self.timeout)
                 code = proc.returncode
             except subprocess.TimeoutExpired:
@@ -299,7 +313,7 @@ class Runner:
             result = {"error": f"exited with code {code}, no result (see {log_path})"}
         result["wall_s"] = wall
         status = result.get("error", "ok")
-        print(f"[train_step] {name}: {status} ({wall:.0f} s)", flush=True)
+        print(f"[{self.entry.stem}] {name}: {status} ({wall:.0f} s)", flush=True)
         if "error" in result and not self.verbose:
             print("".join(log_path.read_text().splitlines(keepends=True)[-25:]), flush=True)
         return result
@@ -401,20 +415,31 @@ class Rows(list):
         return self
 
 
-def run_shape(shape: str, parts: list[str], args, s: Settings, runner: Runner, rows: list[dict]) -> list[dict]:
-    """Every selected run at one shape, on its folder (written first if this work folder lacks it)."""
-    base = Path(args.workdir) / ("tiny" if args.tiny else "8b") / shape
+def prepare_shape(shape: str, workdir: Path, tiny: bool, s: Settings, runner: Runner) -> tuple[dict, Optional[dict]]:
+    """The spec every run at `shape` starts from: its model folder in the work folder (written first,
+    by a task, if the work folder lacks it) and the data; and that task's result (None: the folder
+    was there; with "error": it could not be written)."""
+    base = workdir / ("tiny" if tiny else "8b") / shape
     folder, data = base / "model", base / "data"
+    written = None
     if not (folder / "config.json").exists():
-        result = runner(f"{shape}-folder", {"kind": "folder", "shape": shape, "folder": str(folder), "tiny": args.tiny,
-                                            "settings": dataclasses.asdict(s)})
-        rows.append({"part": "folder", "shape": shape, **result})
-        if "error" in result:
-            return rows
+        written = runner(f"{shape}-folder", {"kind": "folder", "shape": shape, "folder": str(folder), "tiny": tiny,
+                                             "settings": dataclasses.asdict(s)})
     data.mkdir(parents=True, exist_ok=True)
     write_data(data, s)
-    spec = {"shape": shape, "folder": str(folder), "data": str(data), "workdir": str(base), "tiny": args.tiny,
+    spec = {"shape": shape, "folder": str(folder), "data": str(data), "workdir": str(base), "tiny": tiny,
             "settings": dataclasses.asdict(s)}
+    return spec, written
+
+
+def run_shape(shape: str, parts: list[str], args, s: Settings, runner: Runner, rows: list[dict]) -> list[dict]:
+    """Every selected run at one shape, on its folder (written first if this work folder lacks it)."""
+    spec, written = prepare_shape(shape, Path(args.workdir), args.tiny, s, runner)
+    folder = Path(spec["folder"])
+    if written is not None:
+        rows.append({"part": "folder", "shape": shape, **written})
+        if "error" in written:
+            return rows
 
     def run(name: str, gpu: Optional[int] = None, **extra) -> dict:
         if args.cold:

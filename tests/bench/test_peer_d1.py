@@ -1,6 +1,7 @@
 """bench/peer_d1.py's loader: a peer trainer's step methods are taken from its file as written,
 without running the file's imports (d1's need trl, wandb and datasets), and bound to the state
 they read. (The peer's own file is fetched for a bench run, never stored here: `--smoke` runs it.)"""
+import subprocess
 import sys
 
 import pytest
@@ -54,3 +55,29 @@ def test_hf_view_gives_logits_dtype_and_device():
     view = peer_d1.HFView(model)
     assert view.dtype == torch.float32 and view.device.type == "cpu"
     assert torch.equal(view(torch.tensor([[1, 2]])).logits, model(torch.tensor([[1, 2]])))
+
+
+def _git(cwd, *args) -> str:
+    r = subprocess.run(["git", "-c", "user.name=bench", "-c", "user.email=bench@example.com", "-C", str(cwd), *args],
+                       capture_output=True, text=True, check=True)
+    return r.stdout.strip()
+
+
+def test_the_commit_is_the_peer_checkouts_own_or_none(tmp_path):
+    """A copied d1 folder inside this repository's ignored bench/.peers is no checkout of its own: git
+    would name the enclosing repository's commit for its file, which is not d1's."""
+    outer = tmp_path / "repo"
+    peer = outer / "bench" / ".peers" / "d1"
+    trainer = peer / "diffu-grpo" / "diffu_grpo_trainer.py"
+    trainer.parent.mkdir(parents=True)
+    trainer.write_text("class DiffuGRPOTrainer: pass\n")
+    _git(outer, "init", "-q")
+    (outer / "README").write_text("the enclosing repository\n")
+    _git(outer, "add", "README")
+    _git(outer, "commit", "-qm", "outer")
+    assert peer_d1.source_commit(trainer, peer) is None
+    _git(peer, "init", "-q")
+    _git(peer, "add", ".")
+    _git(peer, "commit", "-qm", "peer")
+    assert peer_d1.source_commit(trainer, peer) == _git(peer, "rev-parse", "HEAD") != _git(outer, "rev-parse", "HEAD")
+    assert peer_d1.source_commit(tmp_path / "absent" / "trainer.py", peer) is None  # no folder there at all

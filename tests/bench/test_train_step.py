@@ -104,3 +104,23 @@ def test_replay_builds_the_rows_from_a_finished_runs_task_results(tmp_path):
     assert _number(rows[1][8]) > 0 and _number(rows[0][8]) == 0  # the weight push: lmdeploy's only
     assert _number(rows[1][-1]) == round(_number(rows[0][10]) / _number(rows[1][10]), 2)
     assert "(not recorded: rows read back" in out.read_text()
+
+
+def test_no_ratio_against_d1_without_its_commit():
+    """A d1 row whose checkout's commit is unknown (bench/.peers/d1 not a git checkout) says so, and no
+    ratio is computed against it, in the table or the targets."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from train_step_report import UNKNOWN_D1, rl_table, run_acceptance
+    from train_step_runs import RL_PHASES
+
+    ours = {"part": "rl", "shape": "llada", "recipe": "dare", "step": 2, "step_s": 10.0, "other": 0.0, "zero_std_ratio": 0.0,
+            "peak_gib": 50.0, "d1_commit": None, **dict.fromkeys(RL_PHASES, 1.0)}
+    d1 = {**ours, "part": "rl-d1", "recipe": "d1", "step": 1, "step_s": 80.0}
+    table = "\n".join(rl_table([ours, d1]))
+    assert "| d1's own code @unknown commit |" in table and UNKNOWN_D1 in table and "8.00x" not in table
+    assert f"- RL step at LLaDA-8B vs d1's own code: {UNKNOWN_D1}" in run_acceptance([ours, d1])
+
+    known = {**d1, "d1_commit": "837888f" + "0" * 33}
+    table = "\n".join(rl_table([ours, known]))
+    assert "| d1's own code @837888f |" in table and "8.00x" in table and "unknown" not in table
+    assert "- RL step at LLaDA-8B vs d1's own code: 8.00x (target >= 8x): met" in run_acceptance([ours, known])
