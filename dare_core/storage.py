@@ -187,6 +187,16 @@ def read_json(path: PathLike, error: type = UserError) -> Any:
         raise error(f"{path}: invalid JSON ({exc})") from exc
 
 
+def read_records(path: PathLike) -> list[dict]:
+    """The rows of a JSON-lines record DARE wrote (a stage's metrics.jsonl, validation.jsonl); blank
+    lines skipped (a record without rows holds one: training/metrics.end_without_rows); none for a
+    missing file."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 # ---- checks before a stage writes anything ---------------------------------------------------------
 
 

@@ -11,11 +11,11 @@ Step 0's validation (the SFT model) is a yardstick, not a candidate: it has no R
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Collection, Optional
 
+from dare_core.storage import read_records
 from dare_core.training.checkpoint_io import META, latest_checkpoint
 
 EXPORTS = ("best", "last")
@@ -41,17 +41,17 @@ def best_validated_step(rows: list[dict], metric: str, steps: Collection[int]) -
     return max(scored)[1] if scored else None
 
 
+def best_validated_tag(rows: list[dict], metric: str, tags: Collection[str]) -> Optional[str]:
+    """The checkpoint tag among `tags` whose step validated best (`best_validated_step`), or None."""
+    by_step = {checkpoint_step(t): t for t in tags if checkpoint_step(t) is not None}
+    best = best_validated_step(rows, metric, by_step)
+    return None if best is None else by_step[best]
+
+
 def protected_tags(rows: list[dict], metric: str, tags: Collection[str]) -> set[str]:
     """The tags that pruning must keep under `rl.export: best`: the best validated of `tags`."""
-    by_step = {checkpoint_step(t): t for t in tags if checkpoint_step(t)}
-    best = best_validated_step(rows, metric, by_step)
-    return {by_step[best]} if best is not None else set()
-
-
-def read_validation(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    best = best_validated_tag(rows, metric, tags)
+    return {best} if best is not None else set()
 
 
 @dataclass(frozen=True)
@@ -65,17 +65,16 @@ def export_choice(ckpt_dir: Path, validation: Path, export: str, metric: str) ->
     last, _ = latest_checkpoint(ckpt_dir)
     if export == "last":
         return ExportChoice(last, f"the last checkpoint, {last} (rl.export: last)")
-    rows = read_validation(validation)
+    rows = read_records(validation)
     complete = [p.name for p in Path(ckpt_dir).glob("step*") if (p / META).is_file()]
-    by_step = {checkpoint_step(t): t for t in complete if checkpoint_step(t)}
-    best = best_validated_step(rows, metric, by_step)
-    if best is None:
+    best_tag = best_validated_tag(rows, metric, complete)
+    if best_tag is None:
         return ExportChoice(last, f"the last checkpoint, {last}: no kept checkpoint was validated "
                                   f"(rl.validate_every a multiple of rl.save_every makes rl.export: best choose)")
     values = {r["step"]: metric_value(r, metric) for r in rows}
-    last_step = checkpoint_step(last)
+    best, last_step = checkpoint_step(best_tag), checkpoint_step(last)
     k = next(r["k"] for r in rows if r["step"] == best)
-    why = f"the best validated checkpoint, {by_step[best]}: {metric}@{k} {values[best]:.3f}"
+    why = f"the best validated checkpoint, {best_tag}: {metric}@{k} {values[best]:.3f}"
     if best != last_step and values.get(last_step) is not None:
         why += f" (the last, step {last_step}: {values[last_step]:.3f}; rl.export: last exports it)"
-    return ExportChoice(by_step[best], why)
+    return ExportChoice(best_tag, why)

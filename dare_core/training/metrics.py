@@ -12,6 +12,7 @@ from typing import Mapping, Optional
 
 from tqdm import tqdm
 
+from dare_core.storage import read_records
 from dare_core.training.plots import PlotProcess, PlotSpec, PlotThrottle, line_plot
 
 # the share of a run's wall time drawing PNGs may take (`PlotThrottle`)
@@ -37,19 +38,15 @@ def end_without_rows(path: Path) -> None:
 def rows_upto(path: Path, resume_step: int) -> list[dict]:
     """The JSON-lines rows of `path` a run resumed at `resume_step` keeps: those logged at or before
     it (later ones are redone); none for a fresh run (resume_step 0) or a missing file."""
-    if resume_step <= 0 or not path.exists():
+    if resume_step <= 0:
         return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in rows if r.get("step", 0) <= resume_step]
+    return [r for r in read_records(path) if r.get("step", 0) <= resume_step]
 
 
 def last_logged(directory: Path, key: str):
     """The last value of `key` in a stage's metrics.jsonl (None if never logged): the summary of a run
     resumed at its last step, which trains nothing, repeats it."""
-    path = Path(directory) / "metrics.jsonl"
-    if not path.exists():
-        return None
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = read_records(Path(directory) / "metrics.jsonl")
     return next((r[key] for r in reversed(rows) if key in r), None)
 
 
