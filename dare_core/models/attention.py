@@ -162,5 +162,24 @@ def _attend_whole(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Attent
         return _flex(q, k, v, ctx.block_mask)
     if ctx.backend == "varlen":
         return _varlen(q, k, v, ctx)
-    # grouped-query attention without materialising repeated keys (a full KV cache would be copied per layer)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, is_causal=False, enable_gqa=k.shape[1] != q.shape[1])
+    return _sdpa(q, k, v, ctx.mask)
+
+
+FOLD_MAX_QUERIES = 64  # windows this short (decoding a block against a cache) fold query groups
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    b, h, sq, d = q.shape
+    hkv = k.shape[1]
+    foldable = mask is None or (mask.dim() == 4 and mask.shape[1] == 1)
+    if h == hkv or sq > FOLD_MAX_QUERIES or not foldable:
+        # grouped-query attention without materialising repeated keys (a full KV cache would be copied per layer)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=False, enable_gqa=h != hkv)
+    # A few queries per head against a long cache: the kernel's query tiles sit mostly empty, and
+    # each query head reads its group's keys again. The heads sharing a key head become extra queries
+    # of that head instead (docs/sampling.md#folded-query-groups): the same softmax per query.
+    g = h // hkv
+    if mask is not None and mask.shape[2] != 1:
+        mask = mask[:, :, None].expand(mask.shape[0], 1, g, *mask.shape[2:]).reshape(mask.shape[0], 1, g * sq, mask.shape[3])
+    out = F.scaled_dot_product_attention(q.reshape(b, hkv, g * sq, d), k, v, attn_mask=mask, is_causal=False)
+    return out.reshape(b, h, sq, d)

@@ -34,34 +34,49 @@ def filtered_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, to
     return out
 
 
-def _perturbed_argmax(logits_row: torch.Tensor, u: torch.Tensor, temperature: float) -> torch.Tensor:
-    """argmax(l + T g) with g = -log(-log u), all in float64."""
-    return (logits_row.double() - temperature * torch.log(-torch.log(u.clamp_min(1e-300)))).argmax(-1)
+def _perturbed_argmax(logits: torch.Tensor, u: torch.Tensor, temperature: float) -> torch.Tensor:
+    """argmax(l + T g) with g = -log(-log u), all in float64, over the last dimension."""
+    return (logits.double() - temperature * torch.log(-torch.log(u.clamp_min(1e-300)))).argmax(-1)
 
 
 _fused_perturbed_argmax = LazyCompiled(_perturbed_argmax, dynamic=False)
 
 
-def _row_argmax(logits_row: torch.Tensor, u: torch.Tensor, temperature: float) -> torch.Tensor:
-    # eagerly the perturbation takes ~8 passes over a [block, vocab] float64 tensor per row (a GPU
+def _noisy_argmax(logits: torch.Tensor, u: torch.Tensor, temperature: float) -> torch.Tensor:
+    # eagerly the perturbation takes ~8 passes over a [positions, vocab] float64 tensor (a GPU
     # rollout step at batch 128 moves ~70 GB for it); compiled it is one pass that reads u and the
     # logits and reduces. The same float64 arithmetic either way.
-    if not logits_row.is_cuda:
-        return _perturbed_argmax(logits_row, u, temperature)
-    return _fused_perturbed_argmax(logits_row, u, temperature)
+    if not logits.is_cuda:
+        return _perturbed_argmax(logits, u, temperature)
+    return _fused_perturbed_argmax(logits, u, temperature)
+
+
+NOISE_GROUP_BYTES = 1 << 30  # float64 noise of the rows reduced in one launch
 
 
 def gumbel_argmax(logits: torch.Tensor, temperature: float, generators: Optional[Sequence[torch.Generator]]) -> torch.Tensor:
     """argmax(l + T g), g ~ Gumbel drawn in float64 per sample: a draw from softmax(l / T); T = 0 is argmax.
 
-    Row by row, so that the float64 noise never exists for the whole batch at once."""
+    Each row's noise comes from its own generator (a row's draw never depends on its neighbours),
+    but rows are reduced together in groups of at most NOISE_GROUP_BYTES of noise: one launch per
+    row gave the GPU one reduction per block position (4 at SDAR's block) and left most of it idle
+    (docs/sampling.md#gumbel-groups). The same noise and float64 arithmetic as row by row, so the same tokens."""
     if temperature <= 0:
         return logits.argmax(-1)
-    rows = []
-    for i, g in enumerate(generators):
-        u = torch.rand(logits.shape[1:], generator=g, dtype=torch.float64, device=g.device).to(logits.device)
-        rows.append(_row_argmax(logits[i], u, temperature))
-    return torch.stack(rows)
+    b, n, v = logits.shape
+    group = max(1, NOISE_GROUP_BYTES // max(1, n * v * 8))
+    out = []
+    for start in range(0, b, group):
+        gens = generators[start:start + group]
+        u = torch.empty((len(gens), n, v), dtype=torch.float64, device=logits.device)
+        for row, g in zip(u, gens):
+            if g.device == logits.device:
+                torch.rand((n, v), generator=g, dtype=torch.float64, device=g.device, out=row)
+            else:
+                row.copy_(torch.rand((n, v), generator=g, dtype=torch.float64, device=g.device))
+        part = logits[start:start + len(gens)].reshape(-1, v)
+        out.append(_noisy_argmax(part, u.view(-1, v), temperature).view(len(gens), n))
+    return torch.cat(out)
 
 
 @dataclass

@@ -2,6 +2,10 @@
 (SDPA on CPU; FlexAttention and varlen on GPU), and the backends agree with each other."""
 import pytest
 import torch
+import torch.nn.functional as F
+
+from dare_core.models import attention
+from dare_core.models.attention import AttentionContext, attend
 
 from dare_core.diffusion.seeding import generator
 from tiny_models import FAMILIES, tiny
@@ -82,3 +86,36 @@ def test_sparse_block_mask_equals_create_block_mask_chunk_by_chunk(n):
         torch.testing.assert_close(getattr(ours, name), getattr(theirs, name), msg=name)
     q, k, v = torch.randn(3, 1, 2, n, 8, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(flex_attention(q, k, v, block_mask=ours), flex_attention(q, k, v, block_mask=theirs))
+
+
+@pytest.mark.parametrize("mask_rows", ["none", "broadcast", "per_query"])
+def test_short_grouped_query_windows_fold_into_one_head_per_group(mask_rows):
+    """A decoding window under grouped-query attention runs with the query heads of a group as extra
+    queries of their key head: the same attention as the grouped kernel call, mask and all."""
+    torch.manual_seed(0)
+    q = torch.randn(3, 5, 8, 16).transpose(1, 2)  # as the layer lays it out: 8 query heads, 2 key heads
+    k, v = torch.randn(3, 2, 23, 16), torch.randn(3, 2, 23, 16)
+    mask = {"none": None, "broadcast": torch.rand(3, 1, 1, 23) > 0.3, "per_query": torch.rand(3, 1, 5, 23) > 0.3}[mask_rows]
+    if mask is not None:
+        mask[..., 0] = True  # every query sees a key
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    got = attend(q, k, v, AttentionContext(mask=mask))
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    # past the fold's window length the grouped call itself runs
+    long_q = torch.randn(3, 8, attention.FOLD_MAX_QUERIES + 1, 16)
+    torch.testing.assert_close(attend(long_q, k, v, None), F.scaled_dot_product_attention(long_q, k, v, enable_gqa=True))
+
+
+@pytest.mark.gpu
+def test_folded_query_groups_match_the_grouped_kernel_on_gpu_bf16():
+    """At SDAR-8B's decoding shape (32 query heads on 8 key heads, a block of 4 against a 448-column
+    cache, bf16) the folded call agrees with the grouped one to bf16 rounding."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.manual_seed(0)
+    q = torch.randn(16, 4, 32, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    k, v = (torch.randn(16, 8, 448, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    mask = torch.arange(448, device="cuda")[None, None, None, :] >= torch.randint(0, 200, (16, 1, 1, 1), device="cuda")
+    mask = mask.expand(16, 1, 4, 448)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(attend(q, k, v, AttentionContext(mask=mask)), expected, rtol=1.6e-2, atol=1e-2)

@@ -5,6 +5,7 @@ from scipy.stats import chisquare
 
 from dare_core.diffusion.seeding import sample_generators
 from dare_core.sampling.decode import SamplingParams, generate
+from dare_core.sampling import unmasking
 from dare_core.sampling.unmasking import gumbel_argmax, scheduled_counts
 
 PROMPTS = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11, 12, 13, 14, 15], [16]]
@@ -94,3 +95,42 @@ def test_sampling_params_validation():
         SamplingParams(gen_length=10, block_length=4)
     with pytest.raises(ValueError, match="divisible by the number of blocks"):
         SamplingParams(gen_length=8, block_length=4, steps=3)
+
+
+@pytest.mark.parametrize("group_rows", [1, 2, 5])
+def test_gumbel_rows_grouped_draw_what_each_row_draws_alone(monkeypatch, group_rows):
+    """Reducing rows together (groups of any size, a short last one) gives each row the tokens its
+    own generator gives it alone: same noise, same float64 arithmetic."""
+    logits = torch.randn(5, 3, 11) * 3
+    def alone(i):  # the draw written out: each row's float64 uniforms from its own generator
+        u = torch.rand((3, 11), generator=torch.Generator().manual_seed(10 + i), dtype=torch.float64)
+        return (logits[i].double() - 0.8 * torch.log(-torch.log(u))).argmax(-1)
+    expected = torch.stack([alone(i) for i in range(5)])
+    monkeypatch.setattr(unmasking, "NOISE_GROUP_BYTES", group_rows * 3 * 11 * 8)
+    grouped = gumbel_argmax(logits, 0.8, [torch.Generator().manual_seed(10 + i) for i in range(5)])
+    assert torch.equal(grouped, expected)
+    # and each generator advanced as far as a lone draw advances it, so the next step matches too
+    gens = [torch.Generator().manual_seed(10 + i) for i in range(5)]
+    gumbel_argmax(logits, 0.8, gens)
+    lone = torch.Generator().manual_seed(10)
+    torch.rand((3, 11), generator=lone, dtype=torch.float64)
+    assert torch.equal(torch.rand(4, generator=gens[0]), torch.rand(4, generator=lone))
+
+
+@pytest.mark.gpu
+def test_gumbel_rows_grouped_on_the_gpu_draw_what_each_row_draws_alone(monkeypatch):
+    """On CUDA the grouped draw writes each row's noise in place and reduces through the compiled
+    kernel over all rows of the group: the same tokens as one row at a time."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    logits = torch.randn(6, 4, 50_000, device="cuda") * 3
+
+    def draw(group_rows):
+        monkeypatch.setattr(unmasking, "NOISE_GROUP_BYTES", group_rows * 4 * 50_000 * 8)
+        gens = [torch.Generator(device="cuda").manual_seed(7 + i) for i in range(6)]
+        return gumbel_argmax(logits, 0.9, gens), torch.stack([torch.rand(3, generator=g, device="cuda") for g in gens])
+
+    one, after_one = draw(1)
+    for group_rows in (4, 6):
+        grouped, after = draw(group_rows)
+        assert torch.equal(grouped, one) and torch.equal(after, after_one)
