@@ -32,7 +32,9 @@ Parts:
   sft-full     full-parameter SFT, ZeRO-3 with the optimizer state on the CPU, packed vs padded
                (not run, with the reason, when the host memory cannot hold the optimizer state)
   rl           one d1 step: 16 prompts x 8 rollouts, gen 256, dual cache (SDAR: block_kv) and CUDA
-               graphs, packed training, a synthetic reward keyed on the response tokens
+               graphs, packed training, a synthetic reward keyed on the response tokens; the MFU of
+               its training pass (scoring + forward/backward); (--rl-compile-shapes) also with
+               `model.compile: true`
   rl-d1        the same step by d1's own code (dllm-reasoning/d1's trainer methods, run unchanged
                by bench/peer_d1.py from a checkout at bench/.peers/d1, its commit recorded) on the
                same folder, prompts, LoRA, rollouts and inner iterations, at d1's own batch
@@ -84,6 +86,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="shapes that also run d1's own step code (d1 is LLaDA's; default: llada)")
     p.add_argument("--compile-shapes", nargs="*", choices=list(SHAPES), default=["llada"],
                    help="shapes whose LoRA SFT also runs packed with model.compile on (default: llada)")
+    p.add_argument("--rl-compile-shapes", nargs="*", choices=list(SHAPES), default=[],
+                   help="shapes whose DARE RL step also runs with model.compile on (training and scoring passes compiled)")
     p.add_argument("--full-param", choices=("auto", "run"), default="auto",
                    help="auto: skip, saying why, where the host cannot hold the CPU optimizer state")
     p.add_argument("--workdir", default="/tmp/dare-bench", help="model folders, data and runs (kept between runs)")

@@ -80,7 +80,7 @@ def rl_overrides(spec: dict, s: Settings, block_size: Optional[int]) -> dict:
         sampler.update(ENGINE_SAMPLER, steps=s.rl_gen, engine=spec["engine"],
                        engine_args={"cache_max_entry_count": 0.3, "log_dir": spec["workdir"]} if spec["engine"] != "native" else {})
     return {
-        **common_overrides(spec), "model.packing": "on",
+        **common_overrides(spec), "model.packing": "on", "model.compile": spec.get("compile", False),
         "model.lora": {"r": s.rl_lora[0], "alpha": s.rl_lora[1]}, "launch.zero_stage": 0, "model.logits_chunk": s.rl_logits_chunk,
         "rl.algorithm": "d1", "rl.algorithm_args": {"d1": {"p_mask_prompt": 0.15}}, "rl.reward": REWARD,
         "rl.num_steps": s.rl_steps, "rl.prompts_per_step": s.rl_prompts,
@@ -176,7 +176,31 @@ def run_rl_task(spec: dict, s: Settings) -> dict:
     cfg = rl_stage_config(spec, s)
     launch = time.time() - spec["spawned_at"]
     summary = run_rl_on_folder(cfg, spec["folder"])
-    return {"summary": summary, "metrics": metrics_rows(cfg.stage_dir("rl")), "launch_s": launch}
+    metrics = metrics_rows(cfg.stage_dir("rl"))
+    work = [rl_pass_flops(cfg, spec["folder"], m) for m in metrics if "sequence_tokens" in m]
+    return {"summary": summary, "metrics": metrics, "launch_s": launch, "work": work}
+
+
+def rl_pass_flops(cfg, folder: str, step: dict) -> dict:
+    """Model FLOPs of one RL step's scoring and update passes (bench/model_throughput.py's count; the
+    two-stream layout of block diffusion counts each token twice), from the step's mean sequence
+    length: every rollout taken as that long, which undercounts attention by the lengths' spread.
+    The passes are the loop's: an old-policy forward per inner iteration but the first where the
+    first iteration's weights rolled out (rl_verbs.first_iteration_is_current), none where the ratio is
+    trivially 1; a reference forward per iteration with a KL term; a forward and backward per iteration."""
+    from model_throughput import model_flops
+
+    from dare_core.models.hf_folder import inspect_model
+    from dare_core.training.rl_verbs import first_iteration_is_current, ratio_is_trivial
+
+    rl = cfg.rl
+    model = inspect_model(folder)
+    n = step["sequence_tokens"] * (2 if model.block_size else 1)
+    lens = [n] * (rl.prompts_per_step * rl.group_size)
+    old = 0 if ratio_is_trivial(rl) else rl.num_iterations - (1 if first_iteration_is_current(rl) else 0)
+    ref = rl.num_iterations if rl.kl_beta > 0 else 0
+    return {"step": step["step"], "scoring_flops": (old + ref) * model_flops(model, lens, backward=False),
+            "update_flops": rl.num_iterations * model_flops(model, lens, backward=True)}
 
 
 def run_d1_task(spec: dict, s: Settings) -> dict:
@@ -351,9 +375,9 @@ def startup(steps: list[dict], result: dict) -> dict:
             "startup_parts": {p: first.get(f"time/startup_{p}_s") for p in STARTUP_PHASES}}
 
 
-def rl_row(shape: str, recipe: str, result: dict) -> dict:
+def rl_row(shape: str, recipe: str, result: dict, compiled: bool = False) -> dict:
     row = {"part": "rl" if recipe == "dare" else "rl-d1", "shape": shape, "recipe": recipe, "hardware": result.get("hardware"),
-           "d1_commit": result.get("d1_commit")}
+           "d1_commit": result.get("d1_commit"), "compile": compiled}
     if "error" in result:
         return {**row, "error": result["error"]}
     steps = [m for m in result["metrics"] if "time/step_s" in m]
@@ -363,6 +387,10 @@ def rl_row(shape: str, recipe: str, result: dict) -> dict:
                zero_std_ratio=last.get("zero_std_ratio"), reward_std=last.get("reward_std"),
                peak_gib=last.get("memory/peak_gib"), response_tokens=last.get("response_tokens"))
     row["other"] = row["step_s"] - sum(row[p] for p in RL_PHASES)
+    work = next((w for w in result.get("work", []) if w["step"] == last["step"]), None)
+    passes = row["scoring"] + row["forward_backward"]
+    if work and result.get("peak_flops") and passes > 0:  # the training pass: scoring and forward+backward
+        row["train_mfu"] = (work["scoring_flops"] + work["update_flops"]) / passes / result["peak_flops"]
     return row
 
 
@@ -468,6 +496,8 @@ def run_shape(shape: str, parts: list[str], args, s: Settings, runner: Runner, r
         return rows
     if "rl" in parts:
         rows.append(rl_row(shape, "dare", run("rl-dare", kind="rl", recipe="dare")))
+        if shape in args.rl_compile_shapes:
+            rows.append(rl_row(shape, "dare", run("rl-dare-compile", kind="rl", recipe="dare", compile=True), compiled=True))
     if peer:
         rows.append(rl_row(shape, "d1", run("rl-d1", kind="rl-d1", recipe="d1")))
     return rows

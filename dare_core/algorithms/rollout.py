@@ -83,6 +83,8 @@ def _rewarded_batch(done: Completions, expanded: list[dict], uids: list, model, 
         "rollout_tokens_per_s": attention_mask[:, width:].sum().item() / max(done.seconds, 1e-9),
         **graded.metrics,
         "response_tokens": valid.sum(-1).float().mean().item(),
+        # what scoring and the update read per rollout (prompt + response), for their tokens/s and MFU
+        "sequence_tokens": attention_mask.sum(-1).float().mean().item(),
         "rollout_nfe": done.nfe,
         **adv_metrics,
     }

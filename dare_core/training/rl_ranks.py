@@ -28,8 +28,8 @@ def rank_prompts(n_prompts: int, mini_batches: int, rank: int, world: int) -> li
 # (`combine_rank_metrics`). Totals: forward passes of the rollouts, rollout throughput, d-TreeRPO's
 # distillation pairs. The same on every rank (rank 0's): the learning rate and d-TreeRPO's schedule
 # and tree size. The slowest rank: times (`*_s`) and peak memory. Anything else (reward, accuracy,
-# extraction_failed, response_tokens, rollout_steps, zero_std_ratio, reward_std, active_tokens,
-# adv_abs, an algorithm's own rollout metrics) is a mean over the ranks weighted by their prompts
+# extraction_failed, response_tokens, sequence_tokens, rollout_steps, zero_std_ratio, reward_std,
+# active_tokens, adv_abs, an algorithm's own rollout metrics) is a mean over the ranks weighted by their prompts
 # (each prompt yields as many rollouts, groups and rows on every rank). The update metrics (loss
 # and those of `algo.update`) are reduced apart (`combine_rank_metrics`).
 RANK_SUM_METRICS = frozenset({"rollout_nfe", "rollout_tokens_per_s", "sd_pairs"})

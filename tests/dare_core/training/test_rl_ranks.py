@@ -25,7 +25,8 @@ DATA = {"data__task_args": {"min_digits": 1, "max_digits": 1, "ops": "+", "zero_
         "data__num_sft": 70, "data__num_rl": 20, "data__num_eval": 10, "data__num_val": 16}
 VAL_KEYS = ("val/mean@4", "val/best@4", "val/maj@4")
 # counts over the same rollouts (x / 16 rollouts, x / 4 groups; 0/1 rewards): the same numbers
-COUNT_KEYS = ("reward", "accuracy", "extraction_failed", "response_tokens", "rollout_steps", "zero_std_ratio")
+COUNT_KEYS = ("reward", "accuracy", "extraction_failed", "response_tokens", "sequence_tokens", "rollout_steps",
+              "zero_std_ratio")
 # metrics.jsonl keeps 6 decimals: a mean of the groups' stds (float64, the ranks' means combined:
 # ~1e-16 apart) may round either way; float32 sums of the update taken in another order (other
 # micro-batches, the ranks' halves added last) are ~1e-7 relative apart, then rounded likewise
