@@ -83,6 +83,17 @@ def host_memory_bytes() -> int:
     return 0
 
 
+def gpu_uuids() -> list[str]:
+    """The UUIDs of this machine's GPUs, from nvidia-smi (no CUDA context is made: a bench's parent
+    process leaves the GPUs to its runs); [] without GPUs. Two runs on the same GPUs name the same."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"], capture_output=True, text=True,
+                             timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
 def hardware(gpu: bool = True, cpu_detail: bool = False) -> str:
     """The machine in one line: the GPU (name, memory) unless `gpu` is off or there is none, the host's
     cores and RAM (`cpu_detail`: also the CPU's model and the cores this process may use), torch, CUDA

@@ -63,7 +63,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
 import torch  # noqa: E402
-from stamp import git_commit, library_versions, utc_now, write_atomic  # noqa: E402
+from stamp import git_commit, gpu_uuids, library_versions, utc_now, write_atomic  # noqa: E402
 from train_step_report import merge_files, merge_previous, report, row_key  # noqa: E402
 from train_step_runs import Rows, Runner, run_shape, task_main  # noqa: E402
 from train_step_setup import PARTS, SHAPES, Settings  # noqa: E402
@@ -133,17 +133,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     commit = git_commit()
     command = "python3 bench/train_step.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     date = utc_now()
+    gpus = gpu_uuids()
     previous = None
 
     def save(rows: list[dict]) -> str:
         nonlocal previous
         hw = next((r["hardware"] for r in rows if r.get("hardware")), None) or f"(no run finished) {platform.machine()}"
-        run = {"commit": commit, "command": command, "hardware": hw, "settings": dataclasses.asdict(s), "date": date,
+        run = {"commit": commit, "command": command, "hardware": hw, "gpus": gpus, "settings": dataclasses.asdict(s), "date": date,
            "libraries": library_versions() if not args.replay else "(not recorded: rows read back from the task results of --replay)"}
         if previous is None:  # read once: later saves rewrite the file this run is writing
             previous = merge_previous(out.with_suffix(".json"), run, args.add)
         done = {row_key(r) for r in rows}
-        data = {"runs": previous["runs"] + [run], "rows": [r for r in previous["rows"] if row_key(r) not in done] + rows}
+        # (--add: the rows stay one run's for their ratios; `measured_in` says which invocation made each)
+        mine = [{**r, "measured_in": len(previous["runs"])} for r in rows]
+        data = {"runs": previous["runs"] + [run], "rows": [r for r in previous["rows"] if row_key(r) not in done] + mine}
         text = report(data, s, args)
         out.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(out, text)

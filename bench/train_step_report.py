@@ -21,7 +21,8 @@ def same_run(a: dict, b: dict) -> bool:
 SFT_COLUMNS = ["run", "model", "training", "packing", "sequences / step", "real tokens / step", "padded tokens / step",
                "s / step", "fwd+bwd s", "optimizer s", "tokens/s", "MFU", "peak mem (GiB)", "packed speed-up"]
 RL_COLUMNS = ["run", "model", "recipe", "step", "rollout s", "reward s", "old+ref scoring s", "fwd+bwd s", "optimizer s",
-              "other s", "step s", "training pass MFU", "groups with zero reward spread", "peak mem (GiB)", "speed-up vs d1's code"]
+              "other s", "step s", "training pass MFU", "rollout: share of bf16 peak", "groups with zero reward spread",
+              "peak mem (GiB)", "speed-up vs d1's code"]
 STARTUP_COLUMNS = ["run", "model", "stage", "process start to stage s", "start-up s (target <= 30)", "checks s", "load s",
                    "engine s", "export of the merged model s (target <= 30)", "export: merge s", "export: copy off the GPU s",
                    "export: waiting for the disk s", "export: open/close s"]
@@ -66,6 +67,7 @@ def rl_table(rows: list[dict]) -> list[str]:
         recipe = RECIPES[r["recipe"]] + (f" @{r['d1_commit'][:7]}" if r.get("d1_commit") else "")
         recipe += " @unknown commit" if unknown_commit(r) else ""
         recipe += " + compile" if r.get("compile") else ""
+        recipe += ", merged-LoRA rollouts" if r.get("lora_merged") else ""
         head = [fmt(r.get("run"), "d"), SHAPES[r["shape"]], recipe]
         if "error" in r:
             cells.append(with_error(head + [""], r["error"], RL_COLUMNS))
@@ -76,7 +78,7 @@ def rl_table(rows: list[dict]) -> list[str]:
         if r["recipe"] == "dare" and peer:
             speedup = UNKNOWN_D1 if unknown_commit(peer) else f"{peer['step_s'] / r['step_s']:.2f}x"
         cells.append(head + [r["step"]] + [f"{r[p]:.2f}" for p in RL_PHASES] + [
-            f"{r['other']:.2f}", f"{r['step_s']:.2f}", fmt(r.get("train_mfu"), ".1%"), fmt(r["zero_std_ratio"], ".0%"),
+            f"{r['other']:.2f}", f"{r['step_s']:.2f}", fmt(r.get("train_mfu"), ".1%"), fmt(r.get("rollout_peak"), ".1%"), fmt(r["zero_std_ratio"], ".0%"),
             fmt(r["peak_gib"], ".1f") or "n/a (CPU)", speedup])
     return markdown_table(RL_COLUMNS, cells)
 
@@ -167,6 +169,9 @@ def run_acceptance(rows: list[dict]) -> list[str]:
             ratio = peer["step_s"] / ours["step_s"]
             verdict = "met" if ratio >= 10 else "not met (the 8x floor met)" if ratio >= 8 else "not met"
             out.append(f"- RL step{how} at LLaDA-8B vs d1's own code: {ratio:.2f}x (target >= 10x, 8x the floor): {verdict}")
+        if ours and ours.get("rollout_peak") is not None:
+            out.append(f"- rollout{how} at LLaDA-8B ({ours['rollouts']} rollouts): {ours['rollout_peak']:.1%} of bf16 peak "
+                       f"(target >= 55 %): {'met' if ours['rollout_peak'] >= 0.55 else 'not met'}")
         sdar = find(shape="sdar", part="rl", compile=compiled)
         if sdar and sdar.get("train_mfu") is not None:
             out.append(f"- SDAR-8B RL training pass{how} (scoring + forward/backward): MFU {sdar['train_mfu']:.1%} "
@@ -207,7 +212,12 @@ def setup_lines(s: Settings, args, runs: list[dict]) -> list[str]:
         f"scoring passes (2N a token: an old-policy forward per inner iteration after the first, whose old scores are the "
         f"update's own, and a reference forward per iteration) and update passes (6N a token, one per iteration), SDAR's "
         f"two streams counted twice, every rollout taken at the step's mean length (`sequence_tokens`; attention is "
-        f"slightly undercounted), over the scoring and forward+backward seconds; + compile: `model.compile: true` as well."
+        f"slightly undercounted), over the scoring and forward+backward seconds; + compile: `model.compile: true` as well. "
+        f"Merged-LoRA rollouts: `rl.sampler.lora_merged: true`, the adapter folded into the weights while the rollouts "
+        f"decode (docs/sampling.md#merged-lora-rollouts; rows without it decoded through the adapter). Rollout share of bf16 "
+        f"peak: the model FLOPs of the forwards the sampler ran (`rollout_flops`: 2N per encoded token, every refresh of the "
+        f"whole canvas included, the LM head per column whose logits were taken, QK^T + AV per attended pair) over the "
+        f"rollout seconds and the GPU's dense bf16 peak."
         + (f" Logits-free scoring in the DARE runs: model.logits_chunk {s.rl_logits_chunk}." if s.rl_logits_chunk else "")
         + (" DARE's step and d1's ran at the same time, DARE's on GPU 0 and d1's on GPU 1 of one host (`--side-by-side`): "
            "the two share the host's CPUs and PCIe, not a GPU." if any(r.get("side_by_side") for r in runs) else ""),
@@ -228,6 +238,10 @@ def report(data: dict, s: Settings, args) -> str:
     if len(machines) > 1:  # (a merged file: ratios are only taken within one run, on one machine)
         lines += [f"Hardware (runs {', '.join(str(i) for i, run in enumerate(runs) if run['hardware'] == m)}): {m}  " for m in machines]
     lines.append(f"Hardware: {runs[-1]['hardware']}  ")
+    for gpus in dict.fromkeys(tuple(run["gpus"]) for run in runs if run.get("gpus")):
+        on = [str(i) for i, run in enumerate(runs) if tuple(run.get("gpus") or ()) == gpus]
+        lines.append(f"GPUs (run{'s' if len(on) > 1 else ''} {', '.join(on)}{', one after the other' if len(on) > 1 else ''}): "
+                     f"{', '.join(gpus)}  ")
     lines.append(f"Libraries: {runs[-1].get('libraries', '(not recorded by these runs)')}")
     lines += [""] + setup_lines(s, args, rows) + [""]
     sft = [r for r in rows if r["part"] in ("sft", "sft-full")]
@@ -261,13 +275,16 @@ def row_key(row: dict) -> tuple:
 
 
 def merge_previous(path: Path, run: dict, keep: bool) -> dict:
-    """The rows of earlier runs to keep (--add): same commit, machine and settings only."""
+    """The rows of earlier runs to keep (--add): same commit, machine (the same GPUs, where both runs
+    name them) and settings only. Their ratios are then taken across the runs: one after the other
+    on one machine, as the file's list of runs shows."""
     if not keep or not path.exists():
         return {"runs": [], "rows": []}
     old = json.loads(path.read_text())
     last = old["runs"][-1] if old.get("runs") else {}
     # compared as the file holds them: JSON has no tuples (the LoRA settings), which read back as lists
-    if any(last.get(k) != json.loads(json.dumps(run[k])) for k in ("commit", "hardware", "settings")):
+    same_gpus = not (last.get("gpus") and run.get("gpus")) or last["gpus"] == run["gpus"]
+    if not same_gpus or any(last.get(k) != json.loads(json.dumps(run[k])) for k in ("commit", "hardware", "settings")):
         print(f"{path}: earlier rows are from another commit, machine or settings; not kept", flush=True)
         return {"runs": [], "rows": []}
     return old
@@ -309,14 +326,16 @@ def merge_files(paths: list[Path], out: Path, args) -> int:  # noqa: C901
         offset = len(merged["runs"])
         merged["runs"] += [dict(r) for r in data["runs"]]
         # a file written by an earlier merge credits each row to one of its runs already
-        rows = [{**r, "run": offset + r.get("run", len(data["runs"]) - 1)} for r in data["rows"]]
+        # (the rows of an --add file are one run's, its last, for their ratios; `measured_in` keeps which made each)
+        rows = [{**r, "run": offset + r.get("run", len(data["runs"]) - 1),
+                 **({"measured_in": offset + r["measured_in"]} if "measured_in" in r and "run" not in r else {})} for r in data["rows"]]
         if not args.keep_all:
             keys = {row_key(r) for r in rows}
             merged["rows"] = [r for r in merged["rows"] if row_key(r) not in keys]
         merged["rows"] += rows
     _check_settings(merged, paths)
     for i, run in enumerate(merged["runs"]):  # the rows of each run that the file shows
-        run["rows"] = [run_label(r) for r in merged["rows"] if r.get("run") == i and r["part"] != "folder"]
+        run["rows"] = [run_label(r) for r in merged["rows"] if r.get("measured_in", r.get("run")) == i and r["part"] != "folder"]
     s = Settings(**merged["runs"][-1]["settings"])
     command = "python3 bench/train_step.py " + ("--keep-all " if args.keep_all else "") + \
         ("--drop-parts " + " ".join(args.drop_parts) + " " if args.drop_parts else "") + "--merge " + " ".join(shlex.quote(str(p)) for p in paths)

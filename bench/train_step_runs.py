@@ -75,6 +75,7 @@ def rl_overrides(spec: dict, s: Settings, block_size: Optional[int]) -> dict:
         "gen_length": s.rl_gen, "steps": s.rl_denoise_steps, "block_length": block_size or s.rl_block,
         "temperature": s.rl_temperature, "cache": "block_kv" if block_size else "dual",
         "cuda_graphs": True if cuda else None, "compile_forward": cuda, "engine": "native", "batch_size": s.rollout_batch,
+        "lora_merged": cuda and s.rl_lora_merged,
     }
     if spec.get("engine"):  # an rl-engines run: both engines decode the same way
         sampler.update(ENGINE_SAMPLER, steps=s.rl_gen, engine=spec["engine"],
@@ -178,7 +179,8 @@ def run_rl_task(spec: dict, s: Settings) -> dict:
     summary = run_rl_on_folder(cfg, spec["folder"])
     metrics = metrics_rows(cfg.stage_dir("rl"))
     work = [rl_pass_flops(cfg, spec["folder"], m) for m in metrics if "sequence_tokens" in m]
-    return {"summary": summary, "metrics": metrics, "launch_s": launch, "work": work}
+    return {"summary": summary, "metrics": metrics, "launch_s": launch, "work": work, "lora_merged": cfg.rl.sampler.lora_merged,
+            "rollouts": cfg.rl.prompts_per_step * cfg.rl.group_size}
 
 
 def rl_pass_flops(cfg, folder: str, step: dict) -> dict:
@@ -200,7 +202,23 @@ def rl_pass_flops(cfg, folder: str, step: dict) -> dict:
     old = 0 if ratio_is_trivial(rl) else rl.num_iterations - (1 if first_iteration_is_current(rl) else 0)
     ref = rl.num_iterations if rl.kl_beta > 0 else 0
     return {"step": step["step"], "scoring_flops": (old + ref) * model_flops(model, lens, backward=False),
-            "update_flops": rl.num_iterations * model_flops(model, lens, backward=True)}
+            "update_flops": rl.num_iterations * model_flops(model, lens, backward=True),
+            "rollout_flops": rollout_flops(model, step)}
+
+
+def rollout_flops(model, step: dict) -> Optional[float]:
+    """Model FLOPs of the forwards the step's rollouts ran, from what the sampler says they encoded
+    (`GenerationOutput.work`): 2 x the body's parameters per encoded token (every refresh of the
+    whole canvas included: the GPU does that work), 2 x the LM head's per column whose logits were
+    taken, and QK^T + AV per (query, key) pair attended. The adapter's own FLOPs are not counted
+    (merged rollouts do not run them)."""
+    if "rollout_encoded_tokens" not in step:
+        return None
+    c = model.config
+    head = c.d_model * c.vocab_size  # (tied to the embeddings or not)
+    body = sum(p.numel() for n, p in model.net.named_parameters() if "embed" not in n and not n.startswith("lm_head"))
+    attn = 4 * c.n_layers * c.n_heads * c.head_dim * step["rollout_key_pairs"]
+    return 2 * body * step["rollout_encoded_tokens"] + 2 * head * step["rollout_logit_tokens"] + attn
 
 
 def run_d1_task(spec: dict, s: Settings) -> dict:
@@ -377,7 +395,8 @@ def startup(steps: list[dict], result: dict) -> dict:
 
 def rl_row(shape: str, recipe: str, result: dict, compiled: bool = False) -> dict:
     row = {"part": "rl" if recipe == "dare" else "rl-d1", "shape": shape, "recipe": recipe, "hardware": result.get("hardware"),
-           "d1_commit": result.get("d1_commit"), "compile": compiled}
+           "d1_commit": result.get("d1_commit"), "compile": compiled, "lora_merged": result.get("lora_merged", False),
+           "rollouts": result.get("rollouts")}
     if "error" in result:
         return {**row, "error": result["error"]}
     steps = [m for m in result["metrics"] if "time/step_s" in m]
@@ -391,6 +410,8 @@ def rl_row(shape: str, recipe: str, result: dict, compiled: bool = False) -> dic
     passes = row["scoring"] + row["forward_backward"]
     if work and result.get("peak_flops") and passes > 0:  # the training pass: scoring and forward+backward
         row["train_mfu"] = (work["scoring_flops"] + work["update_flops"]) / passes / result["peak_flops"]
+    if work and work.get("rollout_flops") and result.get("peak_flops") and row["rollout"] > 0:
+        row["rollout_peak"] = work["rollout_flops"] / row["rollout"] / result["peak_flops"]
     return row
 
 

@@ -55,6 +55,7 @@ class Settings:
     rl_temperature: float = 0.9
     rl_lora: tuple = (128, 64)  # d1's adapter
     rl_logits_chunk: int = 0  # DARE's model.logits_chunk in the RL runs (0: whole logits)
+    rl_lora_merged: bool = True  # DARE's GPU rollouts with the adapter folded into the weights (rl.sampler.lora_merged)
     rl_steps: int = 2  # DARE's step is timed at the last one (the first captures graphs, compiles)
     rl_public_steps: int = 1  # d1's own code: steps (nothing to warm up: no graphs, nothing compiled)
     # DARE: rollouts per sampler batch: all 128 at once (one KV cache: about 30 GB at LLaDA-8B)
@@ -70,6 +71,11 @@ class Settings:
             if not sep or current is None:
                 names = [f.name for f in dataclasses.fields(self)]
                 raise ValueError(f"--set {item}: expected name=value with a name of {names}")
+            if isinstance(current, bool):  # (bool("false") is True)
+                if value.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError(f"--set {item}: {name} is true or false")
+                changes[name] = value.lower() in ("true", "1")
+                continue
             changes[name] = tuple(int(v) for v in value.split(",")) if isinstance(current, tuple) else type(current)(value)
         return dataclasses.replace(self, **changes)
 

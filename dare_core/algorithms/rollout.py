@@ -86,6 +86,8 @@ def _rewarded_batch(done: Completions, expanded: list[dict], uids: list, model, 
         # what scoring and the update read per rollout (prompt + response), for their tokens/s and MFU
         "sequence_tokens": attention_mask.sum(-1).float().mean().item(),
         "rollout_nfe": done.nfe,
+        # what the rollout's forwards encoded (`GenerationOutput.work`): its model FLOPs follow from them
+        **{f"rollout_{k}": sum(o.work.get(k, 0) for o in outs) for k in ("encoded_tokens", "key_pairs", "logit_tokens")},
         **adv_metrics,
     }
     return batch, metrics

@@ -61,6 +61,34 @@ def adapter_disabled(model) -> Iterator[None]:
             layer.enable_adapters(True)
 
 
+@contextlib.contextmanager
+def adapters_merged(model) -> Iterator[bool]:
+    """The policy with each LoRA adapter folded into its base weight in place, `W + scale * B A`
+    summed in float32 (or wider) and rounded once to W's dtype (docs/sampling.md#merged-lora-rollouts); yields
+    whether anything was merged. A forward then runs one GEMM per projection instead of three and an
+    add. On exit each base weight is copied back from a copy taken before (subtracting the delta again
+    would not give W back in bf16), so training sees its weights bit for bit; the copy costs the
+    adapted weights' memory once more while the block runs."""
+    layers = [m for m in lora_layers(model.net) if not m.merged and "default" in m.lora_A]
+    saved = []
+    try:
+        with torch.no_grad():
+            for layer in layers:
+                weight = layer.get_base_layer().weight
+                saved.append((layer, weight, weight.detach().clone()))
+                wide = torch.promote_types(weight.dtype, torch.float32)
+                weight.copy_(weight.to(wide) + layer.get_delta_weight("default").to(wide))
+                layer.merged_adapters.append("default")  # peft's forward then runs the base layer alone
+        model._dare_lora_merged = bool(layers)
+        yield bool(layers)
+    finally:
+        with torch.no_grad():
+            for layer, weight, original in saved:
+                weight.copy_(original)
+                layer.merged_adapters.remove("default")
+        model._dare_lora_merged = False
+
+
 def base_tensors(net: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, Optional[torch.nn.Module]]]:
     """(generic name, base tensor, the LoRA layer that adapts it or None) for every tensor of `net`'s
     state dict but the adapters' own, in state-dict order; wrapper names are cleaned

@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from dare_core.models.lora import adapters_merged
 from dare_core.models.transformer import KVCache
 from dare_core.sampling.cache import CachePolicy, Window, build_cache_policy
 from dare_core.sampling.lockstep import RankLockstep, zero3_partitioned
@@ -44,6 +45,10 @@ class GenerationOutput:
     steps: torch.Tensor  # [B] denoising steps each row took
     sampler: dict = field(default_factory=dict)  # the sampler config (6.5); the engine name is "native"
     trajectory: Optional[Trajectory] = None
+    # what the forwards encoded, summed over them (native engine; empty for an external one):
+    # `encoded_tokens` rows x window columns, `key_pairs` rows x window columns x key columns attended,
+    # `logit_tokens` rows x columns whose logits were taken. The FLOPs of a rollout follow from them.
+    work: dict = field(default_factory=dict)
 
     @property
     def response(self) -> torch.Tensor:
@@ -131,6 +136,7 @@ class Forward:
             p = next(model.parameters())
             self.cache = KVCache(model.config, canvas.x.shape[0] * (2 if self.cfg else 1), canvas.x.shape[1], p.dtype, p.device)
         self.nfe = 0
+        self.work = {"encoded_tokens": 0, "key_pairs": 0, "logit_tokens": 0}
         self.graphs = None
         self.static = None
         if graphs:
@@ -159,13 +165,18 @@ class Forward:
         S = x.shape[1]
         # graphs serve the fixed widths (a block, the whole canvas); key_end is then always the
         # whole canvas, which the mask makes equivalent
+        rows = x.shape[0]
+        self.work["encoded_tokens"] += rows * width
         if self.graphs is not None and (width == S or width == self.params.block_length + self.policy.shift):
             hidden = self.graphs(x[:, w.start:w.end], w.start, attn, pos, self.cache)
+            self.work["key_pairs"] += rows * width * S
         else:
             cols = torch.arange(w.start, w.end, device=x.device)
             hidden = self.model.window_hidden(x[:, w.start:w.end], cols, attn, pos, w.key_end, self.cache)
+            self.work["key_pairs"] += rows * width * w.key_end
         if lo is None:
             return None
+        self.work["logit_tokens"] += rows * (hi - lo)
         logits = self.model.column_logits(hidden, w.start, lo, hi).float()
         if self.cfg:
             cond, uncond = logits.chunk(2)
@@ -236,7 +247,20 @@ def denoise_range(
 def _denoise(model, prompts: Sequence[Sequence[int]], params: SamplingParams, generators: Optional[Sequence[torch.Generator]],
              record: str, max_blocks: Optional[int], init_response: Optional[torch.Tensor],
              step_range: Optional[tuple[int, int]], lockstep: Optional[RankLockstep]) -> GenerationOutput:
-    """The one denoising loop behind `generate` and `denoise_range`."""
+    """The one denoising loop behind `generate` and `denoise_range`, with LoRA adapters folded into
+    the weights while it runs where `params.lora_merged` asks for it."""
+    args = (model, prompts, params, generators, record, max_blocks, init_response, step_range, lockstep)
+    if not params.lora_merged:
+        return _denoise_loop(*args)
+    if zero3_partitioned(model):
+        raise ValueError("lora_merged needs whole weights on each rank (LoRA trains with ZeRO stage 0-2, not 3)")
+    with adapters_merged(model):
+        return _denoise_loop(*args)
+
+
+def _denoise_loop(model, prompts: Sequence[Sequence[int]], params: SamplingParams, generators: Optional[Sequence[torch.Generator]],
+                  record: str, max_blocks: Optional[int], init_response: Optional[torch.Tensor],
+                  step_range: Optional[tuple[int, int]], lockstep: Optional[RankLockstep]) -> GenerationOutput:
     if record not in RECORD:
         raise ValueError(f"record must be one of {RECORD}, got '{record}'")
     device = next(model.parameters()).device
@@ -392,7 +416,7 @@ def _denoise(model, prompts: Sequence[Sequence[int]], params: SamplingParams, ge
             break
     if active.numel():
         final[active] = canvas.x
-    return _assemble(model, prompts, params, final, resp_start_all, canvas.origin, forward.nfe, steps, recorder, stop_ids)
+    return _assemble(model, prompts, params, final, resp_start_all, canvas.origin, forward, steps, recorder, stop_ids)
 
 
 def _finished(canvas: Canvas, hi: int, gen_length: int, stop_ids: torch.Tensor, stop_at_eos: bool) -> torch.Tensor:
@@ -405,7 +429,7 @@ def _finished(canvas: Canvas, hi: int, gen_length: int, stop_ids: torch.Tensor, 
     return done
 
 
-def _assemble(model, prompts, params, final, resp_start, origin, nfe, steps, recorder, stop_ids) -> GenerationOutput:
+def _assemble(model, prompts, params, final, resp_start, origin, forward: Forward, steps, recorder, stop_ids) -> GenerationOutput:
     """Each row's gen_length response columns of the canvas, in the standard layout; the trajectory
     keeps what was decoded after a stop."""
     mask_id, L = model.mask_token_id, params.gen_length
@@ -415,8 +439,8 @@ def _assemble(model, prompts, params, final, resp_start, origin, nfe, steps, rec
     trajectory = None
     if recorder is not None:
         trajectory = recorder.finish(final[:, origin:], resp_start - origin, steps, params.block_length, mask_id)
-    return response_output(prompts, response, model.pad_token_id, model.eos_token_id, stop_ids, nfe=nfe, steps=steps,
-                           sampler={"engine": "native", **asdict(params)}, trajectory=trajectory)
+    return response_output(prompts, response, model.pad_token_id, model.eos_token_id, stop_ids, nfe=forward.nfe, steps=steps,
+                           sampler={"engine": "native", **asdict(params)}, trajectory=trajectory, work=dict(forward.work))
 
 
 def response_output(prompts: Sequence[Sequence[int]], response: torch.Tensor, pad_id: int, eos_id: int,

@@ -69,12 +69,18 @@ class GraphStore:
 
     def __init__(self, model, batch: int, length: int, compile_forward: bool):
         p = next(model.parameters())
-        self.key = (batch, length, compile_forward)
+        self.key = store_key(model, batch, length, compile_forward)
         self.cache = KVCache(model.config, batch, length, p.dtype, p.device)
         self.attn = torch.zeros((batch, length), dtype=torch.long, device=p.device)
         self.pos = torch.zeros_like(self.attn)
         self.graphed = GraphedWindow(model, compile_forward)
         self.weights = tuple(q.data_ptr() for q in model.parameters())
+
+
+def store_key(model, batch: int, length: int, compile_forward: bool) -> tuple:
+    # a graph captured with the LoRA adapters folded into the weights (`adapters_merged`) runs no
+    # adapter kernels, one captured without them does: the same weight pointers, different graphs
+    return batch, length, compile_forward, bool(getattr(model, "_dare_lora_merged", False))
 
 
 def graph_store(model, batch: int, length: int, compile_forward: bool) -> GraphStore:
@@ -83,7 +89,7 @@ def graph_store(model, batch: int, length: int, compile_forward: bool) -> GraphS
     # rollout weights, each step) live elsewhere, and the graphs must be captured again
     weights = tuple(q.data_ptr() for q in model.parameters())
     store = getattr(model, "_dare_graph_store", None)
-    if store is None or store.key != (batch, length, compile_forward) or store.weights != weights:
+    if store is None or store.key != store_key(model, batch, length, compile_forward) or store.weights != weights:
         model._dare_graph_store = None
         torch.cuda.empty_cache()
         store = GraphStore(model, batch, length, compile_forward)

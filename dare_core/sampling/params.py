@@ -47,6 +47,9 @@ class SamplingParams:
     cuda_graphs: Optional[bool] = None
     # torch.compile that forward before capturing it (fewer, fused kernels; compiles once per batch size)
     compile_forward: bool = False
+    # decode with each LoRA adapter folded into its base weight (one GEMM per projection, not three);
+    # logits then differ from the adapter's own by the weights' rounding (docs/sampling.md#merged-lora-rollouts)
+    lora_merged: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):

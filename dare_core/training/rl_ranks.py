@@ -25,14 +25,15 @@ def rank_prompts(n_prompts: int, mini_batches: int, rank: int, world: int) -> li
 
 
 # How a step's metrics combine over the ranks, each having measured its own share of the step
-# (`combine_rank_metrics`). Totals: forward passes of the rollouts, rollout throughput, d-TreeRPO's
+# (`combine_rank_metrics`). Totals: forward passes of the rollouts and what they encoded, rollout throughput, d-TreeRPO's
 # distillation pairs. The same on every rank (rank 0's): the learning rate and d-TreeRPO's schedule
 # and tree size. The slowest rank: times (`*_s`) and peak memory. Anything else (reward, accuracy,
 # extraction_failed, response_tokens, sequence_tokens, rollout_steps, zero_std_ratio, reward_std,
 # active_tokens, adv_abs, an algorithm's own rollout metrics) is a mean over the ranks weighted by their prompts
 # (each prompt yields as many rollouts, groups and rows on every rank). The update metrics (loss
 # and those of `algo.update`) are reduced apart (`combine_rank_metrics`).
-RANK_SUM_METRICS = frozenset({"rollout_nfe", "rollout_tokens_per_s", "sd_pairs"})
+RANK_SUM_METRICS = frozenset({"rollout_nfe", "rollout_tokens_per_s", "rollout_encoded_tokens", "rollout_key_pairs",
+                              "rollout_logit_tokens", "sd_pairs"})
 RANK_SAME_METRICS = frozenset({"lr", "sd_lambda", "tree_transitions", "tree_leaves"})
 
 

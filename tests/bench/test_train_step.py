@@ -55,11 +55,11 @@ def test_tiny_run_writes_every_section(tmp_path):
         other, step_s = _number(row[8]), _number(row[9])  # other: the step less its phases
         assert all(p >= 0 for p in phases) and phases[0] > 0 and phases[3] > 0
         assert other >= -0.02 and sum(phases) <= step_s + 0.02  # exclusive phases: nothing counted twice
-        assert _number(row[11]) < 100  # the synthetic reward spreads every group (non-zero advantages)
-    assert rl[0][10] == ""  # the training pass's MFU: no bf16 peak on the CPU
+        assert _number(row[12]) < 100  # the synthetic reward spreads every group (non-zero advantages)
+    assert rl[0][10] == rl[0][11] == ""  # the training pass's MFU, the rollout's share of peak: no bf16 peak on the CPU
     if d1_here:
         assert re.fullmatch(r"d1's own code @[0-9a-f]{7}", rl[1][1])  # the peer's commit beside its row
-        assert _number(rl[0][13]) > 0  # DARE's speed-up over d1's own code
+        assert _number(rl[0][14]) > 0  # DARE's speed-up over d1's own code
 
     assert "ran at the same time, DARE's on GPU 0 and d1's on GPU 1" in text
 
@@ -102,8 +102,17 @@ def _check_training_pass_flops(folder):
 
     rl = SimpleNamespace(schedule="on_policy", num_iterations=2, mini_batches=1, kl_beta=0.04, prompts_per_step=3, group_size=4)
     work = rl_pass_flops(SimpleNamespace(rl=rl), str(folder), {"step": 2, "sequence_tokens": 20.0})
-    forward = model_flops(inspect_model(folder), [20.0] * 12, backward=False)
-    assert forward > 0 and work == {"step": 2, "scoring_flops": 3 * forward, "update_flops": 6 * forward}
+    model = inspect_model(folder)
+    forward = model_flops(model, [20.0] * 12, backward=False)
+    assert forward > 0 and work == {"step": 2, "scoring_flops": 3 * forward, "update_flops": 6 * forward, "rollout_flops": None}
+    # the rollout's: one token encoded against one key with its logits is one token's forward; each
+    # kind of work counts apart (an encoded token without logits costs the body alone)
+    one = {"step": 2, "sequence_tokens": 20.0, "rollout_encoded_tokens": 1, "rollout_key_pairs": 1, "rollout_logit_tokens": 1}
+    assert rl_pass_flops(SimpleNamespace(rl=rl), str(folder), one)["rollout_flops"] == model_flops(model, [1.0], backward=False)
+    c = model.config
+    body = {**one, "rollout_encoded_tokens": 10, "rollout_key_pairs": 0, "rollout_logit_tokens": 0}
+    assert rl_pass_flops(SimpleNamespace(rl=rl), str(folder), body)["rollout_flops"] == \
+        10 * (model_flops(model, [1.0], backward=False) - 2 * c.d_model * c.vocab_size - 4 * c.n_layers * c.n_heads * c.head_dim)
     rl.kl_beta, rl.num_iterations = 0.0, 1  # on-policy, one iteration, no KL: no scoring pass at all
     assert rl_pass_flops(SimpleNamespace(rl=rl), str(folder), {"step": 2, "sequence_tokens": 20.0})["scoring_flops"] == 0
 
@@ -154,3 +163,31 @@ def test_no_ratio_against_d1_without_its_commit():
     assert "- RL step + compile at LLaDA-8B vs d1's own code: 11.43x (target >= 10x, 8x the floor): met" in lines
     assert "- SDAR-8B RL training pass (scoring + forward/backward): MFU 41.0% (target >= 40 %): met" in lines
     assert "| DARE + compile |" in "\n".join(rl_table([compiled]))
+
+
+def test_rollout_share_of_peak_target_and_merged_label():
+    sys.path.insert(0, str(REPO / "bench"))
+    from train_step_report import rl_table, run_acceptance
+    from train_step_runs import RL_PHASES
+
+    ours = {"part": "rl", "shape": "llada", "recipe": "dare", "step": 2, "step_s": 10.0, "other": 0.0, "zero_std_ratio": 0.0,
+            "peak_gib": 50.0, "rollout_peak": 0.561, "rollouts": 128, "lora_merged": True, **dict.fromkeys(RL_PHASES, 1.0)}
+    assert "- rollout at LLaDA-8B (128 rollouts): 56.1% of bf16 peak (target >= 55 %): met" in run_acceptance([ours])
+    low = {**ours, "compile": True, "rollout_peak": 0.5}
+    assert "- rollout + compile at LLaDA-8B (128 rollouts): 50.0% of bf16 peak (target >= 55 %): not met" in run_acceptance([low])
+    table = "\n".join(rl_table([ours]))
+    assert "| DARE, merged-LoRA rollouts |" in table and "| 56.1% |" in table
+
+
+def test_add_keeps_earlier_rows_only_from_the_same_gpus(tmp_path):
+    """--add joins runs made one after the other on one machine: another GPU (a fresh machine of the
+    same kind) starts a file of its own, so no ratio is taken across machines."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from train_step_report import merge_previous
+
+    run = {"commit": "c" * 40, "hardware": "NVIDIA H200 (140 GiB), 16 CPU cores", "settings": {"a": 1}, "gpus": ["GPU-1"]}
+    path = tmp_path / "train_step.json"
+    path.write_text(json.dumps({"runs": [run], "rows": [{"part": "rl-d1", "measured_in": 0}]}))
+    assert merge_previous(path, dict(run), keep=True)["rows"] == [{"part": "rl-d1", "measured_in": 0}]
+    assert merge_previous(path, {**run, "gpus": ["GPU-2"]}, keep=True) == {"runs": [], "rows": []}
+    assert merge_previous(path, {**run, "commit": "d" * 40}, keep=True) == {"runs": [], "rows": []}

@@ -5,7 +5,7 @@ import torch
 
 from dare_core.diffusion.seeding import generator
 from dare_core.models.lm import build_model
-from dare_core.models.lora import LoraSettings, adapter_disabled, apply_lora, lora_layers, merged_state_dict
+from dare_core.models.lora import LoraSettings, adapter_disabled, adapters_merged, apply_lora, lora_layers, merged_state_dict
 from tiny_models import FAMILIES, tiny
 
 
@@ -46,3 +46,52 @@ def test_adapter_is_made_on_the_weights_device():
     apply_lora(model, LoraSettings(r=4, alpha=8))
     assert {p.device.type for p in model.net.parameters()} == {"meta"}
     assert torch.equal(torch.get_rng_state(), host_rng)
+
+
+def _trained_lora(model):
+    apply_lora(model, LoraSettings(r=4, alpha=8))
+    for layer in lora_layers(model.net):  # an adapter that changes the model
+        torch.nn.init.normal_(layer.lora_B["default"].weight, std=0.1, generator=generator(2, "b"))
+    return model
+
+
+@pytest.mark.parametrize("model_type", ["llada", "sdar"])
+def test_adapters_merged_folds_in_place_and_gives_the_weights_back_bit_for_bit(model_type):
+    model = _trained_lora(tiny(model_type).double())  # float64: the two forwards differ by summation order only
+    x = torch.randint(0, 60, (2, 9), generator=generator(1, "x"))
+    weights = {n: p.detach().clone() for n, p in model.net.named_parameters()}
+    tuned = model(x)
+    with adapters_merged(model) as merged:
+        assert merged and all(layer.merged for layer in lora_layers(model.net))
+        changed = [n for n, p in model.net.named_parameters() if not torch.equal(p, weights[n])]
+        assert changed and all(n.endswith("base_layer.weight") for n in changed)
+        torch.testing.assert_close(model(x), tuned, atol=1e-10, rtol=1e-10)
+    assert all(torch.equal(p, weights[n]) for n, p in model.net.named_parameters())
+    assert not any(layer.merged for layer in lora_layers(model.net))
+    assert torch.equal(model(x), tuned)
+    with pytest.raises(RuntimeError, match="mid-rollout"):
+        with adapters_merged(model):
+            raise RuntimeError("mid-rollout")
+    assert all(torch.equal(p, weights[n]) for n, p in model.net.named_parameters())
+
+
+def test_adapters_merged_rounds_once_in_bf16_and_leaves_a_plain_model_alone():
+    """In bf16 the merged weight is W + scale * B A rounded once, and the merged forward is as far
+    from the exact (float64) logits as the adapter's own bf16 forward is: the stated tolerance."""
+    import copy
+
+    model = _trained_lora(tiny("llada")).to(torch.bfloat16)
+    exact = copy.deepcopy(model).double()
+    layer = next(iter(lora_layers(model.net)))
+    w = layer.get_base_layer().weight.detach().clone()
+    once = (w.float() + layer.get_delta_weight("default").float()).to(torch.bfloat16)
+    x = torch.randint(0, 60, (2, 9), generator=generator(1, "x"))
+    truth = exact(x)
+    adapter_error = (model(x).double() - truth).abs()
+    with adapters_merged(model):
+        assert torch.equal(layer.get_base_layer().weight, once)
+        merged_error = (model(x).double() - truth).abs()
+    assert merged_error.mean() <= 1.25 * adapter_error.mean() and merged_error.max() <= 2 * adapter_error.max()
+    plain = tiny("llada")
+    with adapters_merged(plain) as merged:
+        assert not merged

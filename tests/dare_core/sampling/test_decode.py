@@ -134,3 +134,44 @@ def test_gumbel_rows_grouped_on_the_gpu_draw_what_each_row_draws_alone(monkeypat
     for group_rows in (4, 6):
         grouped, after = draw(group_rows)
         assert torch.equal(grouped, one) and torch.equal(after, after_one)
+
+
+@pytest.mark.parametrize("cache", ["none", "dual"])
+def test_forward_work_counts_the_columns_each_forward_encoded(cache):
+    """`work`: rows x window columns, x key columns, and rows x logit columns, over the forwards
+    the loop made (what a rollout's FLOPs are computed from)."""
+    from tiny_models import tiny
+
+    model = tiny("llada")
+    n_blocks, bl, spb = 2, 4, 4
+    params = SamplingParams(gen_length=n_blocks * bl, steps=n_blocks * spb, block_length=bl, cache=cache, stop_at_eos=False)
+    out = generate(model, PROMPTS, params)
+    B, S = len(PROMPTS), max(map(len, PROMPTS)) + n_blocks * bl
+    assert out.nfe == n_blocks * spb
+    if cache == "none":  # every step encodes the whole canvas against itself
+        windows = [(S, S)] * out.nfe
+    else:  # a block: one refresh of the canvas, then its own columns against the cache
+        windows = ([(S, S)] + [(bl, S)] * (spb - 1)) * n_blocks
+    assert out.work == {"encoded_tokens": B * sum(w for w, _ in windows), "key_pairs": B * sum(w * k for w, k in windows),
+                        "logit_tokens": B * bl * out.nfe}
+
+
+def test_lora_merged_decoding_decodes_what_the_adapter_does():
+    """Folded adapters (float64, where the two forwards differ by summation order only) decode the
+    same tokens from the same seeds, and the weights are the training ones again after."""
+    from dare_core.models.lora import LoraSettings, apply_lora, lora_layers
+    from tiny_models import tiny
+
+    model = apply_lora(tiny("llada").double(), LoraSettings(r=4, alpha=8))
+    for i, layer in enumerate(lora_layers(model.net)):
+        torch.nn.init.normal_(layer.lora_B["default"].weight, std=0.2, generator=torch.Generator().manual_seed(i))
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    params = SamplingParams(gen_length=8, steps=8, block_length=4, cache="dual", temperature=0.8)
+    uids = [str(i) for i in range(len(PROMPTS))]
+    with_adapter = generate(model, PROMPTS, params, generators=sample_generators((0,), uids))
+    folded = generate(model, PROMPTS, SamplingParams(**{**params.__dict__, "lora_merged": True}), generators=sample_generators((0,), uids))
+    assert torch.equal(folded.sequences, with_adapter.sequences)
+    assert folded.sampler["lora_merged"] is True
+    assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())
+    plain = generate(tiny("llada").double(), PROMPTS, params, generators=sample_generators((0,), uids))
+    assert not torch.equal(plain.sequences, with_adapter.sequences)  # the adapter does change the decoding

@@ -49,3 +49,18 @@ def test_graphs_are_reused_across_calls_and_prompt_lengths():
     again = generate(model, PROMPTS, params)
     assert model._dare_graph_store.graphed.graphs == graphs
     assert torch.equal(first.sequences, again.sequences)
+
+
+def test_lora_merged_rollouts_capture_their_own_graphs():
+    """Graphs captured with the adapters folded in run no adapter kernels: replaying them unfolded (or
+    the other way round) would decode another policy. Each mode decodes what eager decoding does."""
+    from dare_core.models.lora import LoraSettings, apply_lora, lora_layers
+
+    model = apply_lora(tiny("llada").double().cuda(), LoraSettings(r=4, alpha=8))
+    for i, layer in enumerate(lora_layers(model.net)):
+        torch.nn.init.normal_(layer.lora_B["default"].weight, std=0.2, generator=torch.Generator("cuda").manual_seed(i))
+    params = SamplingParams(gen_length=8, steps=8, block_length=4, cache="dual", cuda_graphs=True)
+    eager = generate(model, PROMPTS, SamplingParams(**{**params.__dict__, "cuda_graphs": False}))
+    for merged in (False, True, False, True):
+        out = generate(model, PROMPTS, SamplingParams(**{**params.__dict__, "lora_merged": merged}))
+        assert torch.equal(out.sequences, eager.sequences), merged
