@@ -65,6 +65,10 @@ def check_rl_config(cfg: DareConfig, rows_per_prompt: Optional[int] = None) -> N
         raise ValueError(f"rl.ref_sync_steps = {rl.ref_sync_steps} needs full fine-tuning: with model.lora the KL reference "
                          f"is the adapter-disabled base model, which cannot be synced to the policy without merging the "
                          f"adapter into it; set rl.ref_sync_steps: 0 (the reference stays the base model) or model.lora: null")
+    if rl.sampler.lora_merged and cfg.launch.zero_stage == 3:
+        # folding an adapter writes over whole weights, which ZeRO-3 keeps only in partitions
+        raise ValueError("rl.sampler.lora_merged needs whole weights on every rank: launch.zero_stage 0, 1 or 2 "
+                         "(got 3); set rl.sampler.lora_merged: false")
     per_prompt = rows_per_prompt or rl.group_size
     rollouts = rl.prompts_per_step * per_prompt
     if rl.group_size < 2:  # also a config check; kept for configs built in code
