@@ -24,6 +24,9 @@ CONSTRAINTS := -c requirements/constraints.txt $(if $(wildcard $(LOCK)),-c $(LOC
 PIN_TORCH   := "$(TORCH_SPEC)"
 
 PYTEST_ARGS ?=
+# Test modules spread over this many processes (pytest-xdist; 0: all in this one). Each test
+# computes on one thread (tests/conftest.py), so two keep CI's two cores busy: about half the time.
+PYTEST_WORKERS ?= 2
 RUN_ARGS    ?=
 
 # lmdeploy's own environment (its lock is resolved with uv, which requirements/test.txt installs).
@@ -108,7 +111,7 @@ $(addprefix ds-op-,$(DS_OPS)): ds-op-%: venv
 # DARE_LMDEPLOY_CPU makes the lmdeploy CPU tests fail, not skip, when the overlay is broken.
 test:
 	$(MAKE) -j4 venv-test sandbox browser ds-ops lmdeploy-cpu
-	DARE_LMDEPLOY_CPU="$(DARE_LMDEPLOY_CPU)" $(PY) -m pytest -q $(PYTEST_ARGS)
+	DARE_LMDEPLOY_CPU="$(DARE_LMDEPLOY_CPU)" $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # ---- lmdeploy: its own environment (docs/environment.md#lmdeploy) ----
 # Every lmdeploy release wants peft<=0.14.0 and 0.18.0 wants torch<=2.12.1; DARE has peft 0.21.2 and

@@ -10,8 +10,9 @@ the task copies a restored stage's outputs there, and what an up-to-date stage's
 Everything a stage does is in `dvc.yaml`, so `dvc repro` alone reproduces the same run; this flow adds ordering, retries (a
 rerun of a killed stage resumes from its checkpoints), a per-stage summary and the eval table as a
 Prefect artifact. A flow run whose worker died is marked Crashed by the server (automations.yaml);
-its retry works in the same workspace, resumes each stage from its checkpoints and first closes
-the task runs the lost attempt left open (flows/attempts.py).
+prefect.yaml's `dare-close-crashed-run` then closes the task runs it lost and puts the reason on the
+run page (flows/attempts.py); its retry works in the same workspace, resumes each stage from its
+checkpoints, counts the lost attempt's tries in the stage table and publishes nothing twice.
 
 Parameter overrides: `overrides=["rl.num_steps=200"]` (a deployment parameter; `--set` here) sets
 params.yaml keys for the run, recorded in the run's `dare-run` artifact; DVC tracks them as params
@@ -58,9 +59,10 @@ from dataclasses import dataclass, field, replace  # noqa: E402
 
 from prefect import flow, get_run_logger  # noqa: E402
 from prefect.runtime import flow_run  # noqa: E402
-from prefect.artifacts import create_markdown_artifact, create_table_artifact  # noqa: E402
+from prefect.artifacts import create_markdown_artifact as _create_markdown_artifact  # noqa: E402
+from prefect.artifacts import create_table_artifact as _create_table_artifact  # noqa: E402
 
-from flows.attempts import close_lost_task_runs  # noqa: E402
+from flows.attempts import EarlierAttempts, published_keys, take_over  # noqa: E402
 from flows.report import run_markdown, stage_markdown  # noqa: E402
 from tasks.dvc_stage import StageResult, dvc_stage  # noqa: E402
 from tasks.workspace import apply_overrides, checkout_state, create_workspace, end_run  # noqa: E402
@@ -102,7 +104,7 @@ class PipelineResult:
     def stage_table(self) -> str:
         rows = ["| stage | status | attempts | wall time | why |", "|---|---|---|---|---|"]
         for r in self.stages:
-            rows.append(f"| {r.stage} | {r.status} | {r.attempts} | {r.seconds:.1f} s | {r.reason} |")
+            rows.append(f"| {r.stage} | {r.outcome} | {r.attempts} | {r.seconds:.1f} s | {r.reason} |")
         if self.failed:
             rows.append(f"| {self.failed} | FAILED | | | |")
         return "\n".join(rows)
@@ -210,9 +212,10 @@ def dare_pipeline(
     """
     logger = get_run_logger()
     attempt = flow_run.get_run_count()
-    if closed := close_lost_task_runs(flow_run.get_id(), flow_run.get_name(), attempt):
+    earlier = take_over(flow_run.get_id(), flow_run.get_name(), attempt)
+    if earlier.closed:
         logger.warning("attempt %d: marked Crashed the task runs a lost attempt left open: %s",
-                       attempt, ", ".join(closed))
+                       attempt, ", ".join(earlier.closed))
     checkout = Path(repo).resolve()
     defined = defined_stages(checkout)
     stages = [s for s in DEFAULT_STAGES if s in defined] if stages is None else with_inputs(list(stages), defined)
@@ -221,7 +224,7 @@ def dare_pipeline(
     commit, dirty = checkout_state(checkout) if (checkout / ".git").exists() else (None, [])
     if not isolated:
         return _run_in(checkout, stages, overrides, dict(checkout=checkout, commit=commit, isolated=False, dirty=dirty),
-                       force=force, retries=retries, retry_delay_seconds=retry_delay_seconds)
+                       force=force, retries=retries, retry_delay_seconds=retry_delay_seconds, earlier=earlier)
     root, commit = create_workspace(checkout, _workspace_name())
     logger.info("isolated workspace %s (commit %s)", root, commit[:12])
     if dirty:
@@ -229,7 +232,7 @@ def dare_pipeline(
     outcome = "failed"  # also for an override typo: its workspace is kept a while, then pruned
     try:
         result = _run_in(root, stages, overrides, dict(checkout=checkout, commit=commit, isolated=True, dirty=dirty),
-                         force=force, retries=retries, retry_delay_seconds=retry_delay_seconds)
+                         force=force, retries=retries, retry_delay_seconds=retry_delay_seconds, earlier=earlier)
         outcome = "ran"
         return result
     finally:
@@ -237,13 +240,18 @@ def dare_pipeline(
 
 
 def _run_in(root: Path, stages: list[str], overrides: list[str], run_info: dict, *, force: bool, retries: int,
-            retry_delay_seconds: float) -> PipelineResult:
+            retry_delay_seconds: float, earlier: EarlierAttempts) -> PipelineResult:
     """The body of a flow run, in `root` (the checkout or its workspace): the overrides, the
-    `dare-run` artifact (`run_info`: where the run came from), each stage, the eval table."""
+    `dare-run` artifact (`run_info`: where the run came from), each stage, the eval table. A stage's
+    attempts count its tries in `earlier` attempts of the flow run too."""
     logger = get_run_logger()
     if overrides:
         applied = apply_overrides(root / "params.yaml", overrides)
         logger.info("params.yaml overrides: %s", ", ".join(f"{k}={v!r}" for k, v in applied))
+    # a retried flow run lists the artifacts of all its attempts: what a lost one published stays
+    published = published_keys(flow_run.get_id(), flow_run.get_run_count())
+    create_markdown_artifact = _once(_create_markdown_artifact, published)
+    create_table_artifact = _once(_create_table_artifact, published)
     create_markdown_artifact(
         key="dare-run",
         markdown=run_markdown(workdir=root, overrides=overrides, stages=stages, **run_info),
@@ -261,7 +269,7 @@ def _run_in(root: Path, stages: list[str], overrides: list[str], run_info: dict,
             result.failed = stage
             print(f"\nDARE pipeline FAILED at stage {stage!r} ({root})\n{result.stage_table()}", flush=True)
             raise
-        result.stages.append(replace(r, seconds=time.perf_counter() - t0))
+        result.stages.append(replace(r, seconds=time.perf_counter() - t0, attempts=r.attempts + earlier.tries[stage]))
         report = stage_markdown(stage.split("@")[0], root, started) if r.ran else None
         if report:  # only what this run wrote: a skipped or restored stage's files come from an earlier run
             create_markdown_artifact(key=f"dare-{_artifact_key(stage)}-report", markdown=report,
@@ -270,7 +278,7 @@ def _run_in(root: Path, stages: list[str], overrides: list[str], run_info: dict,
     summary = result.stage_table()
     create_table_artifact(
         key="dare-stages",
-        table=[{"stage": r.stage, "status": r.status, "attempts": r.attempts,
+        table=[{"stage": r.stage, "status": r.outcome, "attempts": r.attempts,
                 "seconds": round(r.seconds, 2), "why": r.reason} for r in result.stages],
         description=f"DARE pipeline stages ({root})",
     )
@@ -302,6 +310,14 @@ def _run_in(root: Path, stages: list[str], overrides: list[str], run_info: dict,
                 result.table]
     print("\n".join(out), flush=True)
     return result
+
+
+def _once(create, published: set[str]):
+    """`create` (a Prefect artifact function) skipping the keys an earlier attempt published."""
+    def create_once(*, key: str, **kwargs):
+        if key not in published:
+            create(key=key, **kwargs)
+    return create_once
 
 
 def _workspace_name() -> str:

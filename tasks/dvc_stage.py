@@ -44,7 +44,7 @@ from prefect.runtime import task_run
 
 from dare_core.env_file import apply_env_defaults
 from dare_core.exits import killed_by, signal_of
-from tasks.stage_output import WORKER_ERROR, LineForwarder, dvc_error, error_line
+from tasks.stage_output import WORKER_ERROR, LineForwarder, dvc_error, error_line, line_level
 
 __all__ = ["StageFailed", "StageResult", "dvc_stage", "run_stage", "stage_changes"]
 
@@ -53,6 +53,8 @@ STAGE_OUTPUT_LOGGER = "prefect.task_runs.stage_output"
 
 # DVC 3's line (dvc/stage/cache.py) for a stage it checks out of its cache instead of running
 RESTORED = re.compile(r"^Stage '[^']+' is cached - skipping run, checking out outputs", re.M)
+# a training stage's line when it continues from a checkpoint (dare_core/training/checkpoint.py)
+RESUMED = re.compile(r"resuming .+? from \S+ \(step (\d+)")
 
 
 class StageFailed(RuntimeError):
@@ -102,10 +104,16 @@ class StageResult:
     seconds: float  # wall time of the last attempt (the flow overwrites it with the total)
     attempts: int = 1
     reason: str = ""  # what DVC saw changed, e.g. "changed deps, changed outs"; "forced"
+    resumed_from: int | None = None  # the step of the checkpoint the stage continued from
 
     @property
     def ran(self) -> bool:
         return self.status == "ran"
+
+    @property
+    def outcome(self) -> str:
+        """The status, and for a stage that continued from a checkpoint, from which step."""
+        return f"{self.status}, resumed from step {self.resumed_from}" if self.resumed_from is not None else self.status
 
 
 def dvc_command(*args: str) -> list[str]:
@@ -227,9 +235,15 @@ def run_stage(stage: str, repo: str | Path = ".", force: bool = False, attempt: 
     changes = [] if force else stage_changes(stage, repo)
     reason = "forced" if force else _describe(changes) if changes else "up to date"
     status = "skipped"
+    resumed: list[int] = []
+
+    def watch(line: str) -> None:
+        if not resumed and (m := RESUMED.search(line)):
+            resumed.append(int(m.group(1)))
+
     if force or changes:
         cmd = dvc_command("repro", "--single-item", *(["--force"] if force else []), stage)
-        returncode, tail = _run_streaming(cmd, repo, LineForwarder(log_line) if log_line else None, env)
+        returncode, tail = _run_streaming(cmd, repo, LineForwarder(log_line or (lambda _line: None), watch=watch), env)
         if returncode != 0:
             raise StageFailed(stage, returncode, cmd, repo, dvc_error(tail), error_line(tail))
         status = "restored" if RESTORED.search(tail) and "Running stage '" not in tail else "ran"
@@ -239,18 +253,21 @@ def run_stage(stage: str, repo: str | Path = ".", force: bool = False, attempt: 
         if returncode != 0:
             why = error_line(tail) or f"dare upload exited with {returncode}"
             raise StageFailed(stage, returncode, upload, repo, cause=f"{why} (copying the {status} outputs to run.artifact_root)")
-    return StageResult(stage, status, time.perf_counter() - t0, attempt, reason)
+    return StageResult(stage, status, time.perf_counter() - t0, attempt, reason, resumed[0] if resumed else None)
 
 
 def to_ui_only(logger: logging.LoggerAdapter) -> Callable[[str], None]:
     """Log a stage's output lines to the task's Prefect log (the UI) and not to the console: the
-    console already shows them, echoed live, and Prefect's console handler would print each twice."""
+    console already shows them, echoed live, and Prefect's console handler would print each twice.
+    Each line at the level it states (`line_level`), so that the UI's error filter finds why a
+    stage failed."""
     quiet = logging.getLogger(STAGE_OUTPUT_LOGGER)
     if not any(isinstance(h, APILogHandler) for h in quiet.handlers):
         quiet.addHandler(APILogHandler())
         quiet.setLevel(logging.INFO)
         quiet.propagate = False  # prefect.task_runs' parents end at the root's console handler
-    return PrefectLogAdapter(quiet, extra=dict(logger.extra or {})).info
+    adapter = PrefectLogAdapter(quiet, extra=dict(logger.extra or {}))
+    return lambda line: adapter.log(line_level(line), "%s", line)
 
 
 @task(
@@ -271,6 +288,11 @@ def dvc_stage(stage: str, repo: str = ".", force: bool = False, publish: bool = 
     logger = get_run_logger()
     attempt = int(task_run.run_count or 1)
     logger.info("stage %s: attempt %d in %s", stage, attempt, repo)
-    result = run_stage(stage, repo, force=force, attempt=attempt, log_line=to_ui_only(logger), publish=publish)
+    try:
+        result = run_stage(stage, repo, force=force, attempt=attempt, log_line=to_ui_only(logger), publish=publish)
+    except StageFailed as exc:
+        # Prefect itself reports a failed try at INFO when a retry follows: the reason is an error
+        logger.error("stage %s failed (attempt %d): %s", stage, attempt, exc)
+        raise
     logger.info("stage %s: %s in %.1f s (%s)", stage, result.status, result.seconds, result.reason)
     return result

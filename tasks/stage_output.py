@@ -7,6 +7,7 @@ stage cannot flood the API. What the limit drops is counted and reported in one 
 """
 from __future__ import annotations
 
+import logging
 import re
 import threading
 import time
@@ -17,6 +18,10 @@ from dare_core.exits import is_progress_bar
 # DARE's workers end a failed run with one `error: ...` line (dare_core/workers/common.py)
 WORKER_ERROR = re.compile(r"^error: ")
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+# the last line of a Python traceback: `SomeError: message` (or `pkg.SomeError: ...`)
+# DVC's `ERROR: ...` / `WARNING: ...`, and a record of the workers' logging format (`<asctime> LEVEL name: ...`)
+STATED_LEVEL = re.compile(r"^(?:(ERROR|WARNING):|\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ (CRITICAL|ERROR|WARNING) )")
+TRACEBACK_END = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Interrupt|Exit): ")
 
 
 class LineForwarder:
@@ -25,8 +30,9 @@ class LineForwarder:
     Thread-safe: stdout and stderr readers share one forwarder (and one budget)."""
 
     def __init__(self, emit: Callable[[str], None], rate: float = 10.0, burst: int = 50,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, watch: Callable[[str], None] | None = None):
         self.emit, self.rate, self.burst, self.clock = emit, rate, burst, clock
+        self.watch = watch  # sees every complete line, also those the rate limit keeps from `emit`
         self.tokens = float(burst)
         self.last = clock()
         self.dropped = 0
@@ -54,6 +60,8 @@ class LineForwarder:
         line = ANSI.sub("", raw.split("\r")[-1] if raw.strip("\r") else "").rstrip()
         if not line.strip():
             return
+        if self.watch is not None:
+            self.watch(line)
         now = self.clock()
         self.tokens = min(float(self.burst), self.tokens + (now - self.last) * self.rate)
         self.last = now
@@ -69,6 +77,16 @@ class LineForwarder:
         if self.dropped:
             self.emit(f"... {self.dropped} lines not forwarded (more than {self.rate:g}/s; the worker's console has them)")
             self.dropped = 0
+
+
+def line_level(line: str) -> int:
+    """The log level a stage's output line states: the worker's `error: ...` line, DVC's `ERROR:`
+    report, a traceback's last line and a logged ERROR record are errors; DVC's `WARNING:` lines
+    and logged WARNING records are warnings."""
+    if WORKER_ERROR.match(line) or TRACEBACK_END.match(line):
+        return logging.ERROR
+    stated = STATED_LEVEL.match(line)
+    return logging.getLevelName(stated.group(1) or stated.group(2)) if stated else logging.INFO
 
 
 def error_line(output_tail: str) -> str:

@@ -10,7 +10,33 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() e
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+# The longest test modules, longest first (seconds on 2 shared cores, from a run's --durations).
+# `make test` spreads whole modules over two workers in collection order (pytest-xdist's
+# loadfile): started first, the long ones run beside the many short ones instead of leaving one
+# worker alone with them at the end. A stale list only costs balance, never a result.
+LONGEST_FIRST = [
+    "tests/flows/test_embedded_learning.py",  # 550
+    "tests/flows/test_deployments.py",  # 230
+    "tests/flows/test_own_data_doc.py",  # 185
+    "tests/dare_core/training/test_preference_stage.py",  # 185
+    "tests/dare_core/training/test_ranks_match.py",  # 180
+    "tests/dare_core/test_bad_input_stages.py",  # 175
+    "tests/flows/test_pipeline.py",  # 105
+    "tests/dare_core/training/test_ranks_faults.py",  # 90
+    "tests/flows/test_object_storage.py",  # 85
+    "tests/dare_core/eval/test_opencompass.py",  # 85
+    "tests/dare_core/models/test_compile.py",  # 80
+    "tests/flows/test_embedded_pipeline.py",  # 75
+    "tests/flows/test_ui_screenshot.py",  # 75
+    "tests/dare_core/test_bad_input_commands.py",  # 75
+]
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    root = config.rootpath
+    # stable: the tests of one module keep their order and stay together (module-scoped fixtures)
+    items.sort(key=lambda item: rank.get(item.path.relative_to(root).as_posix(), len(rank)))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

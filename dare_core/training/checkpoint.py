@@ -213,7 +213,8 @@ class CheckpointManager:
 
     def begin(self, engine, what: str) -> int:
         """Right before the first step, after every check: the step to continue from (0: fresh).
-        Checkpoints that are not resumed are set aside now, and only now."""
+        Checkpoints that are not resumed are set aside now, and only now. The folder exists from
+        here on, whether or not the run writes a checkpoint into it."""
         if self._set_aside is not None or self._source is not None:
             if engine.global_rank == 0:
                 source = self._source
@@ -227,6 +228,10 @@ class CheckpointManager:
                                 "them", self.dir, source)
             if torch.distributed.is_initialized():
                 torch.distributed.barrier()
+        if engine.global_rank == 0:
+            # the folder is a declared output of the stage (dvc.yaml) even where the run is shorter
+            # than save_every and writes no checkpoint into it
+            self.dir.mkdir(parents=True, exist_ok=True)
         if self._tag is None:
             return 0
         if self._meta.get("weights_only"):

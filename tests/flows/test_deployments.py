@@ -5,13 +5,16 @@
 - two deployment runs at once both complete, each in its own worktree (no `'data/tokenizer' is busy`),
   and the deploy checkout stays clean;
 - a stage that fails in its worker fails its Prefect task with the worker's own error line;
-- a run whose worker host dies is marked Crashed by automations.yaml, retried as the UI does, and
-  resumes from its checkpoints; the lost attempt's task runs are closed.
+- a run whose worker host dies is marked Crashed by automations.yaml; prefect.yaml's closing flow
+  then ends its lost task (its duration its own) and puts the reason on the run page; a retry as
+  the UI does resumes from its checkpoints, its stage table says from which step and counts the lost
+  try, and no artifact is published twice.
 """
 from __future__ import annotations
 
 import contextlib
 import json
+from datetime import datetime
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -51,6 +54,16 @@ def deploy(server: PrefectServer, project: Path, name: str, parameters: dict, sc
     (project / "prefect.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     server.cli("--no-prompt", "deploy", "--name", name, cwd=project)
     return api_get(server, f"deployments/name/dare-pipeline/{name}")["id"]
+
+
+def deploy_closer(server: PrefectServer, project: Path, pool: str) -> None:
+    """prefect.yaml's dare-close-crashed-run (its trigger included), pointed at `pool`."""
+    config = yaml.safe_load((REPO / "prefect.yaml").read_text())
+    spec = next(d for d in config["deployments"] if d["name"] == "dare-close-crashed-run")
+    spec["work_pool"]["name"] = pool
+    config["deployments"] = [spec]
+    (project / "prefect.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    server.cli("--no-prompt", "deploy", "--name", spec["name"], cwd=project)
 
 
 def run_deployment(server: PrefectServer, deployment_id: str, parameters: dict) -> str:
@@ -124,8 +137,11 @@ def test_concurrent_runs_complete_in_their_own_workspaces_and_failures_show_the_
     state = final_state(server, bad, 240)
     assert state["state_type"] == "FAILED"
     tasks = api_post(server, "task_runs/filter", {"flow_runs": {"id": {"any_": [bad]}}})
-    message = next(t for t in tasks if t["name"] == "prepare")["state"]["message"]
-    assert "error: model.init: n_heads (3) must divide the width d_model" in message, message
+    prepare = next(t for t in tasks if t["name"] == "prepare")
+    assert "error: model.init: n_heads (3) must divide the width d_model" in prepare["state"]["message"], prepare
+    # the reason is logged as an error (the UI's level filter), not only in the state message
+    errors = api_post(server, "logs/filter", {"logs": {"task_run_id": {"any_": [prepare["id"]]}, "level": {"ge_": 40}}})
+    assert [log for log in errors if "error: model.init: n_heads (3)" in log["message"]], errors
 
 
 # automations.yaml's windows are 90 s (for 30 s heartbeats, Prefect's shortest); the test's are shorter
@@ -174,6 +190,7 @@ def test_a_run_whose_worker_host_dies_is_crashed_and_a_retry_resumes_from_its_ch
         installed = background.submit(server.cli, "automation", "create", "--from-file",
                                       str(server.home / "automations.yaml"))
         dep = deploy(server, project, "lost", {}, [], pool=LOST_POOL)
+        deploy_closer(server, project, POOL)  # the shared pool's worker runs it
         installed.result()
     # a run cancelled after its worker died (here: one that never had a worker) stays Cancelling
     # unless the second automation finishes the cancellation; checked at the end
@@ -191,7 +208,7 @@ def test_a_run_whose_worker_host_dies_is_crashed_and_a_retry_resumes_from_its_ch
     # prefect.yaml's heartbeat setting reached the flow run's processes (a run beats once at its start)
     assert flow_run_env(worker, run_id).get("PREFECT_FLOWS_HEARTBEAT_FREQUENCY") == "30"
     server.kill_worker(worker)
-    killed = time.monotonic()
+    killed, killed_at = time.monotonic(), time.time()
     tag = (checkpoints / "latest").read_text().strip()  # the checkpoint a retry must resume from
     replacement = len(server.workers)
     server.start_worker(LOST_POOL, cwd=project, **WORKER_ENV)  # starts up while the server notices
@@ -201,6 +218,21 @@ def test_a_run_whose_worker_host_dies_is_crashed_and_a_retry_resumes_from_its_ch
     # its last heartbeat came before the kill: Crashed within the window, the 5 s evaluation tick and polling
     assert time.monotonic() - killed < ZOMBIE_WINDOW + 10
     assert "dare-crash-unresponsive-runs" in crashed["state"]["message"]
+
+    # the closing flow ends the lost SFT task with the run, before any retry: its bar stops growing
+    def lost_sft():
+        tasks = api_post(server, "task_runs/filter", {"flow_runs": {"id": {"any_": [run_id]}}})
+        sft = next((t for t in tasks if t["name"] == "sft"), None)
+        return sft if sft and sft["state_type"] == "CRASHED" else None
+
+    lost = wait_for(lost_sft, 120, "the lost SFT task to be closed", interval=1)
+    assert lost["state"]["message"].startswith(f"flow run {name!r} crashed: no heartbeat"), lost["state"]
+    ended = datetime.fromisoformat(lost["end_time"]).timestamp()
+    assert ended - killed_at < ZOMBIE_WINDOW + 60, (ended - killed_at, lost)
+    # ... and the run page says why: the reason and the stage's last lines
+    crash = [a for a in api_post(server, "artifacts/filter", {"flow_runs": {"id": {"any_": [run_id]}}})
+             if a["key"] == "dare-crash"]
+    assert len(crash) == 1 and "no heartbeat for" in crash[0]["data"] and "### Stage `sft`" in crash[0]["data"]
 
     # the Retry of the flow run's menu in Prefect 3.8.8's default UI (ui-v2)
     retry = api_post(server, f"flow_runs/{run_id}/set_state", {
@@ -212,7 +244,13 @@ def test_a_run_whose_worker_host_dies_is_crashed_and_a_retry_resumes_from_its_ch
     assert not [t["name"] for t in tasks if t["state_type"] in ("RUNNING", "PENDING", "SCHEDULED")]
     sft = {t["flow_run_run_count"]: t for t in tasks if t["name"] == "sft"}
     assert (sft[1]["state_type"], sft[2]["state_type"]) == ("CRASHED", "COMPLETED")
-    assert f"attempt 1 of flow run {name!r}" in sft[1]["state"]["message"]
+    assert sft[1]["end_time"] == lost["end_time"]  # the retry did not touch it again
+    # the stage table: SFT resumed from the checkpoint, its second try (the lost one counted)
+    arts = api_post(server, "artifacts/filter", {"flow_runs": {"id": {"any_": [run_id]}}})
+    rows = {row["stage"]: row for row in json.loads(next(a for a in arts if a["key"] == "dare-stages")["data"])}
+    assert rows["sft"]["status"] == f"ran, resumed from step {int(tag[4:])}" and rows["sft"]["attempts"] == 2, rows
+    keys = [a["key"] for a in arts]
+    assert len(keys) == len(set(keys)), keys  # the retry published nothing the lost attempt had
     logs = [log["message"] for log in api_post(server, "logs/filter",
                                                {"logs": {"task_run_id": {"any_": [sft[2]["id"]]}}})]
     assert [line for line in logs if "resuming SFT from" in line and tag in line], (tag, logs)

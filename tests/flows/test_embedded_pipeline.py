@@ -13,7 +13,9 @@ from pipeline_helpers import REPO, make_project, tiny_params, worker_env, write_
 
 @pytest.mark.slow
 def test_flow_runs_every_stage_then_skips(tmp_path):
-    params = tiny_params(tmp_path)
+    # every run shorter than its save_every (a smoke test; the shipped preference stage): no
+    # checkpoint is due, yet each stage's declared checkpoints folder must exist for DVC
+    params = tiny_params(tmp_path, sft__save_every=50, preference__save_every=25, rl__save_every=5)
     env = worker_env()
     env.update(PREFECT_HOME=str(tmp_path / "prefect"), PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180", DVC_NO_ANALYTICS="1")
     env.pop("PREFECT_API_URL", None)
@@ -42,6 +44,8 @@ def test_flow_runs_every_stage_then_skips(tmp_path):
     assert (repo / "runs" / "t" / "sft" / "loss.csv").read_text().startswith("step,loss")
     assert (repo / "runs" / "t" / "rl" / "reward.csv").exists() and (repo / "runs" / "t" / "eval" / "accuracy.png").exists()
     assert (repo / "dvc.lock").exists()
+    for stage in ("sft", "preference"):
+        assert not any((repo / "runs" / "t" / stage / "checkpoints").glob("step*"))
     # the preference side branch exported its own loadable model and finite metrics
     pref = json.loads((repo / "metrics" / "preference.json").read_text())
     assert pref["algorithm"] == "vrpo" and pref["final_loss"] == pref["final_loss"]

@@ -180,8 +180,9 @@ sys.exit(2)
 """
 
 
-def _task_logs(flow_run_id) -> dict[str, list[str]]:
-    """Task run name -> its log messages, after Prefect's log worker has sent them."""
+def _task_logs(flow_run_id, levels: bool = False) -> dict[str, list[str]]:
+    """Task run name -> its log messages (`levels`: (level, message) pairs), after Prefect's log
+    worker has sent them."""
     import asyncio
 
     from prefect.client.orchestration import get_client
@@ -198,7 +199,7 @@ def _task_logs(flow_run_id) -> dict[str, list[str]]:
             states = {r.name: r.state.message for r in runs}
             out: dict[str, list[str]] = {}
             for log in logs:
-                out.setdefault(names.get(log.task_run_id, "flow"), []).append(log.message)
+                out.setdefault(names.get(log.task_run_id, "flow"), []).append((log.level, log.message) if levels else log.message)
             return out, states
 
     return asyncio.run(read())
@@ -247,8 +248,13 @@ def test_prefect_sees_stage_output_errors_overrides_and_isolated_runs(tmp_path, 
     with pytest.raises(StageFailed) as err:
         state.result()
     assert str(err.value).startswith(worker_line) and err.value.returncode == 2
-    logs, messages = _task_logs(state.state_details.flow_run_id)
-    assert worker_line in messages["typo"] and worker_line in logs["typo"]
+    logs, messages = _task_logs(state.state_details.flow_run_id, levels=True)
+    assert worker_line in messages["typo"] and (logging.ERROR, worker_line) in logs["typo"]
+    # the reason is an error in the task's log (what the UI's level filter shows), not only Prefect's
+    # "Retries are exhausted"; the stage's ordinary lines stay at INFO
+    assert [m for level, m in logs["typo"] if level == logging.ERROR and m.startswith("stage typo failed (attempt 1): "
+                                                                                       + worker_line)]
+    assert (logging.INFO, "loading params.yaml") in logs["typo"]
 
     # eval publishes its table only from the run that evaluated: a run that skips eval adds no version
     dare_pipeline(repo=str(tmp_path), retry_delay_seconds=0)

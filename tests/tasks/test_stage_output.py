@@ -1,7 +1,9 @@
 """Stage output -> Prefect log lines (rate-limited) and the line that explains a failure."""
 from __future__ import annotations
 
-from tasks.stage_output import LineForwarder, dvc_error, error_line
+import logging
+
+from tasks.stage_output import LineForwarder, dvc_error, error_line, line_level
 
 
 class Clock:
@@ -76,3 +78,15 @@ def test_a_progress_bar_is_never_the_error_line():
     assert error_line(tail) == "RuntimeError: boom"
     only_bar = "Running stage 'sft':\n> dare stage sft\nsft:  40%|####  | 4/10 [00:01<00:02]\nERROR: failed to reproduce 'sft': exited with 1\n"
     assert error_line(only_bar) == "ERROR: failed to reproduce 'sft': exited with 1"
+
+
+def test_each_line_is_logged_at_the_level_it_states():
+    errors = ["error: params.yaml: unknown config key 'sft.max_step'", "ERROR: failed to reproduce 'sft'",
+              "ValueError: n_heads must divide d_model", "torch.OutOfMemoryError: CUDA out of memory",
+              "2026-11-29 11:00:00,123 ERROR dare_core.training.stage: the run stopped"]
+    warnings = ["WARNING: stage 'sft' is cached", "2026-11-29 11:00:00,123 WARNING dare_core.x: kept in superseded/"]
+    infos = ["step 5 loss 1.000", "2026-11-29 11:00:00,123 INFO dare_core.x: resuming SFT", "Error rate 0.1: fine",
+             "the errors: none", "sampling 3/3"]
+    assert [line_level(line) for line in errors] == [logging.ERROR] * len(errors)
+    assert [line_level(line) for line in warnings] == [logging.WARNING] * len(warnings)
+    assert [line_level(line) for line in infos] == [logging.INFO] * len(infos)

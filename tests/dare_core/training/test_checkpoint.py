@@ -96,6 +96,27 @@ def test_an_exporting_stage_writes_nothing_at_a_last_step_without_resume_point(t
            f"the final weights" in caplog.text
 
 
+@pytest.mark.parametrize("exports", [False, True], ids=["convert-reads", "exports"])
+@pytest.mark.parametrize("last_step,save_every,keep_last", [(1, 250, 1), (6, 25, 2), (4, 4, 1), (5, 2, 1), (7, 3, 5)])
+def test_the_checkpoint_folder_exists_after_any_run_length(tmp_path, tiny_llada, last_step, save_every, keep_last, exports):
+    """The folder is a declared output of its stage (dvc.yaml): DVC fails a stage whose output is
+    missing, so a run shorter than save_every (SFT's smoke run, the preference stage's 6 steps) must
+    leave it too, empty where nothing was due; a rerun over it then resumes or ends as before."""
+    ckpts = tmp_path / "run" / "checkpoints"
+    policy = SavePolicy(save_every=save_every, last_step=last_step, exports=exports)
+    manager = CheckpointManager(ckpts, keep_last, FINGERPRINT, "rl", policy=policy)
+    assert manager.check() is None and manager.begin(OneRankEngine(tiny_llada), "RL") == 0
+    for step in range(1, last_step + 1):
+        manager.after_step(OneRankEngine(tiny_llada), step, tiny_llada.hf_config)
+
+    assert ckpts.is_dir()
+    written = sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step"))
+    due = [s for s in range(1, last_step + 1) if policy.kind(s)]
+    assert written == [f"step{s:08d}" for s in due[-keep_last:]]
+    again = CheckpointManager(ckpts, keep_last, FINGERPRINT, "rl", policy=policy)
+    assert again.check() == (written[-1] if written else None)
+
+
 def test_the_fingerprint_holds_the_optimizer_offload_only():
     """DeepSpeed cannot load torch AdamW's state into DeepSpeedCPUAdam: an offloaded run's checkpoints
     are refused, by name, to a run without (recorded only when on, so that checkpoints made before the
