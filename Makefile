@@ -97,14 +97,15 @@ run: venv
 # on first use into .cache/torch_extensions, where the stages and tests look for them. Built here,
 # once, with no time limit: a build inside a test's time limit that gets killed leaves its lock
 # behind, and every later use then waits on it.
-# The two ops build apart, so that `make -j` compiles them at the same time.
+# The two ops build apart, so that `make -j` compiles them at the same time; each says what it
+# builds and how long it took, as a stage does (dare_core/training/op_builds.py).
 OPS_DIR := $(CURDIR)/.cache/torch_extensions
 DS_OPS  := CPUAdamBuilder ShareMemCommBuilder
 .PHONY: $(addprefix ds-op-,$(DS_OPS))
 ds-ops: $(addprefix ds-op-,$(DS_OPS))
 $(addprefix ds-op-,$(DS_OPS)): ds-op-%: venv
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR="$(OPS_DIR)" $(PY) -c \
-	  'from deepspeed.accelerator import get_accelerator as a; a().create_op_builder("$*").load()'
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR="$(OPS_DIR)" \
+	  $(PY) -m dare_core.training.op_builds $*
 
 # Tests marked "gpu" are skipped automatically when no CUDA device is present (tests/conftest.py).
 # The setup steps run side by side (pip, apt-get and the op builds wait on different things).

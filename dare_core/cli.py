@@ -247,6 +247,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     return subprocess.call(cmd)
 
 
+def cmd_server(args: argparse.Namespace) -> int:
+    """`prefect server start ARGS` with dare.env filled in (it reads none of it itself, so a server
+    started bare sent Prefect its telemetry): flows/server.py, which also keeps the server's one
+    outbound call without a setting local. The server keeps its database where Prefect does
+    (PREFECT_HOME, default ~/.prefect), not in the project's .cache, which `make clean` deletes."""
+    from dare_core.env_file import apply_env_defaults
+
+    env = apply_env_defaults(dict(os.environ), skip=("PREFECT_HOME",))
+    # (replaced, not a child: a service manager's signals reach the server itself)
+    os.execve(sys.executable, [sys.executable, "-m", "flows.server", *args.prefect_args], env)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from dare_core.errors import UserError
     from dare_core.eval.lm import EvalModel
@@ -399,6 +411,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--force", action="store_true", help="re-run stages even if DVC thinks they are up to date")
     r.set_defaults(func=cmd_run)
 
+    # every option goes to `prefect server start` (main passes what argparse does not know)
+    sub.add_parser("server", add_help=False, help="Prefect's server with dare.env (no telemetry, nothing fetched from "
+                   "the internet): `dare server --host 127.0.0.1 --port 4200`; `dare server --help` for its options"
+                   ).set_defaults(func=cmd_server)
+
     g = sub_parser("generate", help="sample one answer from a model folder")
     g.add_argument("--prompt", required=True)
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
@@ -445,7 +462,12 @@ def _workspaces_parser(sub_parser: Callable[..., argparse.ArgumentParser]) -> No
 def main(argv: Optional[list[str]] = None) -> int:
     from dare_core.workers.common import run_reporting_errors
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.func is cmd_server:
+        args.prefect_args = rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     # expected failures (bad input, missing files, a full disk): one `error:` line, exit 2 or 1
     return run_reporting_errors(lambda: args.func(args), debug=args.debug)
 

@@ -25,7 +25,8 @@ from typing import Any, Optional
 
 from dare_core.config import DareConfig
 from dare_core.errors import UserError
-from dare_core.remote import file_digest, listing, local_copy
+from dare_core.object_cache import local_copy
+from dare_core.remote import file_digest, listing
 from dare_core.storage import atomic_write_text, is_remote
 
 FILES = ("data.source", "data.eval_source", "data.val_source", "data.preference_source")

@@ -1,16 +1,10 @@
-"""Object storage: s3:// (or any fsspec URL) inputs as verified local copies, and uploads.
+"""Object storage: s3:// (or any fsspec URL) inputs, listed and fetched verified, and uploads.
 
 Where a setting names a remote input (`data.source`, `data.eval_source`, `data.val_source`,
-`data.preference_source`, `model.path`), the stage reads `local_copy(url)`: a copy in the download
-cache, `$DARE_CACHE_DIR` or else `.cache/remote/` under the working directory (the project),
-laid out as `<protocol>/<bucket>/<key>`. A copy is downloaded under a temporary name, checked
-against the object store's listing (size, and the MD5 where the ETag is one) and renamed into
-place, so a reader never sees a partial or unverified file. It is reused while the store still lists
-the same size and ETag for every object and the local files keep the size and mtime recorded at the
-download (a changed object is fetched again; a cached file edited or truncated since is fetched
-again too). A folder (a model: config.json, shards, tokenizer files) is the whole prefix, refreshed
-object by object: unchanged files are hard-linked into the new copy, which replaces the old one in
-one rename.
+`data.preference_source`, `model.path`), the stage reads `object_cache.local_copy(url)`: its copy
+in the project's download cache (`cache_root`), fetched through `listing` and checked by `verify`
+(size, and the MD5 where the ETag is one), so a reader never sees a partial or unverified file.
+`download_to` fetches a checkpoint the same way, straight into its folder.
 
 Credentials, endpoint and region come from the backend's own standard configuration, never from
 DARE's settings. For S3 that is botocore's: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY /
@@ -24,7 +18,6 @@ import base64
 import contextlib
 import fcntl
 import hashlib
-import json
 import logging
 import os
 import posixpath
@@ -35,8 +28,9 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 from urllib.parse import urlsplit
 
+from dare_core.env_file import project_of
 from dare_core.errors import UserError
-from dare_core.storage import PathLike, _local, atomic_dir, atomic_write_json, is_remote
+from dare_core.storage import PathLike, atomic_dir, is_remote
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +120,10 @@ def remote_fs(url: PathLike) -> tuple[Any, str]:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE).absolute()
+    """`$DARE_CACHE_DIR`, else the project's `.cache/remote`: in a workspace of an isolated run, the
+    checkout's (env_file.project_of), so that every run's workspace shares one copy of an input and
+    pruning a workspace, which removes only its git worktree, keeps it."""
+    return Path(os.environ.get(CACHE_ENV) or project_of(Path.cwd()) / DEFAULT_CACHE).absolute()
 
 
 def _key_parts(url: str) -> list[str]:
@@ -137,12 +134,12 @@ def _key_parts(url: str) -> list[str]:
 
 
 def cache_path(url: PathLike) -> Path:
-    """Where `local_copy(url)` puts its copy (whether or not it is there yet)."""
+    """Where `object_cache.local_copy(url)` puts its copy (whether or not it is there yet)."""
     url = str(url)
     return cache_root().joinpath(urlsplit(url).scheme, *_key_parts(url))
 
 
-def _manifest_path(url: str) -> Path:
+def manifest_path(url: str) -> Path:
     where = cache_root().joinpath(".manifests", urlsplit(url).scheme, *_key_parts(url))
     return where.with_name(where.name + ".json")  # appended: with_suffix would map a.v2 and a.v3 to one file
 
@@ -224,61 +221,10 @@ def verify(path: Path, expected: dict, url: str) -> None:
                               f"are not MD5s: set {VERIFY_ENV}=size to check their size only)")
 
 
-def _stat(path: Path) -> dict:
-    st = path.stat()
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
-
-
-def _read_manifest(url: str) -> dict:
-    try:
-        return json.loads(_manifest_path(url).read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _reusable(dest: Path, url: str, remote: dict[str, dict]) -> set[str]:
-    """The files of the cached copy that still match the remote object and are as downloaded."""
-    files = _read_manifest(url).get("files", {})
-    ok = set()
-    for rel, entry in remote.items():
-        had = files.get(rel)
-        local = dest / rel if rel else dest
-        if (had and (had["size"], had["etag"]) == (entry["size"], entry["etag"]) and local.is_file()
-                and _stat(local) == {"size": had["size"], "mtime_ns": had.get("mtime_ns")}):
-            ok.add(rel)
-    return ok
-
-
-def _local_files(dest: Path) -> set[str]:
-    return {p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file()} if dest.is_dir() else set()
-
-
-def local_copy(source: PathLike, what: str = "file", folder: Optional[bool] = None) -> Path:
-    """`source` as a local path: a local path as it is (`file://` stripped), a URL as its verified
-    copy in the download cache (fetched if missing, changed or tampered with). `what` names the
-    input in messages ("data file", "model folder"); `folder` True/False insists on a prefix / a
-    single object. Failures raise RemoteError naming the URL, never a credential."""
-    if not is_remote(source):
-        return _local(source)
-    url = str(source)
-    dest = cache_path(url)
-    with file_lock(url):
-        remote = listing(url, what, folder)
-        keep = _reusable(dest, url, remote)
-        single = set(remote) == {""}
-        if keep == set(remote) and (single or _local_files(dest) == set(remote)):
-            return dest
-        download_to(url, dest, remote, keep, what)
-        atomic_write_json(_manifest_path(url), {"url": redact(url), "files": {
-            rel: {"size": e["size"], "etag": e["etag"], **_stat(dest / rel if rel else dest)} for rel, e in remote.items()}})
-    return dest
-
-
-def download_to(url: str, dest: Path, remote: dict[str, dict], keep: frozenset | set = frozenset(),
-                what: str = "object") -> None:
+def download_to(url: str, dest: Path, remote: dict[str, dict], what: str = "object") -> None:
     """Fetch `remote` (a `listing` of `url`) into `dest`, verified, all or nothing: a single object
     into a temporary file renamed over `dest`, a prefix into a temporary folder that replaces
-    `dest` in one rename (the files named in `keep` hard-linked from the old `dest`)."""
+    `dest` in one rename."""
     fs, rpath = remote_fs(url)
     if set(remote) == {""}:
         if dest.is_dir():
@@ -297,22 +243,15 @@ def download_to(url: str, dest: Path, remote: dict[str, dict], keep: frozenset |
         return
     if dest.exists() and not dest.is_dir():
         dest.unlink()
-    fetch = sorted(rel for rel in remote if rel not in keep)
-    with atomic_dir(dest, claim=False) as tmp:  # the download cache: DARE's own, never a user's folder
-        for rel in remote:
+    names = sorted(remote)
+    with atomic_dir(dest, claim=False) as tmp:  # a folder DARE fills itself (a checkpoint), never a user's
+        for rel in names:
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-            if rel in keep:
-                try:
-                    os.link(dest / rel, tmp / rel)
-                except OSError:  # another file system, or no hard links there
-                    shutil.copy2(dest / rel, tmp / rel)
-        if fetch:
-            with remote_errors(url, "downloading it", what):
-                fs.get([f"{rpath}/{rel}" for rel in fetch], [str(tmp / rel) for rel in fetch])
-        for rel in fetch:
+        with remote_errors(url, "downloading it", what):
+            fs.get([f"{rpath}/{rel}" for rel in names], [str(tmp / rel) for rel in names])
+        for rel in names:
             verify(tmp / rel, remote[rel], f"{url.rstrip('/')}/{rel}")
-    log.info("downloaded %s -> %s (%s)", redact(url), dest,
-             describe(len(fetch), sum(remote[r]["size"] for r in fetch)) + (f", {len(keep)} unchanged" if keep else ""))
+    log.info("downloaded %s -> %s (%s)", redact(url), dest, describe(len(names), sum(remote[r]["size"] for r in names)))
 
 
 def describe(files: int, nbytes: int) -> str:

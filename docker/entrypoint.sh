@@ -15,7 +15,7 @@
 set -euo pipefail
 
 # The subcommands of dare_core/cli.py build_parser() (tests/test_docker.py keeps this list in sync).
-DARE_COMMANDS=(stage upload run generate eval workspaces)
+DARE_COMMANDS=(stage upload run generate eval workspaces server)
 
 is_dare_command() {
     local name

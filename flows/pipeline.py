@@ -28,7 +28,7 @@ Prefect server: with `PREFECT_API_URL` unset, Prefect runs in ephemeral mode (a 
 API server inside this process; nothing to start). `main()` then keeps Prefect's state in
 `<repo>/.cache/prefect` unless `PREFECT_HOME` is set (or a `~/.prefect/profiles.toml` exists,
 which may point at a server). To see runs in the UI, start a server
-(`prefect server start --host 127.0.0.1 --port 4200`) and export
+(`dare server --host 127.0.0.1 --port 4200`: flows/server.py, with dare.env) and export
 `PREFECT_API_URL=http://127.0.0.1:4200/api`. `prefect.yaml` at the repo root deploys this flow
 to a `process` work pool named `dare`.
 """

@@ -1,8 +1,15 @@
-"""A real Prefect server on 127.0.0.1 for tests: `prefect server start` in a fresh PREFECT_HOME,
-plus helpers to deploy from a project folder, run a process worker and wait for flow runs.
+"""A real Prefect server on 127.0.0.1 for tests, started as docs/operating.md says (`dare server`, which
+fills in dare.env) in a fresh PREFECT_HOME, plus helpers to deploy from a project folder, run a
+process worker and wait for flow runs.
+
+The server, the CLI and the workers start from an environment without dare.env's variables (as an
+operator's shell has it: what they need of it, `dare server`, the flow and its stages fill in), and
+with every HTTP(S) proxy variable pointing at `outbound`, a listener that records each connection:
+a call meant for beyond this machine (telemetry, a registry, Prefect Cloud) arrives there, while
+NO_PROXY keeps 127.0.0.1 (this server, moto's S3) direct.
 
 The server's scheduler loop is shortened (default 60 s) so that an interval schedule creates runs
-within seconds; everything else is Prefect's default.
+within seconds; everything else is as dare.env and Prefect's defaults have it.
 """
 from __future__ import annotations
 
@@ -13,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -21,7 +29,10 @@ from pathlib import Path
 
 import psutil
 
+from dare_core.env_file import ENV_FILE, read_env_file
+
 PREFECT = [sys.executable, "-m", "prefect"]
+DARE = [sys.executable, "-m", "dare_core.cli"]  # `dare`, as the tests' subprocesses run it
 
 
 def free_port() -> int:
@@ -30,12 +41,53 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class OutboundRecorder:
+    """A TCP listener on 127.0.0.1 that records the first line each connection sends (`CONNECT
+    host:443 HTTP/1.1` from a client that goes through it to an HTTPS address) and refuses it."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.seen: list[str] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def proxy_env(self) -> dict[str, str]:
+        proxies = {f"{scheme}_proxy": self.url for scheme in ("http", "https", "all")}
+        local = {"no_proxy": "127.0.0.1,localhost"}
+        return {k2: v for k, v in {**proxies, **local}.items() for k2 in (k, k.upper())}
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed
+                return
+            with conn:
+                conn.settimeout(5)
+                try:
+                    self.seen.append(conn.recv(4096).split(b"\r\n", 1)[0].decode(errors="replace") or "(nothing sent)")
+                    conn.sendall(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                except OSError as exc:
+                    self.seen.append(f"(connected: {exc})")
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+# what an operator's shell lacks: dare.env's variables (the Makefile exports them to the tests)
+DARE_ENV_KEYS = tuple(read_env_file(Path(__file__).resolve().parents[1] / ENV_FILE))
+
+
 @dataclass
 class PrefectServer:
     home: Path
     port: int
     proc: subprocess.Popen | None = None
     workers: list[subprocess.Popen] = field(default_factory=list)
+    outbound: OutboundRecorder = field(default_factory=OutboundRecorder)
 
     @property
     def url(self) -> str:
@@ -46,14 +98,12 @@ class PrefectServer:
         return f"{self.url}/api"
 
     def env(self, **extra: str) -> dict[str, str]:
-        env = dict(os.environ)
-        for key in ("PREFECT_PROFILE", "PREFECT_PROFILES_PATH"):
-            env.pop(key, None)
+        env = {k: v for k, v in os.environ.items() if k not in (*DARE_ENV_KEYS, "PREFECT_PROFILE", "PREFECT_PROFILES_PATH")}
         env.update(
-            PREFECT_HOME=str(self.home), PREFECT_API_URL=self.api, PREFECT_SERVER_ANALYTICS_ENABLED="false",
-            DO_NOT_TRACK="1", DVC_NO_ANALYTICS="1", PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="2",
+            PREFECT_HOME=str(self.home), PREFECT_API_URL=self.api, PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="2",
             PREFECT_WORKER_QUERY_SECONDS="2", PREFECT_WORKER_PREFETCH_SECONDS="30",
             PREFECT_UI_API_URL=self.api, PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+            **self.outbound.proxy_env(),
         )
         env.update(extra)
         return env
@@ -61,7 +111,7 @@ class PrefectServer:
     def start(self, timeout: float = 120) -> "PrefectServer":
         self.home.mkdir(parents=True, exist_ok=True)
         log = open(self.home / "server.log", "wb")
-        self.proc = subprocess.Popen([*PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
+        self.proc = subprocess.Popen([*DARE, "server", "--host", "127.0.0.1", "--port", str(self.port)],
                                      env=self.env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -110,7 +160,11 @@ class PrefectServer:
     def worker_log(self, index: int = 0) -> str:
         return (self.home / f"worker-{index}.log").read_text(errors="replace")
 
+    def server_log(self) -> str:
+        return (self.home / "server.log").read_text(errors="replace")
+
     def stop(self) -> None:
+        self.outbound.close()
         # a worker stops on SIGINT (twice), not SIGTERM; the server on SIGTERM
         for proc, sig in [*((w, signal.SIGINT) for w in self.workers), (self.proc, signal.SIGTERM)]:
             if proc is None or proc.poll() is not None:

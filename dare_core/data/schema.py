@@ -23,7 +23,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dare_core.errors import clip
-from dare_core.remote import RemoteError, local_copy, redact
+from dare_core.object_cache import local_copy
+from dare_core.remote import RemoteError, redact
 from dare_core.storage import atomic_write_bytes, is_remote
 
 PathLike = Union[str, Path]
@@ -218,7 +219,7 @@ _READERS = {".jsonl": _read_jsonl, ".parquet": _read_parquet}
 
 def read_rows(path: PathLike, kind: str, where: bool = False) -> list[dict]:
     """Read a `.parquet` or `.jsonl` file and validate its rows against `kind`. A URL (s3://...) is
-    read from its verified copy in the download cache (dare_core/remote.py); messages name the
+    read from its verified copy in the download cache (dare_core/object_cache.py); messages name the
     path or URL as given. `where`: each row keeps its `Place` in the file as `_where`, for the
     messages of later checks."""
     name = redact(path) if is_remote(path) else str(Path(path))

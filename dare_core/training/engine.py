@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from dare_core.config import LaunchConfig, OptimConfig
+from dare_core.training.op_builds import announced
 from dare_core.training.parallel import init_layout, layout
 from dare_core.training.process_group import ensure_dist_env, init_distributed
 from dare_core.threads import log_threads
@@ -40,7 +41,8 @@ def build_engine(model: torch.nn.Module, optim: OptimConfig, total_steps: int, m
     ensure_dist_env()
     import deepspeed
 
-    init_distributed()
+    with announced("ShareMemCommBuilder"):  # (loaded with the process group)
+        init_distributed()
     launch = launch or LaunchConfig()
     init_layout(launch.sequence_parallel)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -69,8 +71,9 @@ def build_engine(model: torch.nn.Module, optim: OptimConfig, total_steps: int, m
     else:
         # DeepSpeed builds the optimizer from its config, then the schedule around it
         ds_config["optimizer"] = {"type": "AdamW", "params": adamw}
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config,
-                                               lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
+        with announced("CPUAdamBuilder"):
+            engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config,
+                                                   lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
     return engine
 
 

@@ -5,6 +5,8 @@ and never a credential; local-only outputs refuse URLs."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import fsspec
@@ -19,8 +21,12 @@ from dare_core.data.prepare import prepare
 from dare_core.data.schema import DataError
 from dare_core.diffusion.seeding import generator
 from dare_core.models.hf_folder import load_model, save_model
-from dare_core.remote import RemoteError, local_copy
+from dare_core.object_cache import local_copy
+from dare_core.remote import RemoteError
 from dare_core.training.setup import initial_model
+from dare_core.workspaces import WORKSPACES, prune
+from git_repos import committed_repo, git
+from pipeline_helpers import worker_env
 from s3_server import ACCESS_KEY, SECRET, s3_bucket, s3_server, start_moto  # noqa: F401  (fixtures)
 from tiny_models import tiny
 
@@ -180,3 +186,44 @@ def test_stage_with_a_url_output_fails_and_writes_nothing(tmp_path, monkeypatch,
     assert main(["stage", "prepare", "--params", str(params), "-S", "data.prepared_dir=s3://bucket/prepared"]) == 2
     assert "data.prepared_dir' is a DVC output and must be a local path" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_isolated_runs_share_one_download_that_pruning_keeps(tmp_path, s3_bucket, s3_server, monkeypatch):
+    """Each isolated run works in its own workspace (`<checkout>/.cache/workspaces/<name>`, the
+    stages' working directory); the inputs they fetch go to the checkout's cache, once."""
+    monkeypatch.delenv(remote.CACHE_ENV)  # the project's own cache, as a run has it
+    repo = committed_repo(tmp_path / "project", {"params.yaml": "a: 1\n"})
+    spaces = [repo / WORKSPACES / f"run-{i}" for i in range(2)]
+    for space in spaces:
+        git(repo, "worktree", "add", "-q", "--detach", str(space))
+    url, gets = f"s3://{s3_bucket}/in/raw.jsonl", lambda: len(s3_server.requests("GET", f"/{s3_bucket}/in/raw.jsonl"))
+    s3().pipe(f"{s3_bucket}/in/raw.jsonl", rows(2000).encode())  # ~150 kB: the two fetches overlap
+    # two runs at once, one in each workspace: one download, which both read
+    code = "import sys; from dare_core.object_cache import local_copy; print(local_copy(sys.argv[1]))"
+    procs = [subprocess.Popen([sys.executable, "-c", code, url], cwd=space, env=worker_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for space in spaces]
+    outs = [proc.communicate(timeout=120) for proc in procs]
+    assert all(proc.returncode == 0 for proc in procs), [err[-2000:] for _, err in outs]
+    cached = repo / ".cache" / "remote" / "s3" / s3_bucket / "in" / "raw.jsonl"
+    assert [Path(out.strip()) for out, _ in outs] == [cached, cached] and cached.read_text() == rows(2000)
+    assert gets() == 1
+    # content-addressed: the same bytes under another URL are not fetched again
+    s3().copy(f"{s3_bucket}/in/raw.jsonl", f"{s3_bucket}/elsewhere/same.jsonl")
+    monkeypatch.chdir(spaces[0])
+    assert local_copy(f"s3://{s3_bucket}/elsewhere/same.jsonl").read_text() == rows(2000)
+    assert not s3_server.requests("GET", f"/{s3_bucket}/elsewhere/")
+
+    # pruning removes the workspaces, not the cache: the next run reads the same copy
+    monkeypatch.chdir(repo)
+    assert prune(repo, keep=0, failed_for_h=0, say=lambda _: None) == 2 and not any(s.exists() for s in spaces)
+    assert local_copy(url) == cached and gets() == 1
+    # a changed object (another ETag and size) is fetched again, and its old bytes are deleted
+    objects = {p for p in (repo / ".cache" / "remote" / "objects").rglob("*") if p.is_file() and p.suffix != ".json"}
+    s3().pipe(f"{s3_bucket}/in/raw.jsonl", rows(3).encode())
+    assert local_copy(url).read_text() == rows(3) and gets() == 2
+    assert local_copy(url).read_text() == rows(3) and gets() == 2
+    now = {p for p in (repo / ".cache" / "remote" / "objects").rglob("*") if p.is_file() and p.suffix != ".json"}
+    assert len(objects) == 1 and objects <= now  # still linked by elsewhere/same.jsonl
+    s3().pipe(f"{s3_bucket}/elsewhere/same.jsonl", b"{}\n")
+    local_copy(f"s3://{s3_bucket}/elsewhere/same.jsonl")
+    assert not objects & {p for p in (repo / ".cache" / "remote" / "objects").rglob("*")}  # linked by none: gone

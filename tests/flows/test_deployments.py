@@ -262,3 +262,17 @@ def test_a_run_whose_worker_host_dies_is_crashed_and_a_retry_resumes_from_its_ch
     keys = bucket_keys(s3_server, s3_bucket)
     assert [k for k in keys if k.startswith("runs/t/data/prepared/")], keys[:20]
     assert [k for k in keys if k.startswith("runs/t/runs/t/sft/")], keys[:20]
+
+
+def test_nothing_tried_to_reach_beyond_the_machine(deployed):
+    """Last in the module: the server started as docs/operating.md says (`dare server`, dare.env),
+    `prefect work-pool create` (which has the server fetch Prefect's collection registry), `prefect
+    deploy`, the workers and the runs of the tests above, every proxy variable pointing at a listener
+    (tests/prefect_server.py): nothing tried to connect beyond 127.0.0.1. A bare `prefect server
+    start` sent its telemetry at once (`CONNECT sens-o-matic.prefect.io:443`, and `Failed to send
+    telemetry` in its log) and fetched the registry from raw.githubusercontent.com."""
+    server, _ = deployed
+    settings = api_get(server, "admin/settings")["server"]
+    assert (settings["analytics_enabled"], settings["ui"]["show_promotional_content"]) == (False, False)
+    assert server.outbound.seen == []
+    assert not [line for line in server.server_log().splitlines() if "telemetry" in line.lower()]

@@ -253,6 +253,8 @@ def test_flow_run_page_shows_stage_logs_and_artifacts(tmp_path, server):
         # (reading 'getBoundingClientRect')" on every run here, without any visible effect on the page
         print(f"JavaScript errors on the page: {page_errors}")
     assert not outside, f"the UI fetched from outside the Prefect server: {sorted(set(outside))}"
+    # ... nor did the server for it, nor the flow (tests/prefect_server.py: every proxy variable points there)
+    assert not server.outbound.seen, f"tried to connect beyond the machine: {server.outbound.seen}"
     for path in shots.values():
         assert path.stat().st_size > 20_000, f"{path} is suspiciously small (a blank page?)"
     if os.environ.get("DARE_UPDATE_DOCS") == "1":
