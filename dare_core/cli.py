@@ -252,9 +252,12 @@ def cmd_server(args: argparse.Namespace) -> int:
     started bare sent Prefect its telemetry): flows/server.py, which also keeps the server's one
     outbound call without a setting local. The server keeps its database where Prefect does
     (PREFECT_HOME, default ~/.prefect), not in the project's .cache, which `make clean` deletes."""
-    from dare_core.env_file import apply_env_defaults
+    from dare_core.env_file import apply_env_defaults, find_env_file
 
     env = apply_env_defaults(dict(os.environ), skip=("PREFECT_HOME",))
+    project = find_env_file()
+    if project is not None:  # flows/ is the project's, also when started from a subfolder
+        env["PYTHONPATH"] = os.pathsep.join([str(project.parent), *filter(None, [env.get("PYTHONPATH")])])
     # (replaced, not a child: a service manager's signals reach the server itself)
     os.execve(sys.executable, [sys.executable, "-m", "flows.server", *args.prefect_args], env)
 
