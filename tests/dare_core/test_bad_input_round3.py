@@ -1,0 +1,96 @@
+"""Bad input, third round (held-out cases that got through): a key given twice in a settings file or
+in a JSON-lines row, an empty test or validation file, a row nested past any use, `dare stage` typed
+in a subfolder, and settings a later stage refuses: refused by the inputs stage, the first one
+`dvc repro` runs, before DVC removes prepare's outputs.
+
+Most checks call the validating functions in this process; the few `dare` (and one `dvc repro`)
+runs reuse the tiny project of tests/bad_input.py (`project`) and assert its watched folders are
+untouched.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bad_input import assert_clean_failure, run, snapshot
+from pipeline_helpers import REPO, copy_pipeline, worker_env
+
+
+def _rows(n: int = 30) -> list[str]:
+    return [json.dumps({"prompt": f"{i}+{i}=", "response": str(2 * i), "ground_truth": str(2 * i)}) for i in range(n)]
+
+
+def _write_lines(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+# --------------------------------------------------------------------------- a key given twice (YAML)
+
+PARAMS = """\
+run:
+  name: t
+data:
+  num_sft: 10
+  task_args:
+    min_digits: 1
+    max_digits: 2
+  num_rl: 10
+  task_args:
+    min_digits: 2
+"""
+
+
+def test_a_key_twice_in_params_yaml_is_refused_naming_its_second_line_and_dotted_key(tmp_path: Path) -> None:
+    from dare_core.config import ConfigError, load_config
+
+    params = tmp_path / "params.yaml"
+    params.write_text(PARAMS)
+    with pytest.raises(ConfigError) as caught:
+        load_config(params)
+    assert str(caught.value).startswith(f"{params}: line 9: duplicate key 'data.task_args' (first at line 5)")
+    # one level down, and in a list
+    params.write_text(PARAMS.replace("  num_rl: 10\n  task_args:\n    min_digits: 2\n", "    min_digits: 3\n"))
+    with pytest.raises(ConfigError, match=r"line 8: duplicate key 'data.task_args.min_digits' \(first at line 6\)"):
+        load_config(params)
+    params.write_text("run: {name: t}\neval:\n  benchmark_args: {task: {sampler: [{a: 1}, {a: 2, a: 3}]}}\n")
+    with pytest.raises(ConfigError, match=r"duplicate key 'eval.benchmark_args.task.sampler\[1\].a'"):
+        load_config(params)
+    # a key a YAML merge brought in may still be given: that is what `<<` is for
+    params.write_text("run: {name: t}\nrl:\n  sampler: &s {temperature: 0.5, batch_size: 4}\n"
+                      "eval:\n  sampler:\n    <<: *s\n    batch_size: 8\n")
+    assert (load_config(params).eval.sampler.temperature, load_config(params).eval.sampler.batch_size) == (0.5, 8)
+
+
+def test_a_key_twice_in_a_recipe_or_an_override_is_refused(tmp_path: Path) -> None:
+    from dare_core.config import ConfigError, load_config
+    from dare_core.recipes import RecipeError
+    from tasks.workspace import parse_overrides
+
+    params = tmp_path / "params.yaml"
+    params.write_text("run: {name: t}\n")
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("rl:\n  num_steps: 5\n  kl_beta: 0.1\n  num_steps: 7\n")
+    with pytest.raises(RecipeError, match=rf"{recipe}: line 4: duplicate key 'rl.num_steps' \(first at line 2\)"):
+        load_config(params, [f"recipe={recipe}"])
+    with pytest.raises(ConfigError, match=r"override 'rl.reward_args=\{a: 1, a: 2\}': .*duplicate key 'rl.reward_args.a'"):
+        load_config(params, ["rl.reward_args={a: 1, a: 2}"])
+    with pytest.raises(ValueError, match=r"duplicate key 'rl.reward_args.a'"):  # the flow's --set
+        parse_overrides(["rl.reward_args={a: 1, a: 2}"])
+
+
+def test_dare_stage_refuses_a_params_key_given_twice(project: Path) -> None:
+    params = project / "params.yaml"
+    lines = params.read_text().splitlines(keepends=True)
+    at = next(i for i, line in enumerate(lines) if line.startswith("  num_sft:"))
+    params.write_text("".join(lines[:at + 1] + ["  num_sft: 7\n"] + lines[at + 1:]))
+    before = snapshot(project)
+    result = run(project, "stage", "prepare")
+    line = assert_clean_failure(result, ("params.yaml", f"line {at + 2}", "'data.num_sft'"), before, project)
+    assert result.returncode == 2, line
