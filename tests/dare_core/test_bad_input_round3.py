@@ -94,3 +94,39 @@ def test_dare_stage_refuses_a_params_key_given_twice(project: Path) -> None:
     result = run(project, "stage", "prepare")
     line = assert_clean_failure(result, ("params.yaml", f"line {at + 2}", "'data.num_sft'"), before, project)
     assert result.returncode == 2, line
+
+
+# --------------------------------------------------------------------------- JSON-lines rows
+
+
+def test_a_key_twice_in_a_row_is_refused_naming_file_line_and_key(tmp_path: Path) -> None:
+    from dare_core.data.schema import DataError, read_rows
+
+    rows = _rows()
+    rows[3] = rows[3][:-1] + ', "prompt": "x"}'
+    rows[8] = rows[8][:-1] + ', "meta": {"id": 1, "id": 2}}'
+    source = _write_lines(tmp_path / "raw.jsonl", rows)
+    with pytest.raises(DataError, match=r"raw.jsonl: line 4: key 'prompt' appears twice"):
+        read_rows(source, "source")
+    rows[3] = _rows()[3]
+    _write_lines(source, rows)
+    with pytest.raises(DataError, match=r"raw.jsonl: line 9: key 'id' appears twice"):  # nested too
+        read_rows(source, "source")
+
+
+@pytest.mark.parametrize("depth", [150, 100_000])
+def test_a_row_nested_past_the_limit_is_refused_in_one_line(tmp_path: Path, depth: int) -> None:
+    """100 000 levels made json's parser end in a RecursionError (58 lines of traceback); 150 parse,
+    but no column nests at all."""
+    from dare_core.data.schema import MAX_NESTING, DataError, read_rows
+
+    rows = _rows()
+    rows[4] = rows[4][:-1] + ', "meta": ' + "[" * depth + "]" * depth + "}"
+    source = _write_lines(tmp_path / "raw.jsonl", rows)
+    with pytest.raises(DataError) as caught:
+        read_rows(source, "source")
+    assert str(caught.value) == f"{source}: line 5: nested deeper than {MAX_NESTING} levels"
+    allowed = MAX_NESTING - 1  # (the row's own object is the first level)
+    rows[4] = _rows()[4][:-1] + ', "meta": ' + "[" * allowed + "]" * allowed + "}"
+    _write_lines(source, rows)
+    assert len(read_rows(source, "source")) == 30
