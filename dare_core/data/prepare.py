@@ -323,9 +323,9 @@ def prepare(cfg: DareConfig) -> dict[str, Any]:
     else:
         origin, pool = f"task {cfg.data.task}", _synthetic_pool(cfg, sum(counts), _need_min(cfg))
     splits = _split(pool, cfg, origin)
-    for split, path in (("eval", cfg.data.eval_source), ("val", cfg.data.val_source)):
-        if path:
-            splits[split] = side_rows(cfg, path, tokenizer, limit)
+    for split, setting in (("eval", "data.eval_source"), ("val", "data.val_source")):
+        if getattr(cfg.data, setting.split(".")[1]):
+            splits[split] = side_rows(cfg, setting, tokenizer, limit)
     splits["preference"], preference_info = _preference_rows(cfg, _train(pool, cfg), splits["eval"], origin, tokenizer, limit)
     _check_pairs_wanted(cfg, splits["preference"], origin)
     prepared = {split: _finish(split, rows, tokenizer, cfg) for split, rows in splits.items()}

@@ -130,3 +130,25 @@ def test_a_row_nested_past_the_limit_is_refused_in_one_line(tmp_path: Path, dept
     rows[4] = _rows()[4][:-1] + ', "meta": ' + "[" * allowed + "]" * allowed + "}"
     _write_lines(source, rows)
     assert len(read_rows(source, "source")) == 30
+
+
+# --------------------------------------------------------------------------- an empty test or validation file
+
+
+@pytest.mark.parametrize("setting", ["val_source", "eval_source"])
+def test_an_empty_test_or_validation_file_is_refused_as_an_empty_training_file_is(tmp_path: Path, setting: str) -> None:
+    from dare_core.config import DareConfig
+    from dare_core.data.prepare import prepare
+    from dare_core.data.schema import DataError
+
+    cfg = DareConfig()
+    cfg.data.prepared_dir, cfg.data.tokenizer_dir = str(tmp_path / "prepared"), str(tmp_path / "tokenizer")
+    cfg.data.source = str(_write_lines(tmp_path / "raw.jsonl", _rows()))
+    cfg.data.num_sft, cfg.data.num_rl, cfg.data.num_eval, cfg.data.num_val, cfg.data.num_preference = 10, 10, 4, 2, 0
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")  # blank lines only: no rows
+    setattr(cfg.data, setting, str(empty))
+    with pytest.raises(DataError) as caught:
+        prepare(cfg)
+    assert str(caught.value).startswith(f"{empty}: no rows (data.{setting})"), caught.value
+    assert not (tmp_path / "prepared").exists() and not (tmp_path / "tokenizer").exists()
