@@ -37,6 +37,22 @@ def project_of(folder: Path) -> Path:
     return folder
 
 
+# what a project's root folder holds: DVC runs every stage's command there (dvc.yaml's folder), so
+# the relative paths in the settings (runs, data/prepared, data.source) start there
+PROJECT_MARKERS = ("dvc.yaml", "params.yaml")
+
+
+def project_root(start: Optional[Path] = None) -> Path:
+    """The project `start` (default: the current folder) belongs to: itself where it holds dvc.yaml or
+    params.yaml, else the nearest folder above it that does (`start` is a subfolder of the project),
+    else `start` (no project around it: the settings file is named by path)."""
+    start = (Path.cwd() if start is None else Path(start)).resolve()
+    for folder in (start, *start.parents):
+        if any((folder / marker).is_file() for marker in PROJECT_MARKERS):
+            return folder
+    return start
+
+
 def read_env_file(path: Path) -> dict[str, str]:
     """The variables of an env file, `${DARE_PROJECT}` expanded (see the module docstring)."""
     project = str(project_of(path.parent))

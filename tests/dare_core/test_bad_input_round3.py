@@ -152,3 +152,31 @@ def test_an_empty_test_or_validation_file_is_refused_as_an_empty_training_file_i
         prepare(cfg)
     assert str(caught.value).startswith(f"{empty}: no rows (data.{setting})"), caught.value
     assert not (tmp_path / "prepared").exists() and not (tmp_path / "tokenizer").exists()
+
+
+# --------------------------------------------------------------------------- typed in a subfolder
+
+
+def test_the_project_root_is_the_nearest_folder_holding_params_or_dvc_yaml(tmp_path: Path) -> None:
+    from dare_core.env_file import project_root
+
+    (tmp_path / "proj" / "sub" / "deeper").mkdir(parents=True)
+    (tmp_path / "proj" / "params.yaml").write_text("run: {}\n")
+    assert project_root(tmp_path / "proj" / "sub" / "deeper") == (tmp_path / "proj").resolve()
+    (tmp_path / "proj" / "sub" / "dvc.yaml").write_text("stages: {}\n")  # a project of its own
+    assert project_root(tmp_path / "proj" / "sub" / "deeper") == (tmp_path / "proj" / "sub").resolve()
+    (tmp_path / "alone").mkdir()
+    assert project_root(tmp_path / "alone") == (tmp_path / "alone").resolve()
+
+
+def test_dare_stage_in_a_subfolder_writes_in_the_project_root(project: Path) -> None:
+    sub = project / "notebooks"
+    sub.mkdir()
+    (project / "metrics" / "inputs.json").unlink(missing_ok=True)
+    for args in ((), ("--params", "../params.yaml")):
+        done = subprocess.run([sys.executable, "-m", "dare_core.cli", "stage", "inputs", *args], cwd=sub,
+                              env=worker_env(), capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert f"working in the project root {project.resolve()}" in done.stdout
+        assert (project / "metrics" / "inputs.json").is_file()
+        assert not any(sub.iterdir()), sorted(p.name for p in sub.iterdir())  # no sub/metrics, sub/data
