@@ -180,3 +180,72 @@ def test_dare_stage_in_a_subfolder_writes_in_the_project_root(project: Path) -> 
         assert f"working in the project root {project.resolve()}" in done.stdout
         assert (project / "metrics" / "inputs.json").is_file()
         assert not any(sub.iterdir()), sorted(p.name for p in sub.iterdir())  # no sub/metrics, sub/data
+
+
+# --------------------------------------------------------------------------- refused by the first stage
+
+
+@pytest.mark.parametrize("override, culprit", [
+    ("model.init.n_layerz=2", "model.init.n_layerz"),  # read by prepare and sft
+    ("model.init.n_kv_heads=3", "n_kv_heads (3) must divide n_heads (2)"),
+    ("rl.algorithm_args={d1: {p_mask_promt: 0}}", "rl.algorithm_args.d1.p_mask_promt"),
+    ("rl.algorithm=nope", "unknown algorithm 'nope'"),
+    ("rl.sampler.cache=block_kv", "rl.sampler.cache"),
+    ("rl.sampler.engine=vllm", "unknown rollout engine 'vllm'"),
+    ("model.lora={r: 4, alpha: 8, dropout: 0.1}", "model.lora.dropout: 0"),
+    ("preference.algorithm=dpo", "preference.algorithm"),
+    ("eval.benchmarks=[gsm9k]", "eval.benchmarks"),
+    ("eval.benchmark_args={task: {mode: ll}}", "mode 'll' not available"),
+])
+def test_settings_a_later_stage_refuses_are_refused_by_the_inputs_stages_checks(
+        project: Path, monkeypatch: pytest.MonkeyPatch, override: str, culprit: str) -> None:
+    from dare_core.config import load_config
+    from dare_core.training.settings_checks import check_settings
+
+    monkeypatch.chdir(project)
+    cfg = load_config("params.yaml", [override])  # the settings file itself reads fine
+    before = snapshot(project)
+    with pytest.raises(ValueError) as caught:
+        check_settings(cfg)
+    assert culprit in str(caught.value) and "\n" not in str(caught.value), caught.value
+    assert snapshot(project) == before
+    check_settings(load_config("params.yaml"))  # the project's own settings pass
+
+
+def test_the_inputs_stage_refuses_a_model_init_typo(project: Path) -> None:
+    before = snapshot(project)
+    result = run(project, "stage", "inputs", "-S", "model.init.n_layerz=2")
+    line = assert_clean_failure(result, "model.init.n_layerz", before, project)
+    assert result.returncode == 2, line
+
+
+def _dvc(root: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**worker_env(), "DVC_NO_ANALYTICS": "1", "GIT_CONFIG_GLOBAL": os.devnull}
+    return subprocess.run([sys.executable, "-m", "dvc", *args], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_dvc_repro_keeps_prepares_outputs_when_prepare_would_refuse(project: Path) -> None:
+    """DVC removes a stage's outputs before it runs the stage: a prepare refusing a bad row lost
+    data/prepared and the tokenizer. The inputs stage, which DVC runs first, refuses it now."""
+    copy_pipeline(project)
+    (project / ".dvc").mkdir()
+    (project / ".dvc" / "config").write_text("[core]\n    no_scm = True\n")
+    ignore = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(REPO / "dare_core", project / "dare_core", ignore=ignore)  # dvc.yaml's code deps
+    shutil.copytree(REPO / "configs" / "recipes", project / "configs" / "recipes")
+    first = _dvc(project, "repro", "prepare")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    prepared = {k: v for k, v in snapshot(project).items() if k.startswith(("data/prepared", "data/tokenizer"))}
+    assert "data/prepared/sft.parquet" in prepared and "data/tokenizer" in prepared
+    rows = _rows()
+    rows[2] = rows[2][:-1] + ', "ground_truth": "4"}'  # a key given twice: prepare refuses the file
+    _write_lines(project / "raw.jsonl", rows)
+    params = project / "params.yaml"
+    params.write_text(params.read_text().replace("  source: null\n", "  source: raw.jsonl\n"))
+    before = snapshot(project)
+    second = _dvc(project, "repro", "prepare")
+    assert second.returncode != 0
+    assert "raw.jsonl: line 3: key 'ground_truth' appears twice" in second.stdout + second.stderr
+    after = snapshot(project)
+    assert {k: v for k, v in after.items() if k in prepared} == prepared and after == before
