@@ -91,24 +91,18 @@ def _config_sets(args: argparse.Namespace) -> list[str]:
     return [f"recipe={args.recipe}", *args.set] if args.recipe else list(args.set)
 
 
-def enter_project_root(args: argparse.Namespace) -> None:
+def _work_in_project_root(args: argparse.Namespace) -> None:
     """Work in the project's root (env_file.project_root), as `dvc repro` runs every stage there: a
     `dare stage` typed in a subfolder would otherwise write `sub/data/prepared` and `sub/runs`. The
     command line's own paths (--params, a --recipe file) keep meaning what they meant where they were
     typed; the settings' paths start at the root, as they do under DVC."""
-    from pathlib import Path
-
-    from dare_core.env_file import project_root
+    from dare_core.env_file import enter_project_root
     from dare_core.recipes import names_a_file
 
-    here = Path.cwd().resolve()
-    root = project_root(here)
-    if root != here:
-        if args.params is not None:
-            args.params = os.path.relpath(here / args.params, root)
-        if args.recipe and names_a_file(args.recipe):
-            args.recipe = os.path.relpath(here / args.recipe, root)
-        os.chdir(root)
+    recipe_file = args.recipe if args.recipe and names_a_file(args.recipe) else None
+    root, (args.params, recipe_file) = enter_project_root([args.params, recipe_file])
+    args.recipe = recipe_file or args.recipe
+    if root is not None:
         print(f"dare {args.command}: working in the project root {root}, where dvc repro runs the stages "
               f"(relative paths in the settings start there)", flush=True)
     args.params = args.params or PARAMS_FILE
@@ -136,7 +130,7 @@ def _duration(seconds: float) -> str:
 def _run_stage(args: argparse.Namespace) -> int:
     from dare_core.env_file import apply_env_defaults
 
-    enter_project_root(args)
+    _work_in_project_root(args)
     # what the Makefile exports, for a stage not started by make (a deployment's worker, `dvc repro`):
     # DeepSpeed's ops built once into the project's .cache/torch_extensions, Hugging Face offline, ...
     apply_env_defaults(os.environ)
@@ -229,7 +223,7 @@ def cmd_upload(args: argparse.Namespace) -> int:
     from dare_core.config import load_config
     from dare_core.errors import UserError
 
-    enter_project_root(args)
+    _work_in_project_root(args)
     cfg = load_config(args.params, _config_sets(args))
     if not cfg.run.artifact_root:
         raise UserError(f"{args.params}: run.artifact_root is not set, so there is nowhere to upload to "

@@ -16,6 +16,7 @@ from the environment.
 """
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from pathlib import Path
@@ -51,6 +52,18 @@ def project_root(start: Optional[Path] = None) -> Path:
         if any((folder / marker).is_file() for marker in PROJECT_MARKERS):
             return folder
     return start
+
+
+def enter_project_root(paths: list[Optional[str]]) -> tuple[Optional[Path], list[Optional[str]]]:
+    """Change to the project root where the current folder lies below it; `paths` (relative to where
+    a command was typed) rebased to it. Returns the root (None: already there) and the paths."""
+    here = Path.cwd().resolve()
+    root = project_root(here)
+    if root == here:
+        return None, paths
+    rebased = [None if path is None else os.path.relpath(here / path, root) for path in paths]
+    os.chdir(root)
+    return root, rebased
 
 
 def read_env_file(path: Path) -> dict[str, str]:

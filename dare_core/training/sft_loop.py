@@ -6,11 +6,10 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from dare_core.algorithms.base import Algorithm
 from dare_core.algorithms.registry import build_options, get_sft_objective
 from dare_core.artifacts import artifact_root
 from dare_core.config import DareConfig
@@ -31,6 +30,9 @@ from dare_core.training.plots import sft_plots
 from dare_core.training.preflight import check_outputs, checkpoint_bytes, model_bytes, stage_writes, training_need
 from dare_core.training.setup import initial_model, initial_spec, stage_tokenizer
 from dare_core.training.stage import TrainingStage
+
+if TYPE_CHECKING:
+    from dare_core.algorithms.base import Algorithm
 
 log = logging.getLogger(__name__)
 
