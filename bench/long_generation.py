@@ -26,8 +26,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import yaml  # noqa: E402
-
 from rl_pieces import REWARD  # noqa: E402
 from stamp import REPO, fmt, git_commit, hardware, header, markdown_table, write_atomic  # noqa: E402
 from train_step_runs import RL_PHASES, child_env, metrics_rows, run_rl_on_folder  # noqa: E402
@@ -102,10 +100,11 @@ def main() -> int:
         return child_main(args.child)
 
     from dare_core.config import load_config
+    from dare_core.storage import read_yaml_mapping
 
     commit = git_commit()
     command = "python3 bench/long_generation.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    family = yaml.safe_load(args.preset.read_text())["model"]["family"]
+    family = read_yaml_mapping(args.preset)["model"]["family"]
     if family not in SHAPE_OF_FAMILY:
         raise SystemExit(f"{args.preset}: no bench shape of family {family} (known: {sorted(SHAPE_OF_FAMILY)})")
     shape = SHAPE_OF_FAMILY[family]

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Optional
 if TYPE_CHECKING:
     from dare_core.config import DareConfig, LaunchConfig
 
+PARAMS_FILE = "params.yaml"  # a stage's settings, at the project's root
 STAGES = {
     # name: (worker module, needs the distributed launcher)
     "inputs": ("dare_core.workers.inputs", False),
@@ -90,6 +91,23 @@ def _config_sets(args: argparse.Namespace) -> list[str]:
     return [f"recipe={args.recipe}", *args.set] if args.recipe else list(args.set)
 
 
+def _work_in_project_root(args: argparse.Namespace) -> None:
+    """Work in the project's root (env_file.project_root), as `dvc repro` runs every stage there: a
+    `dare stage` typed in a subfolder would otherwise write `sub/data/prepared` and `sub/runs`. The
+    command line's own paths (--params, a --recipe file) keep meaning what they meant where they were
+    typed; the settings' paths start at the root, as they do under DVC."""
+    from dare_core.env_file import enter_project_root
+    from dare_core.recipes import names_a_file
+
+    recipe_file = args.recipe if args.recipe and names_a_file(args.recipe) else None
+    root, (args.params, recipe_file) = enter_project_root([args.params, recipe_file])
+    args.recipe = recipe_file or args.recipe
+    if root is not None:
+        print(f"dare {args.command}: working in the project root {root}, where dvc repro runs the stages "
+              f"(relative paths in the settings start there)", flush=True)
+    args.params = args.params or PARAMS_FILE
+
+
 def cmd_stage(args: argparse.Namespace) -> int:
     """Run the stage; its last line says how long it took, so a `dvc repro` log shows each stage's
     wall time where it ends (a failure ends with its error line instead)."""
@@ -112,6 +130,7 @@ def _duration(seconds: float) -> str:
 def _run_stage(args: argparse.Namespace) -> int:
     from dare_core.env_file import apply_env_defaults
 
+    _work_in_project_root(args)
     # what the Makefile exports, for a stage not started by make (a deployment's worker, `dvc repro`):
     # DeepSpeed's ops built once into the project's .cache/torch_extensions, Hugging Face offline, ...
     apply_env_defaults(os.environ)
@@ -204,6 +223,7 @@ def cmd_upload(args: argparse.Namespace) -> int:
     from dare_core.config import load_config
     from dare_core.errors import UserError
 
+    _work_in_project_root(args)
     cfg = load_config(args.params, _config_sets(args))
     if not cfg.run.artifact_root:
         raise UserError(f"{args.params}: run.artifact_root is not set, so there is nowhere to upload to "
@@ -236,7 +256,7 @@ def upload_argv(stage_cmd: str) -> Optional[list[str]]:
             args = build_parser().parse_args(tokens[1:])
     except SystemExit:
         return None
-    return ["upload", args.name, "--params", args.params, *(f"--set={s}" for s in _config_sets(args))]
+    return ["upload", args.name, "--params", args.params or PARAMS_FILE, *(f"--set={s}" for s in _config_sets(args))]
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -373,7 +393,7 @@ def _sampler_args(p: argparse.ArgumentParser, many: bool = False) -> argparse.Ar
 def _config_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """A stage's name and the config it reads (`stage` and `upload` read the same one)."""
     p.add_argument("name", choices=list(STAGES))
-    p.add_argument("--params", default="params.yaml")
+    p.add_argument("--params", default=None, help=f"the settings file (default: the project's {PARAMS_FILE})")
     p.add_argument("--set", "-S", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     p.add_argument("--recipe", metavar="NAME", help="apply a paper recipe (configs/recipes/NAME.yaml, or a path) over "
                                                   "--params; -S still overrides it (same as -S recipe=NAME)")

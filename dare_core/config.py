@@ -22,7 +22,7 @@ from dare_core.recipes import all_auto, apply_recipe
 from dare_core.remote import cache_path, redact
 from dare_core.rl_rules import check_reference_sync
 from dare_core.sampling.params import SamplingParams
-from dare_core.storage import is_remote, read_yaml_mapping
+from dare_core.storage import DuplicateKeyError, is_remote, load_yaml, read_yaml_mapping
 
 
 def _at_least(section: Any, minimum: float, *names: str) -> None:
@@ -687,7 +687,9 @@ def _override_value(key: str, text: str) -> Any:
     """The value of `-S key=text`, read as YAML (as params.yaml is): a malformed one is a ConfigError
     naming the key, not a YAML parser's traceback."""
     try:
-        return yaml.safe_load(text)
+        return load_yaml(text, prefix=key)
+    except DuplicateKeyError as exc:
+        raise ConfigError(f"override '{key}={text}': {exc}") from None
     except yaml.YAMLError as exc:
         problem = " ".join(str(getattr(exc, "problem", None) or exc).split())
         raise ConfigError(f"override '{key}={text}': the value is not valid YAML ({problem}); quote it "

@@ -16,6 +16,7 @@ from the environment.
 """
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from pathlib import Path
@@ -35,6 +36,34 @@ def project_of(folder: Path) -> Path:
     if folder.parent.name == "workspaces" and folder.parent.parent.name == ".cache":
         return folder.parents[2]
     return folder
+
+
+# what a project's root folder holds: DVC runs every stage's command there (dvc.yaml's folder), so
+# the relative paths in the settings (runs, data/prepared, data.source) start there
+PROJECT_MARKERS = ("dvc.yaml", "params.yaml")
+
+
+def project_root(start: Optional[Path] = None) -> Path:
+    """The project `start` (default: the current folder) belongs to: itself where it holds dvc.yaml or
+    params.yaml, else the nearest folder above it that does (`start` is a subfolder of the project),
+    else `start` (no project around it: the settings file is named by path)."""
+    start = (Path.cwd() if start is None else Path(start)).resolve()
+    for folder in (start, *start.parents):
+        if any((folder / marker).is_file() for marker in PROJECT_MARKERS):
+            return folder
+    return start
+
+
+def enter_project_root(paths: list[Optional[str]]) -> tuple[Optional[Path], list[Optional[str]]]:
+    """Change to the project root where the current folder lies below it; `paths` (relative to where
+    a command was typed) rebased to it. Returns the root (None: already there) and the paths."""
+    here = Path.cwd().resolve()
+    root = project_root(here)
+    if root == here:
+        return None, paths
+    rebased = [None if path is None else os.path.relpath(here / path, root) for path in paths]
+    os.chdir(root)
+    return root, rebased
 
 
 def read_env_file(path: Path) -> dict[str, str]:

@@ -33,10 +33,16 @@ def available(params_path: Union[str, Path] = "params.yaml") -> list[str]:
     return sorted({p.stem for d in recipe_dirs(params_path) if d.is_dir() for p in d.glob("*.yaml")})
 
 
+def names_a_file(name: str) -> bool:
+    """Whether recipe `name` is a path to a YAML file rather than a name under configs/recipes/."""
+    as_path = Path(name)
+    return as_path.suffix in (".yaml", ".yml") or len(as_path.parts) > 1
+
+
 def find_recipe(name: str, params_path: Union[str, Path] = "params.yaml") -> Path:
     """The file of recipe `name`: a path to a YAML file, or a name under configs/recipes/."""
     as_path = Path(name)
-    if as_path.suffix in (".yaml", ".yml") or len(as_path.parts) > 1:
+    if names_a_file(name):
         if as_path.is_file():
             return as_path
         raise RecipeError(f"recipe file not found: {name}")

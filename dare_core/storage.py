@@ -7,6 +7,7 @@ Remote paths (s3://...) go through fsspec, where an object PUT is already all-or
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import json
 import os
@@ -154,16 +155,76 @@ def _swap_in(targets: list[Path], tmps: list[Path]) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
+class DuplicateKeyError(ValueError):
+    """A mapping that names one key twice: YAML keeps the last silently, so the first setting would
+    be lost without a word."""
+
+
+@functools.cache
+def _unique_key_loader() -> type:
+    import yaml  # (here: most users of this module never read YAML)
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        """SafeLoader that refuses a key given twice in one mapping (a `<<` merge may still be
+        overridden, as YAML intends)."""
+
+        def __init__(self, text: str, prefix: str) -> None:
+            super().__init__(text)
+            # the dotted key of each mapping node: a parent is constructed before its children (they
+            # wait in state generators), so a mapping finds its path here, set by its parent
+            self.dare_key_of: dict[int, str] = {}
+            self.dare_root_key = prefix
+
+        def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+            where = self.dare_key_of.get(id(node), self.dare_root_key)
+            first_line: dict = {}
+            for key_node, value_node in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                if isinstance(key, (list, dict)):
+                    continue  # unhashable: SafeLoader refuses it below, in its own words
+                dotted = f"{where}.{key}" if where else str(key)
+                line = key_node.start_mark.line + 1
+                if key in first_line:
+                    raise DuplicateKeyError(f"line {line}: duplicate key '{dotted}' (first at line {first_line[key]}); "
+                                            f"YAML would keep only the last, so remove one")
+                first_line[key] = line
+                self.dare_key_of[id(value_node)] = dotted
+            return super().construct_mapping(node, deep)
+
+        def construct_sequence(self, node: yaml.SequenceNode, deep: bool = False) -> list:
+            where = self.dare_key_of.get(id(node), self.dare_root_key)
+            for index, item in enumerate(node.value):
+                self.dare_key_of[id(item)] = f"{where}[{index}]"
+            return super().construct_sequence(node, deep)
+
+    return UniqueKeyLoader
+
+
+def load_yaml(text: str, prefix: str = "") -> Any:
+    """The YAML document `text`, read the way DARE reads every settings file (params.yaml, a recipe,
+    a `-S` value): safe types only, and a key given twice in one mapping is a DuplicateKeyError
+    naming its line and dotted key (under `prefix`: the key a `-S` value is set at)."""
+    loader = _unique_key_loader()(text, prefix)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 def read_yaml_mapping(path: PathLike, error: type = UserError, what: str = "a mapping") -> dict:
-    """The YAML mapping in `path` ({} for an empty file); unreadable, not YAML or not a mapping
-    raises `error` naming the file."""
+    """The YAML mapping in `path` ({} for an empty file); unreadable, not YAML, a key given twice or
+    not a mapping raises `error` naming the file."""
     import yaml
 
     path = _local(path)
     try:
-        tree = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        tree = load_yaml(path.read_text(encoding="utf-8")) or {}
     except (OSError, UnicodeDecodeError) as exc:
         raise error(f"{path}: cannot read ({exc})") from exc
+    except DuplicateKeyError as exc:
+        raise error(f"{path}: {exc}") from None
     except yaml.YAMLError as exc:
         raise error(f"{path}: not valid YAML: {exc}") from exc
     if not isinstance(tree, dict):

@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
+from dare_core.storage import read_yaml_mapping
 
 # the largest PNG embedded in an artifact; bigger ones are linked by path only
 MAX_EMBED_BYTES = 400_000
@@ -28,7 +28,7 @@ class RunPaths:
         params = workdir / "params.yaml"
         run = {}
         if params.is_file():
-            run = (yaml.safe_load(params.read_text()) or {}).get("run") or {}
+            run = read_yaml_mapping(params).get("run") or {}
         return cls(workdir / str(run.get("metrics_dir") or "metrics"), workdir / str(run.get("runs_dir") or "runs"),
                    str(run.get("name") or "embedded"))
 

@@ -22,8 +22,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import yaml
-
+from dare_core.storage import load_yaml
 from dare_core.workspaces import (RECORD, WORKSPACES, WorkspaceError, claim, git, keep_setting, prune, record_run,
                                   release)
 
@@ -141,7 +140,8 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, object]]:
         key, sep, value = str(item).partition("=")
         if not sep or not key.strip():
             raise ValueError(f"override {item!r} must look like key.sub=value (e.g. rl.num_steps=200)")
-        parsed.append((key.strip(), yaml.safe_load(value)))
+        # read as `dare stage -S` reads a value: a key given twice is refused, not silently dropped
+        parsed.append((key.strip(), load_yaml(value, prefix=key.strip())))
     return parsed
 
 

@@ -49,6 +49,15 @@ def test_every_input_setting_is_a_params_key_at_its_default_tracked_by_prepare()
         assert any(key == p or key.startswith(p + ".") for p in tracked), f"prepare does not track {key}"
 
 
+def test_what_the_prepared_data_was_made_from_is_what_dvc_reruns_prepare_on():
+    """The inputs stage skips its dry run of prepare when the prepared data was made from the same
+    settings (data/made_from.py): those must be exactly the ones DVC reruns prepare for."""
+    from dare_core.data.made_from import PREPARE_SETTINGS
+
+    tracked = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]["prepare"]["params"]
+    assert list(PREPARE_SETTINGS) == tracked
+
+
 # settings a stage's config gets before it is fingerprinted (a recipe, `lengths: auto`): the
 # fingerprint sees their effect, DVC must see the keys themselves
 APPLIED_BEFORE_FINGERPRINT = ("recipe", "lengths")

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import random
 import re
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from dare_core.config import ConfigError, DareConfig
 from dare_core.data import lengths as derived
+from dare_core.data.made_from import made_from
 from dare_core.data.pairs import pairs_required, why_no_pairs
 from dare_core.data.schema import DataError, check_ground_truths, read_rows, validate_rows, write_rows
 from dare_core.data.sources import (attach_reward, check_distinct_uids, check_size, dedupe, side_rows, source_pool,
@@ -305,8 +307,18 @@ def _warnings(overlaps: dict[str, int], counts: dict[str, int], cfg: DareConfig)
     return out
 
 
-def prepare(cfg: DareConfig) -> dict[str, Any]:
-    """Build (or load) the tokenizer, make and validate the splits, then write them. Returns the summary."""
+@dataclass
+class Prepared:
+    """What prepare writes, every check passed and nothing written yet."""
+    outputs: list[str]  # the prepared folder, and the tokenizer's for a from-scratch model
+    splits: dict[str, list[dict]]
+    summary: dict[str, Any]
+    tokenizer: Tokenizer
+
+
+def check_prepare(cfg: DareConfig) -> Prepared:
+    """Build (or load) the tokenizer, make the splits and make every check of the stage, writing
+    nothing: the stage, and the inputs stage's dry run of it (training/settings_checks.py)."""
     from_scratch = cfg.model.path is None
     outputs = [cfg.data.prepared_dir] + ([cfg.data.tokenizer_dir] if from_scratch else [])
     for output in outputs:
@@ -323,9 +335,9 @@ def prepare(cfg: DareConfig) -> dict[str, Any]:
     else:
         origin, pool = f"task {cfg.data.task}", _synthetic_pool(cfg, sum(counts), _need_min(cfg))
     splits = _split(pool, cfg, origin)
-    for split, path in (("eval", cfg.data.eval_source), ("val", cfg.data.val_source)):
-        if path:
-            splits[split] = side_rows(cfg, path, tokenizer, limit)
+    for split, setting in (("eval", "data.eval_source"), ("val", "data.val_source")):
+        if getattr(cfg.data, setting.split(".")[1]):
+            splits[split] = side_rows(cfg, setting, tokenizer, limit)
     splits["preference"], preference_info = _preference_rows(cfg, _train(pool, cfg), splits["eval"], origin, tokenizer, limit)
     _check_pairs_wanted(cfg, splits["preference"], origin)
     prepared = {split: _finish(split, rows, tokenizer, cfg) for split, rows in splits.items()}
@@ -369,12 +381,19 @@ def prepare(cfg: DareConfig) -> dict[str, Any]:
         "max_length": limit,
         "lengths": lengths,
         "vocab_size": tokenizer.vocab_size,
+        "made_from": made_from(cfg),
     }
-    # Everything is valid: only now touch the disk, all outputs at once
-    with atomic_dirs(*outputs, writes=WRITES) as tmps:
+    return Prepared(outputs, prepared, summary, tokenizer)
+
+
+def prepare(cfg: DareConfig) -> dict[str, Any]:
+    """Check everything (check_prepare), then write the splits and the tokenizer, all outputs at
+    once. Returns the summary."""
+    done = check_prepare(cfg)
+    with atomic_dirs(*done.outputs, writes=WRITES) as tmps:
         for split in SPLITS:
-            write_rows(tmps[0] / f"{split}.parquet", prepared[split], split)
-        atomic_write_json(tmps[0] / "summary.json", summary)
-        if from_scratch:
-            tokenizer.save(tmps[1])
-    return summary
+            write_rows(tmps[0] / f"{split}.parquet", done.splits[split], split)
+        atomic_write_json(tmps[0] / "summary.json", done.summary)
+        if len(done.outputs) > 1:  # a from-scratch model's tokenizer, made here
+            done.tokenizer.save(tmps[1])
+    return done.summary

@@ -17,7 +17,7 @@ import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Union
+from typing import Any, Iterable, Iterator, Optional, Union
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -172,10 +172,55 @@ def check_ground_truths(rows: list[dict], reward: str, source: str, reward_args:
             raise DataError(f"{where}: column 'ground_truth': {clip(str(exc))}") from None
 
 
+# A row nested deeper than this is refused: no column DARE reads nests at all, and Python's JSON
+# parser recurses, so a deep enough row would end in a RecursionError instead of a message
+MAX_NESTING = 100
+
+
+class _DuplicateKey(Exception):
+    """A JSON object naming one key twice (json keeps the last silently)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    row: dict = {}
+    for key, value in pairs:
+        if key in row:
+            raise _DuplicateKey(key)
+        row[key] = value
+    return row
+
+
+def _nesting(value: Any) -> int:
+    """How many arrays and objects deep `value` goes (counted without recursion: it may be deep)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return deepest
+
+
+def _parse_row(line: str, where: str) -> Any:
+    """One JSON-lines row; a key given twice or nesting past MAX_NESTING is a DataError naming the row."""
+    try:
+        obj = json.loads(line, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as exc:
+        raise DataError(f"{where}: key {exc.args[0]!r} appears twice in one object; JSON would keep only the last, "
+                        f"so remove one") from None
+    except RecursionError:
+        raise DataError(f"{where}: nested deeper than {MAX_NESTING} levels") from None
+    # (only a line with that many brackets can nest so deep: most rows skip the walk)
+    if line.count("[") + line.count("{") > MAX_NESTING and _nesting(obj) > MAX_NESTING:
+        raise DataError(f"{where}: nested deeper than {MAX_NESTING} levels")
+    return obj
+
+
 def json_lines(path: Path, error: type = DataError, stream=None, name: Optional[str] = None) -> Iterator[tuple[int, dict]]:
     """(line number, object) for every non-blank line of a JSON-lines file; a line that is not a
-    JSON object raises `error` naming the file (`name`, else `path`) and the line. `stream`: an
-    already opened text stream (e.g. gzip) instead of opening `path`."""
+    JSON object (or names a key twice, or nests too deep) raises `error` naming the file (`name`,
+    else `path`) and the line. `stream`: an already opened text stream (e.g. gzip) instead of
+    opening `path`."""
     where = name or path
     # bytes, decoded line by line: a non-UTF-8 byte is reported with its line
     with (stream if stream is not None else path.open("rb")) as f:
@@ -188,9 +233,11 @@ def json_lines(path: Path, error: type = DataError, stream=None, name: Optional[
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                obj = _parse_row(line, f"{where}: line {lineno}")
             except json.JSONDecodeError as exc:
                 raise error(f"{where}: line {lineno}: not valid JSON ({exc.msg})") from exc
+            except DataError as exc:
+                raise error(str(exc)) from None
             if not isinstance(obj, dict):
                 raise error(f"{where}: line {lineno}: expected a JSON object, got {type(obj).__name__}")
             yield lineno, obj

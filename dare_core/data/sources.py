@@ -145,9 +145,15 @@ def source_pool(cfg: Any, tokenizer: Tokenizer, limit: int) -> list[dict]:
     return rows
 
 
-def side_rows(cfg: Any, path: str, tokenizer: Tokenizer, limit: int) -> list[dict]:
-    """A test or validation file, used as it is: every row, in its order."""
+def side_rows(cfg: Any, setting: str, tokenizer: Tokenizer, limit: int) -> list[dict]:
+    """The test or validation file `setting` names (data.eval_source, data.val_source), used as it
+    is: every row, in its order."""
+    path = getattr(cfg.data, setting.split(".")[1])
     rows = read_rows(path, "eval_source", where=True)
+    if not rows:
+        # as an empty training file is: a split with nothing in it would score or validate nothing
+        raise DataError(f"{path}: no rows ({setting}); give it at least one problem, or leave {setting} empty to "
+                        f"carve the split out of the training data")
     check_size(rows, ("prompt",), tokenizer, limit)
     label_rows(rows, cfg, graded=True)
     check_distinct_uids(rows)

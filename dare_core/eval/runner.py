@@ -22,7 +22,7 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
 from dare_core.errors import UserError
 from dare_core.eval.configs import get_benchmark, parse_benchmarks
@@ -248,21 +248,30 @@ def _copy_summary(run_dir: Path) -> None:
             shutil.copyfile(src, run_dir / f"summary{suffix}")
 
 
-def benchmark_specs(benchmarks, data_dir: Optional[Path], benchmark_args: Optional[dict] = None, max_samples: int = 0,
-                    data_dirs: Optional[dict] = None) -> list:
-    """Validated specs, each with its data folder; every file is checked before any model loads."""
+def benchmark_settings(benchmarks: str | Sequence[str], benchmark_args: Optional[dict] = None,
+                       max_samples: int = 0) -> list[BenchmarkSpec]:
+    """The specs of `benchmarks`, names, options and modes checked, no data folder read yet."""
     specs = []
     for name in parse_benchmarks(benchmarks):
         spec = BenchmarkSpec.from_args(name, (benchmark_args or {}).get(name), max_samples)
-        folder = (data_dirs or {}).get(name, data_dir)
-        bench = get_benchmark(name)
-        if folder is None:
-            raise ValueError(f"{name}: no data folder given (eval.data_dir / --data); expected layout: {bench.layout}")
-        spec.data_dir = Path(folder)
-        if spec.mode not in bench.modes:
-            raise ValueError(f"{name}: mode '{spec.mode}' not available (modes: {list(bench.modes)})")
-        bench.load(spec.data_dir, max_samples=1)
+        modes = get_benchmark(name).modes
+        if spec.mode not in modes:
+            raise ValueError(f"{name}: mode '{spec.mode}' not available (modes: {list(modes)})")
         specs.append(spec)
+    return specs
+
+
+def benchmark_specs(benchmarks, data_dir: Optional[Path], benchmark_args: Optional[dict] = None, max_samples: int = 0,
+                    data_dirs: Optional[dict] = None) -> list:
+    """Validated specs, each with its data folder; every file is checked before any model loads."""
+    specs = benchmark_settings(benchmarks, benchmark_args, max_samples)
+    for spec in specs:
+        folder = (data_dirs or {}).get(spec.name, data_dir)
+        bench = get_benchmark(spec.name)
+        if folder is None:
+            raise ValueError(f"{spec.name}: no data folder given (eval.data_dir / --data); expected layout: {bench.layout}")
+        spec.data_dir = Path(folder)
+        bench.load(spec.data_dir, max_samples=1)
     return specs
 
 

@@ -27,6 +27,7 @@ from dare_core.data.pairs import why_no_pairs
 from dare_core.data.schema import DataError, read_rows, table_row
 from dare_core.devices import resolve_dtype
 from dare_core.models.hf_folder import inspect_model, load_model
+from dare_core.models.lm import DiffusionLM
 from dare_core.training import engine as eng
 from dare_core.training.checkpoint import CheckpointManager, SavePolicy
 from dare_core.training.fingerprint import stage_fingerprint
@@ -75,6 +76,13 @@ def check_preference_config(cfg: DareConfig) -> None:
         raise ValueError("preference needs model.lora.dropout: 0 (its proxy-gradient replay recomputes the ELBO rows exactly)")
 
 
+def check_preference_settings(cfg: DareConfig, spec: DiffusionLM) -> None:
+    """The checks of the preference settings against the model (`spec`, weightless): no data read."""
+    check_preference_config(cfg)
+    build_preference(cfg.preference, spec)  # its options
+    check_sequence_parallel(cfg.launch, spec)
+
+
 @dataclass
 class PreferencePlan:
     """What `check_preference` read and decided, before anything is written."""
@@ -105,8 +113,7 @@ def check_preference(cfg: DareConfig, save_checkpoints: bool = True, export: boo
     prompts, chosen, rejected = encode_pairs(rows, tokenizer)
     spec = prepare_for_training(inspect_model(start_folder), cfg)
     check_pairs(data_path, prompts, chosen, rejected, pcfg.pad_to, spec.max_sequence_length)
-    build_preference(pcfg, spec)  # its options, checked on the weightless model
-    check_sequence_parallel(cfg.launch, spec)
+    check_preference_settings(cfg, spec)
 
     fingerprint = stage_fingerprint(cfg, "preference", {"data file": data_path, "start model": start_folder})
     dtype = resolve_dtype(cfg.model.dtype)

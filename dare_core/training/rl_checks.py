@@ -13,6 +13,7 @@ from dare_core.data.schema import DataError, check_ground_truths, read_rows, tab
 from dare_core.devices import resolve_dtype
 from dare_core.inputs import reward_inputs
 from dare_core.models.hf_folder import inspect_model
+from dare_core.models.lm import DiffusionLM
 from dare_core.rl_rules import check_rl_config
 from dare_core.sampling.cache import check_cache_fits
 from dare_core.sampling.engines import check_engine
@@ -22,7 +23,7 @@ from dare_core.training.export_choice import protected_tags
 from dare_core.training.fingerprint import stage_fingerprint
 from dare_core.training.parallel import check_sequence_parallel
 from dare_core.training.preflight import check_outputs, checkpoint_bytes, model_bytes, stage_writes, training_need
-from dare_core.training.rl_validation import RLValidator, validation_params
+from dare_core.training.rl_validation import RLValidator, check_validation_config, validation_params
 from dare_core.training.setup import prepare_for_training, stage_tokenizer
 
 
@@ -78,6 +79,18 @@ def _check_prompt_lengths(path: Path, rows: list[dict], tokenizer, gen_length: i
                             f"exceeds the model maximum {limit}")
 
 
+def check_rl_settings(cfg: DareConfig, spec: DiffusionLM) -> None:
+    """The checks of the RL settings against the model (`spec`, weightless): sampler and engine,
+    the algorithm's options and batch shapes, the ranks, validation; no data read."""
+    _check_sampler(cfg, spec)
+    algo = build_algorithm(cfg.rl, spec)
+    _check_engine(cfg, spec, record_level(algo.requires))
+    check_rl_config(cfg, algo.rows_per_prompt)
+    check_rl_ranks(cfg, algo.rows_per_prompt)
+    check_sequence_parallel(cfg.launch, spec, algo)
+    check_validation_config(cfg.rl)
+
+
 def check_rl(cfg: DareConfig, save_checkpoints: bool = True) -> RLPlan:
     """Every check of the RL stage, before it writes anything or starts DeepSpeed: the config, the
     SFT model (its config only) and the sampler's fit to its family, the algorithm's options and
@@ -90,12 +103,7 @@ def check_rl(cfg: DareConfig, save_checkpoints: bool = True) -> RLPlan:
     if not (start_folder / "config.json").is_file():
         raise FileNotFoundError(f"{start_folder}: no SFT model to start from (run the sft stage first)")
     spec = prepare_for_training(inspect_model(start_folder), cfg)
-    _check_sampler(cfg, spec)
-    algo = build_algorithm(rl, spec)
-    _check_engine(cfg, spec, record_level(algo.requires))
-    check_rl_config(cfg, algo.rows_per_prompt)
-    check_rl_ranks(cfg, algo.rows_per_prompt)
-    check_sequence_parallel(cfg.launch, spec, algo)
+    check_rl_settings(cfg, spec)
 
     data_path = Path(cfg.data.prepared_dir) / "rl.parquet"
     rows = read_rows(data_path, "rl")

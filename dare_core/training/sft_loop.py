@@ -6,7 +6,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -19,6 +19,7 @@ from dare_core.devices import resolve_dtype
 from dare_core.diffusion.seeding import sample_generators
 from dare_core.inputs import tokenizer_folder
 from dare_core.models.hf_folder import save_model
+from dare_core.models.lm import DiffusionLM
 from dare_core.ownership import leave_stage_off_note
 from dare_core.training import engine as eng
 from dare_core.training.checkpoint import CheckpointManager, SavePolicy
@@ -29,6 +30,9 @@ from dare_core.training.plots import sft_plots
 from dare_core.training.preflight import check_outputs, checkpoint_bytes, model_bytes, stage_writes, training_need
 from dare_core.training.setup import initial_model, initial_spec, stage_tokenizer
 from dare_core.training.stage import TrainingStage
+
+if TYPE_CHECKING:
+    from dare_core.algorithms.base import Algorithm
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +58,15 @@ class SFTPlan:
     ckpt: CheckpointManager
 
 
+def check_sft_settings(cfg: DareConfig, spec: DiffusionLM) -> Algorithm:
+    """The checks of the SFT settings against the model (`spec`, weightless): no data read. Returns
+    the loss objective."""
+    check_sequence_parallel(cfg.launch, spec)
+    algo_cls = get_sft_objective("sft")
+    return algo_cls(build_options(algo_cls, {"loss_norm": cfg.sft.loss_norm, "mask_law": cfg.sft.mask_law}, "sft"),
+                    spec.mask_token_id)
+
+
 def check_sft(cfg: DareConfig, save_checkpoints: bool = True, export: bool = True) -> SFTPlan:
     """Every check of the SFT stage, before it writes anything or starts DeepSpeed: the data, the
     tokenizer, the model (its config only), prompt lengths, the loss options, the checkpoints
@@ -68,14 +81,12 @@ def check_sft(cfg: DareConfig, save_checkpoints: bool = True, export: bool = Tru
     tokenizer = stage_tokenizer(cfg)
     prompts, responses = encode_sft_rows(rows, tokenizer)
     spec = initial_spec(cfg, tokenizer)
-    check_sequence_parallel(cfg.launch, spec)
+    algo = check_sft_settings(cfg, spec)
     too_long = [i for i, p in enumerate(prompts) if len(p) + scfg.pad_to > spec.max_sequence_length]
     if too_long:
         i = too_long[0]
         raise DataError(f"{table_row(data_path, i)}: prompt of {len(prompts[i])} tokens + sft.pad_to {scfg.pad_to} "
                         f"exceeds the model maximum {spec.max_sequence_length}")
-    algo_cls = get_sft_objective("sft")
-    algo = algo_cls(build_options(algo_cls, {"loss_norm": scfg.loss_norm, "mask_law": scfg.mask_law}, "sft"), spec.mask_token_id)
 
     dtype = resolve_dtype(cfg.model.dtype)
     weights = model_bytes(spec, dtype)

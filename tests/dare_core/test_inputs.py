@@ -106,14 +106,16 @@ def test_dvc_status_names_an_edited_input_file(tmp_path):
     copy_pipeline(tmp_path)
     (tmp_path / "data" / "own").mkdir(parents=True)
     train = tmp_path / "data" / "own" / "train.jsonl"
-    train.write_text('{"prompt": "a", "response": "b", "ground_truth": "b"}\n')
+    # (data prepare accepts: the inputs stage makes prepare's checks before it records anything)
+    train.write_text("".join(json.dumps({"prompt": p, "response": "b", "ground_truth": "b"}) + "\n" for p in "acdefgh"))
     (tmp_path / "own_reward.py").write_text("from helpers import norm\ndef score(c, g, r): return float(norm(c) == g)\n")
     (tmp_path / "helpers.py").write_text("def norm(text): return text.strip()\n")
     outside = tmp_path.parent / f"{tmp_path.name}-eval.jsonl"  # outside the project: inputs.json only
     outside.write_text(train.read_text())
     params = (REPO / "params.yaml").read_text()
     (tmp_path / "params.yaml").write_text(params)
-    settings = ["data.source=data/own/train.jsonl", f"data.eval_source={outside}", "rl.reward=own_reward:score"]
+    settings = ["data.source=data/own/train.jsonl", f"data.eval_source={outside}", "rl.reward=own_reward:score",
+                "data.num_sft=4", "data.num_rl=4", "data.num_val=2", "data.num_preference=0"]
     env = {**os.environ, "DVC_NO_ANALYTICS": "1", "GIT_CONFIG_GLOBAL": os.devnull}
     for cmd in (["git", "init", "-q"], [sys.executable, "-m", "dvc", "init", "-q"]):
         subprocess.run(cmd, cwd=tmp_path, check=True, env=env, capture_output=True)
@@ -134,7 +136,7 @@ def test_dvc_status_names_an_edited_input_file(tmp_path):
     ran = subprocess.run([sys.executable, "-m", "dvc", "repro", "input_file"], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
     assert status() == set()
-    train.write_text(train.read_text() + '{"prompt": "c", "response": "d", "ground_truth": "d"}\n')
+    train.write_text(train.read_text() + '{"prompt": "i", "response": "d", "ground_truth": "d"}\n')
     assert status() == {"input_file@data/own/train.jsonl"}
     (tmp_path / "helpers.py").write_text("def norm(text): return text.strip().lower()\n")
     assert status() == {"input_file@data/own/train.jsonl", "input_file@helpers.py"}
