@@ -137,10 +137,12 @@ def test_concurrent_runs_complete_in_their_own_workspaces_and_failures_show_the_
     state = final_state(server, bad, 240)
     assert state["state_type"] == "FAILED"
     tasks = api_post(server, "task_runs/filter", {"flow_runs": {"id": {"any_": [bad]}}})
-    prepare = next(t for t in tasks if t["name"] == "prepare")
-    assert "error: model.init: n_heads (3) must divide the width d_model" in prepare["state"]["message"], prepare
+    # refused by the first stage that reads the settings (inputs), before prepare could delete anything
+    (failed,) = [t for t in tasks if t["state_type"] == "FAILED"]
+    assert failed["name"] == "inputs" and "prepare" not in [t["name"] for t in tasks], tasks
+    assert "error: model.init: n_heads (3) must divide the width d_model" in failed["state"]["message"], failed
     # the reason is logged as an error (the UI's level filter), not only in the state message
-    errors = api_post(server, "logs/filter", {"logs": {"task_run_id": {"any_": [prepare["id"]]}, "level": {"ge_": 40}}})
+    errors = api_post(server, "logs/filter", {"logs": {"task_run_id": {"any_": [failed["id"]]}, "level": {"ge_": 40}}})
     assert [log for log in errors if "error: model.init: n_heads (3)" in log["message"]], errors
 
 
