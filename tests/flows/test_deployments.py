@@ -27,6 +27,7 @@ import yaml
 from pipeline_helpers import REPO, make_project, tiny_params, worker_env
 from prefect_server import PrefectServer, api_get, api_post, flow_runs, free_port, wait_for
 from s3_server import REGION, s3_bucket, s3_server  # noqa: F401  (fixtures)
+from ui_browser import browser_missing, browser_page, screenshot
 
 pytestmark = pytest.mark.slow
 POOL = "dare-test"
@@ -177,7 +178,8 @@ def bucket_keys(endpoint: str, bucket: str) -> list[str]:
     return [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket) for o in page.get("Contents", [])]
 
 
-def test_a_run_whose_worker_host_dies_is_crashed_and_a_retry_resumes_from_its_checkpoints(deployed, s3_server, s3_bucket):
+def test_a_run_whose_worker_host_dies_is_crashed_and_a_retry_resumes_from_its_checkpoints(deployed, s3_server, s3_bucket,
+                                                                                           tmp_path):
     server, project = deployed
     warm_run_cache(project, "prepare")
     automations = yaml.safe_load((REPO / "automations.yaml").read_text())
@@ -235,6 +237,12 @@ def test_a_run_whose_worker_host_dies_is_crashed_and_a_retry_resumes_from_its_ch
     crash = [a for a in api_post(server, "artifacts/filter", {"flow_runs": {"id": {"any_": [run_id]}}})
              if a["key"] == "dare-crash"]
     assert len(crash) == 1 and "no heartbeat for" in crash[0]["data"] and "### Stage `sft`" in crash[0]["data"]
+    # what the UI shows now (docs/operating.md's pictures: DARE_UPDATE_DOCS=1)
+    if browser_missing() is None:
+        with browser_page(tmp_path / "chromium") as page:
+            screenshot(page, f"{server.url}/runs/flow-run/{run_id}", tmp_path / "prefect_crashed_run.png", [name, "Crashed"])
+            screenshot(page, f"{server.url}/artifacts/artifact/{crash[0]['id']}", tmp_path / "prefect_crash_report.png",
+                       ["Reason:", "Stage sft"])
 
     # the Retry of the flow run's menu in Prefect 3.8.8's default UI (ui-v2)
     retry = api_post(server, f"flow_runs/{run_id}/set_state", {
@@ -253,6 +261,12 @@ def test_a_run_whose_worker_host_dies_is_crashed_and_a_retry_resumes_from_its_ch
     assert rows["sft"]["status"] == f"ran, resumed from step {int(tag[4:])}" and rows["sft"]["attempts"] == 2, rows
     keys = [a["key"] for a in arts]
     assert len(keys) == len(set(keys)), keys  # the retry published nothing the lost attempt had
+    if browser_missing() is None:
+        with browser_page(tmp_path / "chromium") as page:
+            screenshot(page, f"{server.url}/runs/flow-run/{run_id}", tmp_path / "prefect_retried_run.png", [name, "Completed"])
+            stages = next(a for a in arts if a["key"] == "dare-stages")
+            screenshot(page, f"{server.url}/artifacts/artifact/{stages['id']}", tmp_path / "prefect_retried_stages.png",
+                       [f"ran, resumed from step {int(tag[4:])}"])
     logs = [log["message"] for log in api_post(server, "logs/filter",
                                                {"logs": {"task_run_id": {"any_": [sft[2]["id"]]}}})]
     assert [line for line in logs if "resuming SFT from" in line and tag in line], (tag, logs)

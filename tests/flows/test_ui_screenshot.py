@@ -14,7 +14,6 @@ not used). Skipped, with the reason, when either is missing.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -28,16 +27,9 @@ from pathlib import Path
 import pytest
 
 from prefect_server import PrefectServer, api_post, free_port
+from ui_browser import DOCS_IMAGES, UI_TIMEOUT_MS, browser_missing, browser_page, find_text, settle
 
 REPO = Path(__file__).resolve().parents[2]
-DOCS_IMAGES = REPO / "docs" / "images"
-CHROMIUM = os.environ.get("DARE_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
-    "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync",
-]
-VIEWPORT = {"width": 1440, "height": 1400}
-UI_TIMEOUT_MS = 90_000  # the UI is a single-page app: JS load, then API calls, then rendering
 
 STAGES = ["prepare", "sft", "preference", "rl", "convert", "eval"]
 # Text that the flow run's Logs view must show (substrings of log lines). Extend freely, e.g. with
@@ -94,15 +86,7 @@ DVC_YAML = "stages:\n" + "".join(
     for stage, (up, metrics) in STAGE_GRAPH.items())
 
 
-def _browser_missing() -> str | None:
-    if not Path(CHROMIUM).is_file():
-        return f"no Chromium at {CHROMIUM} (install Debian's chromium: `make browser`)"
-    if importlib.util.find_spec("playwright") is None:
-        return "the playwright package is not installed (requirements/test.txt)"
-    return None
-
-
-pytestmark = pytest.mark.skipif(_browser_missing() is not None, reason=str(_browser_missing()))
+pytestmark = pytest.mark.skipif(browser_missing() is not None, reason=str(browser_missing()))
 
 
 def _make_repo(root: Path) -> None:
@@ -128,46 +112,8 @@ def _server_log(srv: PrefectServer) -> str:
     return path.read_text(errors="replace")[-3000:] if path.exists() else ""
 
 
-# Scrolls the nearest scrollable ancestor of the first element matching the selector (the Prefect UI
-# scrolls its main view, not the window) by most of a screen, or back to the top when it is at the
-# bottom (so text above the current view is found too).
-SCROLL_JS = """(selector) => {
-    let el = document.querySelector(selector);
-    while (el && !(el.scrollHeight > el.clientHeight + 5 && /auto|scroll/.test(getComputedStyle(el).overflowY)))
-        el = el.parentElement;
-    el = el || document.scrollingElement;
-    if (el.scrollTop + el.clientHeight >= el.scrollHeight - 2) el.scrollTop = 0;
-    else el.scrollBy(0, Math.max(200, el.clientHeight * 0.7));
-}"""
-
-
-def _find_text(page, text: str, timeout_s: float, scroll: str | None = None) -> bool:
-    """Wait until `text` is on the page. The Logs view renders its rows lazily (a virtual list),
-    so with a `scroll` selector, scroll that element's view down a screen at a time meanwhile."""
-    deadline = time.monotonic() + timeout_s
-    locator = page.get_by_text(text).first
-    while time.monotonic() < deadline:
-        if locator.count() and locator.is_visible():
-            return True
-        if scroll is not None:
-            page.evaluate(SCROLL_JS, scroll)
-        page.wait_for_timeout(300)
-    return False
-
-
-def _settle(page) -> None:
-    """Let pending API calls finish and the run graph (a canvas) draw before a screenshot."""
-    try:
-        page.wait_for_load_state("networkidle", timeout=15_000)
-    except Exception:  # the UI polls a running flow; a finished one goes quiet
-        pass
-    page.wait_for_timeout(1500)
-
-
 @pytest.mark.timeout(600)
 def test_flow_run_page_shows_stage_logs_and_artifacts(tmp_path, server):
-    from playwright.sync_api import sync_playwright
-
     # The UI asks the server where its API is (ui-settings, from PREFECT_UI_API_URL).
     assert server.env()["PREFECT_UI_API_URL"] == server.api
     with urllib.request.urlopen(f"{server.url}/ui-settings", timeout=10) as r:
@@ -199,54 +145,45 @@ def test_flow_run_page_shows_stage_logs_and_artifacts(tmp_path, server):
     outside: list[str] = []  # requests that leave the local server (a CDN would break offline use)
     page_errors: list[str] = []  # uncaught JavaScript exceptions, shown when a check fails
     t0 = time.monotonic()
-    with sync_playwright() as pw:
-        context = pw.chromium.launch_persistent_context(
-            str(tmp_path / "chromium-profile"), executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS,
-            viewport=VIEWPORT, device_scale_factor=1, color_scheme="dark", timezone_id="UTC",
-        )
-        try:
-            page = context.new_page()
-            page.set_default_timeout(UI_TIMEOUT_MS)
-            page.on("request", lambda req: req.url.startswith(("http:", "https:"))
-                    and not req.url.startswith(server.url) and outside.append(req.url))
-            page.on("pageerror", lambda exc: page_errors.append(str(exc)))
-            page.goto(url, wait_until="domcontentloaded", timeout=UI_TIMEOUT_MS)
+    with browser_page(tmp_path / "chromium-profile") as page:
+        page.on("request", lambda req: req.url.startswith(("http:", "https:"))
+                and not req.url.startswith(server.url) and outside.append(req.url))
+        page.on("pageerror", lambda exc: page_errors.append(str(exc)))
+        page.goto(url, wait_until="domcontentloaded", timeout=UI_TIMEOUT_MS)
 
-            # The run: its name, its state, its flow, and the Logs view (the default tab).
-            page.get_by_text(flow_run["name"], exact=True).first.wait_for(timeout=UI_TIMEOUT_MS)
-            page.get_by_text("Completed", exact=True).first.wait_for(timeout=UI_TIMEOUT_MS)
-            page.get_by_text("dare-pipeline", exact=True).first.wait_for(timeout=UI_TIMEOUT_MS)
-            assert _find_text(page, EXPECTED_LOG_LINES[0], UI_TIMEOUT_MS / 1000), \
-                f"{EXPECTED_LOG_LINES[0]!r} not in the Logs view ({page_errors=}):\n{page.inner_text('body')[-3000:]}"
-            _settle(page)
-            page.screenshot(path=str(shots["flow_run"]), full_page=True)
+        # The run: its name, its state, its flow, and the Logs view (the default tab).
+        page.get_by_text(flow_run["name"], exact=True).first.wait_for(timeout=UI_TIMEOUT_MS)
+        page.get_by_text("Completed", exact=True).first.wait_for(timeout=UI_TIMEOUT_MS)
+        page.get_by_text("dare-pipeline", exact=True).first.wait_for(timeout=UI_TIMEOUT_MS)
+        assert find_text(page, EXPECTED_LOG_LINES[0], UI_TIMEOUT_MS / 1000), \
+            f"{EXPECTED_LOG_LINES[0]!r} not in the Logs view ({page_errors=}):\n{page.inner_text('body')[-3000:]}"
+        settle(page)
+        page.screenshot(path=str(shots["flow_run"]), full_page=True)
 
-            # Every expected log line, scrolling the logs as needed.
-            missing = [text for text in EXPECTED_LOG_LINES if not _find_text(page, text, 30, scroll=".log-row")]
-            assert not missing, f"not in the Logs view: {missing} ({page_errors=})\n{page.inner_text('body')[-3000:]}"
+        # Every expected log line, scrolling the logs as needed.
+        missing = [text for text in EXPECTED_LOG_LINES if not find_text(page, text, 30, scroll=".log-row")]
+        assert not missing, f"not in the Logs view: {missing} ({page_errors=})\n{page.inner_text('body')[-3000:]}"
 
-            # The Artifacts tab lists every artifact the API has for this run.
-            tab = page.locator(".p-tab").filter(has_text=re.compile(r"^\s*Artifacts\s*$"))
-            (tab.first if tab.count() else page.get_by_text("Artifacts", exact=True).first).click()
-            if not _find_text(page, keys[0], 20):  # the tab's own URL, in case the click missed
-                page.goto(f"{url}?tab=Artifacts", wait_until="domcontentloaded")
-            not_shown = [key for key in keys if not _find_text(page, key, UI_TIMEOUT_MS / 1000)]
-            assert not not_shown, f"artifacts not shown: {not_shown} (API: {keys}, {page_errors=})\n{page.inner_text('body')[-3000:]}"
-            page.mouse.move(0, 0)  # no hover highlight on a card
-            page.evaluate("document.querySelectorAll('*').forEach(e => { if (e.scrollTop) e.scrollTop = 0; })")
-            _settle(page)
-            page.screenshot(path=str(shots["artifacts"]), full_page=True)
+        # The Artifacts tab lists every artifact the API has for this run.
+        tab = page.locator(".p-tab").filter(has_text=re.compile(r"^\s*Artifacts\s*$"))
+        (tab.first if tab.count() else page.get_by_text("Artifacts", exact=True).first).click()
+        if not find_text(page, keys[0], 20):  # the tab's own URL, in case the click missed
+            page.goto(f"{url}?tab=Artifacts", wait_until="domcontentloaded")
+        not_shown = [key for key in keys if not find_text(page, key, UI_TIMEOUT_MS / 1000)]
+        assert not not_shown, f"artifacts not shown: {not_shown} (API: {keys}, {page_errors=})\n{page.inner_text('body')[-3000:]}"
+        page.mouse.move(0, 0)  # no hover highlight on a card
+        page.evaluate("document.querySelectorAll('*').forEach(e => { if (e.scrollTop) e.scrollTop = 0; })")
+        settle(page)
+        page.screenshot(path=str(shots["artifacts"]), full_page=True)
 
-            # A stage's report: its metrics table and its plot, drawn as an image on the page.
-            page.goto(f"{server.url}/artifacts/artifact/{report_id}", wait_until="domcontentloaded")
-            page.get_by_text("final_loss").first.wait_for(timeout=UI_TIMEOUT_MS)
-            image = page.locator("img[src^='data:image/png']").first
-            image.wait_for(timeout=UI_TIMEOUT_MS)
-            assert image.evaluate("img => img.complete && img.naturalWidth > 0"), "the plot did not render"
-            _settle(page)
-            page.screenshot(path=str(shots["report"]), full_page=True)
-        finally:
-            context.close()
+        # A stage's report: its metrics table and its plot, drawn as an image on the page.
+        page.goto(f"{server.url}/artifacts/artifact/{report_id}", wait_until="domcontentloaded")
+        page.get_by_text("final_loss").first.wait_for(timeout=UI_TIMEOUT_MS)
+        image = page.locator("img[src^='data:image/png']").first
+        image.wait_for(timeout=UI_TIMEOUT_MS)
+        assert image.evaluate("img => img.complete && img.naturalWidth > 0"), "the plot did not render"
+        settle(page)
+        page.screenshot(path=str(shots["report"]), full_page=True)
     print(f"browser: {time.monotonic() - t0:.1f} s")
 
     if page_errors:  # not a failure by itself: Prefect 3.8's UI throws "Cannot read properties of null
