@@ -12,6 +12,7 @@ import sysconfig
 import pytest
 
 from dare_core.rewards import cgroup
+from dare_core.rewards.sandbox import check_available
 from dare_core.rewards.scoring import score_texts
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox is Linux-only")
@@ -44,10 +45,10 @@ HOLD_LOCKS = TARGETS + (
     "                           ('posix', lambda: fcntl.fcntl(fd, fcntl.F_SETLK, struct.pack('hhqqi4x', fcntl.F_RDLCK, 0, 0, 1, 0))),\n"
     "                           ('ofd', lambda: fcntl.fcntl(fd, 37, struct.pack('hhqqi4x', fcntl.F_RDLCK, 0, 1, 1, 0)))):\n"
     "            try:\n                take()\n                held.append(name)\n            except OSError:\n                pass\n"
-    "    time.sleep(2.5)\n    return held\n")
+    "    time.sleep(1.5)\n    return held\n")
 PROBE_LOCKS = TARGETS + (
     "import fcntl, os, struct, time\n"
-    "def probe():\n    seen, end = set(), time.monotonic() + 2.0\n    fds = [os.open(p, os.O_RDONLY) for p in TARGETS]\n"
+    "def probe():\n    seen, end = set(), time.monotonic() + 1.2\n    fds = [os.open(p, os.O_RDONLY) for p in TARGETS]\n"
     "    while time.monotonic() < end and not seen:\n        for path, fd in zip(TARGETS, fds):\n"
     "            try:\n                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n                fcntl.flock(fd, fcntl.LOCK_UN)\n"
     "            except BlockingIOError:\n                seen.add(('flock', path))\n            except OSError:\n                pass\n"
@@ -68,7 +69,7 @@ def test_a_file_lock_taken_by_one_row_is_invisible_to_another():
 
 TOUCH_FILES = TARGETS + (
     "import os, time\n"
-    "def touch():\n    end = time.monotonic() + 2.5\n    while time.monotonic() < end:\n        for path in TARGETS:\n"
+    "def touch():\n    end = time.monotonic() + 1.5\n    while time.monotonic() < end:\n        for path in TARGETS:\n"
     "            fd = os.open(path, os.O_RDONLY)\n            os.read(fd, 1)\n            os.close(fd)\n"
     "        time.sleep(0.01)\n    return True\n")
 PROBE_NOTIFY = TARGETS + (
@@ -76,7 +77,7 @@ PROBE_NOTIFY = TARGETS + (
     "def probe():\n    libc = ctypes.CDLL(None, use_errno=True)\n    fd = libc.inotify_init1(os.O_NONBLOCK)\n"
     "    if fd < 0:\n        return []\n"
     "    watched = [p for p in TARGETS + [os.path.dirname(TARGETS[1])] if libc.inotify_add_watch(fd, p.encode(), 0x1 | 0x20) >= 0]\n"
-    "    events, end = 0, time.monotonic() + 2.0\n    while time.monotonic() < end and not events:\n"
+    "    events, end = 0, time.monotonic() + 1.2\n    while time.monotonic() < end and not events:\n"
     "        if select.select([fd], [], [], 0.1)[0]:\n            events += len(os.read(fd, 4096))\n"
     "    return ['inotify'] if events else []\n")
 
@@ -94,13 +95,23 @@ RESIDENCY_CANDIDATES = ("audioop", "syslog", "_md5", "_sha1", "_sha3", "_sha256"
                         "_uuid", "_zoneinfo", "_csv", "_codecs_kr", "_codecs_tw", "_codecs_hk", "_opcode", "grp")
 
 
-def _cached(path: str) -> bool:
+def _resident(path: str) -> bool:
+    """Whether the first page of `path` is in the page cache, asked without reading it: mincore of a
+    mapping never touched (true for the file's owner, root here; to anyone else the kernel answers
+    "resident" for every page, which only makes the test skip)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.preadv(fd, [bytearray(4096)], 0, os.RWF_NOWAIT)
-        return True
-    except BlockingIOError:
-        return False
+        address = libc.mmap(None, 4096, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+        vector = ctypes.create_string_buffer(1)
+        try:
+            return libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(4096), vector) != 0 or bool(vector.raw[0] & 1)
+        finally:
+            libc.munmap(ctypes.c_void_p(address), ctypes.c_size_t(4096))
     finally:
         os.close(fd)
 
@@ -108,6 +119,7 @@ def _cached(path: str) -> bool:
 def _host_residency_setup() -> list[str]:
     """Four extension modules whose pages the host can evict (no process maps them): X, Y left out
     of the page cache, Z, W read into it. On an inode shared with the host, what A does shows."""
+    check_available()  # the process's first jail reads every runtime file (ldd, the image): not after this
     dynload = os.path.join(sysconfig.get_path("stdlib"), "lib-dynload")
     chosen = []
     for name in RESIDENCY_CANDIDATES:
@@ -117,7 +129,7 @@ def _host_residency_setup() -> list[str]:
         fd = os.open(path, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            if not _cached(path):
+            if not _resident(path):
                 if len(chosen) >= 2:  # Z, W: back in
                     os.pread(fd, 1 << 22, 0)
                 chosen.append(name)
@@ -151,7 +163,7 @@ def _residency(names: list[str]) -> tuple[str, str]:
 
 def test_page_cache_residency_carries_nothing_between_rows_of_a_call():
     act, probe = _residency(_host_residency_setup())
-    _, seen = _score((act, "assert act(2.0)\n"), (probe, "assert probe(1.0) == []\n"))
+    _, seen = _score((act, "assert act(1.5)\n"), (probe, "assert probe(0.7) == []\n"))
     _saw_nothing(seen)
 
 
@@ -168,8 +180,8 @@ def test_a_vsock_port_bound_by_one_row_is_invisible_to_another():
     port = 40000 + secrets.randbelow(20000)
     bind = (f"import socket, time\ndef bind():\n    try:\n        s = socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)\n"
             f"        s.bind((socket.VMADDR_CID_ANY, {port}))\n        s.listen(1)\n    except OSError:\n        pass\n"
-            f"    time.sleep(2.5)\n    return True\n")
-    probe = (f"import errno, socket, time\ndef probe():\n    end = time.monotonic() + 2.0\n    while time.monotonic() < end:\n"
+            f"    time.sleep(1.5)\n    return True\n")
+    probe = (f"import errno, socket, time\ndef probe():\n    end = time.monotonic() + 1.2\n    while time.monotonic() < end:\n"
              f"        try:\n            s = socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)\n        except OSError:\n"
              f"            return []\n        try:\n            s.bind((socket.VMADDR_CID_ANY, {port}))\n"
              f"        except OSError as exc:\n            if exc.errno == errno.EADDRINUSE:\n                return ['vsock']\n"
