@@ -89,7 +89,9 @@ browser: sandbox
 	    || { $$sudo apt-get update -q && $$sudo apt-get install -y --no-install-recommends chromium; }; \
 	} || { echo "error: could not install chromium (the UI screenshot test needs it): install the chromium package" >&2; exit 1; }
 
-run: venv
+# The pipeline's code reward needs the sandbox: installed here, so that a fresh machine's first code
+# reward does not stop on SandboxUnavailable (nothing is installed where bwrap already is).
+run: venv sandbox
 	mkdir -p "$(PREFECT_HOME)"
 	$(PY) -m flows.pipeline $(RUN_ARGS)
 
@@ -166,8 +168,8 @@ $(DARE_LMDEPLOY_CPU)/.stamp: $(LMDEPLOY_LOCK) | venv
 	mv "$(DARE_LMDEPLOY_CPU).tmp" "$(DARE_LMDEPLOY_CPU)"
 	touch $@
 
-# stage commands call `dare`, so the venv's bin goes first on PATH
-repro: venv
+# stage commands call `dare`, so the venv's bin goes first on PATH; the RL stage's code reward needs the sandbox
+repro: venv sandbox
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/dvc repro
 
 # torch/nvidia-*/triton/cuda-* are chosen per machine (CPU or CUDA build), so they stay out.

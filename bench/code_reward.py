@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     lines = header("Code reward: one batch scored serially and concurrently", command, hardware(gpu=False, cpu_detail=True))
     lines += [f"{args.n} code completions in one `score_texts` call: {dict(Counter(r['uid'].split('-')[0] for r in rows))}"
               f" (half assertion tests, half stdin/stdout). Every program first runs a {args.work:g}M-iteration Python "
-              "loop (slow ones twice that). Sandbox defaults (10 s wall clock per run).", ""]
+              "loop (slow ones twice that). Sandbox defaults: 10 s of CPU time per run (wall-clock backstop 30 s), "
+              "1 core per jail, each jail with its own copy of the runtime.", ""]
     lines += markdown_table(["mode", "workers", "wall s", "s per completion", "speed-up"], [
         ["serial", 1, f"{serial_s:.1f}", f"{serial_s / args.n:.2f}", "1.00x"],
         ["parallel", workers, f"{parallel_s:.1f}", f"{parallel_s / args.n:.2f}", f"{serial_s / parallel_s:.2f}x"]])

@@ -1,11 +1,17 @@
 """A control group per jail: the jail's memory (its tmpfs included: tmpfs pages are charged to the
-writer's group) and its number of tasks are limited as a whole, and every process of the jail is
-killed when its run ends, whatever it did to detach itself (fork, setsid, double fork).
+writer's group), its number of tasks and its CPU are limited as a whole, and every process of the
+jail is killed when its run ends, whatever it did to detach itself (fork, setsid, double fork).
 
-cgroup v2 where this process may make child groups with the memory and pids controllers, else
-cgroup v1 (one group under this process's own group in the memory and in the pids hierarchy).
-Where neither is possible (no root, nothing delegated), `JailGroup.create` returns None and the
-jail keeps the per-process rlimits only, which one log line says.
+CPU: a quota of `cpus` cores for the whole jail, however many processes, sessions or threads it
+makes, and the scheduler's fair share between groups, so that jails that run at once share the
+cores as jails, not as processes (16 busy processes of one jail no longer starve another's one). The
+group's CPU time (`cpu_seconds`) is what the run's time limit counts (`dare_core.rewards.jail_run`).
+
+cgroup v2 where this process may make child groups with the memory and pids controllers (and cpu,
+where delegated), else cgroup v1 (one group under this process's own group in each of the memory,
+pids, cpu and cpuacct hierarchies; cpu and cpuacct where mounted and writable). Where neither is
+possible (no root, nothing delegated), `JailGroup.create` returns None and the jail keeps the
+per-process rlimits only, which one log line says.
 
 bubblewrap starts inside the group: a shell writes itself into the group's `cgroup.procs` and then
 executes bubblewrap, so no jailed process ever exists outside it (no race with a pid written later).
@@ -26,7 +32,9 @@ log = logging.getLogger(__name__)
 _PREFIX = "dare-jail-"
 _COUNTER = itertools.count()
 _LOCK = threading.Lock()
-_LAYOUT: Optional[dict] = None  # {"v2": path} | {"memory": path, "pids": path} | {} (none usable)
+# {"v2": path} | {"memory": path, "pids": path[, "cpu": path, "cpuacct": path]} | {} (none usable)
+_LAYOUT: Optional[dict] = None
+_V1 = ("memory", "pids", "cpu", "cpuacct")
 
 
 def _own_groups() -> dict:
@@ -52,7 +60,7 @@ def _mounts() -> dict:
             if fstype == "cgroup2":
                 found.setdefault("", (point, root))
             elif fstype == "cgroup":
-                for name in ("memory", "pids"):
+                for name in _V1:
                     if name in options:
                         found.setdefault(name, (point, root))
     return found
@@ -87,12 +95,18 @@ def _detect() -> dict:
                 # cannot give children these controllers and v1 (if mounted) is tried instead
                 with open(os.path.join(v2, "cgroup.subtree_control"), "w") as f:
                     f.write("+memory +pids")
+                if "cpu" in available:
+                    try:  # optional: without it, jails keep wall-clock time limits
+                        with open(os.path.join(v2, "cgroup.subtree_control"), "w") as f:
+                            f.write("+cpu")
+                    except OSError:
+                        pass
                 return {"v2": v2}
         except OSError:
             pass
-    memory, pids = _directory(mounts, groups, "memory"), _directory(mounts, groups, "pids")
-    if _writable(memory) and _writable(pids):
-        return {"memory": memory, "pids": pids}
+    found = {name: _directory(mounts, groups, name) for name in _V1}
+    if _writable(found["memory"]) and _writable(found["pids"]):
+        return {name: path for name, path in found.items() if _writable(path)}
     return {}
 
 
@@ -100,7 +114,7 @@ def _remove_stale(layout: dict) -> None:
     """Groups of trainers that died without cleaning up (SIGKILL). `--die-with-parent` kills their
     jails, except a bubblewrap child still in its set-up when its parent died, which then waits
     forever for a signal from it: killed here, with anything else left in those groups."""
-    for parent in layout.values():
+    for parent in sorted(set(layout.values())):  # cpu and cpuacct may share one hierarchy
         try:
             names = os.listdir(parent)
         except OSError:
@@ -129,48 +143,98 @@ def _write(path: str, value: str) -> None:
         f.write(value)
 
 
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def _set_quota(group: str, cpus: float, v2: bool) -> Optional[float]:
+    """Limit the group to `cpus` cores (its quota per period); None where the kernel refuses (v1
+    refuses a quota above the parent group's own, which then bounds the jail anyway)."""
+    try:
+        if v2:
+            period = int(_read(os.path.join(group, "cpu.max")).split()[1])
+            _write(os.path.join(group, "cpu.max"), f"{max(1000, int(cpus * period))} {period}")
+        else:
+            period = int(_read(os.path.join(group, "cpu.cfs_period_us")))
+            _write(os.path.join(group, "cpu.cfs_quota_us"), str(max(1000, int(cpus * period))))
+    except (OSError, ValueError, IndexError) as exc:
+        log.debug("code sandbox: no CPU quota for %s: %s", group, exc)
+        return None
+    return cpus
+
+
 class JailGroup:
     """One jail's group(s): limits set, bubblewrap started inside, everything killed and removed after."""
 
-    def __init__(self, directories: list[str], v2: bool):
+    def __init__(self, directories: list[str], v2: bool, usage: Optional[str] = None, cpus: Optional[float] = None):
         self.directories, self.v2 = directories, v2
+        self.usage = usage  # the file that counts the group's CPU time, where one does
+        self.cpus = cpus  # the quota set, in cores (None: no quota)
 
     @classmethod
-    def create(cls, memory_bytes: int, tasks: int) -> Optional["JailGroup"]:
+    def create(cls, memory_bytes: int, tasks: int, cpus: Optional[float] = None) -> Optional["JailGroup"]:
+        """A group for one jail: `memory_bytes` of memory, `tasks` tasks and (where the cpu controller
+        is there) `cpus` cores; None where no group can be made."""
         layout = _layout()
         if not layout:
             return None
         name = f"{_PREFIX}{os.getpid()}-{next(_COUNTER)}"
         made: list[str] = []
+
+        def make(parent: str) -> str:
+            path = os.path.join(parent, name)
+            if path not in made:  # co-mounted v1 controllers (cpu,cpuacct) share one directory
+                os.mkdir(path)
+                made.append(path)
+            return path
+
+        usage, quota = None, None
         try:
             if "v2" in layout:
-                made.append(os.path.join(layout["v2"], name))
-                os.mkdir(made[0])
-                _write(os.path.join(made[0], "memory.max"), str(memory_bytes))
+                group = make(layout["v2"])
+                _write(os.path.join(group, "memory.max"), str(memory_bytes))
                 for optional, value in (("memory.swap.max", "0"), ("memory.oom.group", "1")):
-                    if os.path.exists(os.path.join(made[0], optional)):
-                        _write(os.path.join(made[0], optional), value)
-                _write(os.path.join(made[0], "pids.max"), str(tasks))
+                    if os.path.exists(os.path.join(group, optional)):
+                        _write(os.path.join(group, optional), value)
+                _write(os.path.join(group, "pids.max"), str(tasks))
+                usage = os.path.join(group, "cpu.stat")  # usage_usec, kept by every v2 group
+                if cpus and os.path.exists(os.path.join(group, "cpu.max")):
+                    quota = _set_quota(group, cpus, v2=True)
             else:
-                made.append(os.path.join(layout["memory"], name))
-                os.mkdir(made[-1])
-                _write(os.path.join(made[-1], "memory.limit_in_bytes"), str(memory_bytes))
+                group = make(layout["memory"])
+                _write(os.path.join(group, "memory.limit_in_bytes"), str(memory_bytes))
                 try:  # with swap accounting: no swapping past the limit either
-                    _write(os.path.join(made[-1], "memory.memsw.limit_in_bytes"), str(memory_bytes))
+                    _write(os.path.join(group, "memory.memsw.limit_in_bytes"), str(memory_bytes))
                 except OSError:
                     pass
-                made.append(os.path.join(layout["pids"], name))
-                os.mkdir(made[-1])
-                _write(os.path.join(made[-1], "pids.max"), str(tasks))
+                _write(os.path.join(make(layout["pids"]), "pids.max"), str(tasks))
+                if "cpu" in layout:  # a group of its own is what shares the cores fairly between jails
+                    group = make(layout["cpu"])
+                    quota = _set_quota(group, cpus, v2=False) if cpus else None
+                if "cpuacct" in layout:
+                    usage = os.path.join(make(layout["cpuacct"]), "cpuacct.usage")
         except OSError as exc:
             log.warning("code sandbox: cannot make the jail's cgroup (%s); per-process rlimits only", exc)
-            for path in made:
+            for path in reversed(made):
                 try:
                     os.rmdir(path)
                 except OSError:
                     pass
             return None
-        return cls(made, "v2" in layout)
+        return cls(made, "v2" in layout, usage, quota)
+
+    def cpu_seconds(self) -> Optional[float]:
+        """CPU time that the group's processes have used, or None where it is not counted."""
+        if self.usage is None:
+            return None
+        try:
+            text = _read(self.usage)
+            if self.v2:
+                return int(text.split("usage_usec", 1)[1].split()[0]) / 1e6
+            return int(text) / 1e9
+        except (OSError, ValueError, IndexError):
+            return None
 
     def wrap(self, argv: list[str]) -> list[str]:
         """`argv`, started inside the group: the shell moves itself there, then executes argv."""

@@ -25,8 +25,10 @@ the prompt's code, run in the tests' jail. The prompt is the graded row's (`extr
 as `dare_core.rewards.scoring` passes it), or the ground truth's `"prompt"`.
 
 Score and acc: 1 if every test passes, else 0 (failures, timeouts and crashes alike); `extra`
-carries the sandbox status, and `failure` (the status) for a run that ended without a verdict.
-`extra["timeout"]` (seconds) overrides the wall-clock limit. Verdicts never come from the
+carries the sandbox status, `failure` (the status) for a run that ended without a verdict and
+`error` (for a timeout: which limit, the run's CPU time or the wall-clock backstop). The time limit
+(`SandboxLimits.wall_s`: CPU seconds of the run where cgroups count them) is the reward's option
+`timeout` (`reward_args`), or `extra["timeout"]` for one call. Verdicts never come from the
 candidate's process (`dare_core.rewards.sandbox`): stdin/stdout outputs are compared here, assertion
 tests run in a jail of their own. Without the OS sandbox the reward raises `SandboxUnavailable`
 rather than run anything.
@@ -153,12 +155,13 @@ def _prompt_of(extra: Optional[dict]) -> Optional[str]:
 
 
 @register_reward("code")
-def code_reward(response_text: str, ground_truth: str, extra: Optional[dict] = None) -> RewardResult:
+def code_reward(response_text: str, ground_truth: str, extra: Optional[dict] = None, *,
+                timeout: Optional[float] = None) -> RewardResult:
     code = extract_code(response_text)
     if not code.strip():
         return RewardResult(0.0, 0.0, None, {"extraction_failed": True})
     limits = DEFAULT_LIMITS
-    timeout = (extra or {}).get("timeout")
+    timeout = (extra or {}).get("timeout", timeout)
     if timeout is not None:
         limits = dataclasses.replace(limits, wall_s=float(timeout))
     result = run_tests(code, ground_truth, limits, _prompt_of(extra))

@@ -1,32 +1,33 @@
 """The jail of the code sandbox: what it holds and bubblewrap's command line for it.
 
-A jail holds the interpreter (at /py/bin/python3), its standard library (site-packages hidden), the
-shared libraries they load (found once with `ldd`) and a private tmpfs at /sandbox; the root is
-read-only. Run by root, bubblewrap builds it without a user namespace and the start-up code
-(`_sandbox_child.py`) drops to a random uid of the host with no capabilities; run by another user,
-it is a user namespace mapping uid 65534 to that user. Either way a seccomp filter
-(`dare_core.rewards.seccomp`) closes keyrings, namespaces, mounts and tracing, and a cgroup per jail
-(`dare_core.rewards.cgroup`) bounds it as a whole. `dare_core.rewards.sandbox` runs jails.
+A jail holds its own copy of the interpreter, the parts of the standard library a run can use and
+the shared libraries they load (`dare_core.rewards.runtime`), all in bubblewrap's root tmpfs, which
+is then made read-only; a private tmpfs at /sandbox; /dev's usual nodes; and a /proc of its own
+processes whose machine-wide files are covered. Run by root, bubblewrap builds it without a user
+namespace and the start-up code (`_sandbox_child.py`) drops to a random uid of the host with no
+capabilities; run by another user, it is a user namespace mapping uid 65534 to that user. Either
+way a seccomp filter (`dare_core.rewards.seccomp`) closes keyrings, namespaces, mounts, tracing and
+the kernel's shared state, and a cgroup per jail (`dare_core.rewards.cgroup`) bounds its memory,
+tasks and CPU as a whole. `dare_core.rewards.sandbox` runs jails.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
-import re
 import secrets
 import shutil
-import subprocess
-import sys
-import sysconfig
-import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Sequence
 
 from dare_core.errors import UserError
 
+if TYPE_CHECKING:
+    from dare_core.rewards.runtime import RuntimeFile, RuntimeImage
+
 CHILD_SOURCE = Path(__file__).with_name("_sandbox_child.py").read_text()
-INSTALL_HINT = "install bubblewrap (`make sandbox`, or `apt-get install bubblewrap`)"
+INSTALL_HINT = "run `make sandbox`, which installs bubblewrap (apt-get install bubblewrap)"
 
 
 class SandboxUnavailable(UserError):
@@ -35,7 +36,9 @@ class SandboxUnavailable(UserError):
 
 @dataclass(frozen=True)
 class SandboxLimits:
-    wall_s: float = 10.0  # wall clock for the whole run (both jails, every stdin/stdout case)
+    # the run's time limit (both jails, every stdin/stdout case): the CPU time its jails spend together
+    # where their cgroups count it (a jail waiting for a core is not charged), else wall clock
+    wall_s: float = 10.0
     cpu_s: int = 10  # per process
     memory_mb: int = 1024  # address space per process; with a cgroup, also the jail's memory (+ work_mb)
     file_mb: int = 16  # largest file a process may write
@@ -44,59 +47,8 @@ class SandboxLimits:
     processes: int = 16  # processes and threads of one jail's uid (and of the whole jail, with a cgroup)
     output_bytes: int = 64 * 1024  # kept per stream (and per stdin/stdout case)
     flood_bytes: int = 8 * 1024 * 1024  # more than this on stdout+stderr kills the jails
-
-
-@dataclass(frozen=True)
-class Runtime:
-    """The interpreter, its standard library and the shared libraries they load (host paths)."""
-
-    executable: str
-    stdlib: str
-    loader: str  # the ELF interpreter, bound at its own path
-    libraries: tuple  # bound into /py/lib, found through LD_LIBRARY_PATH
-
-
-_LDD_LINE = re.compile(r"^\s*(?:\S+\s+=>\s+)?(/\S+)\s+\(0x[0-9a-f]+\)\s*$")
-
-
-def _shared_libraries(files: list[str]) -> tuple[str, list[str]]:
-    """(loader, libraries) that `files` load, from one `ldd` run."""
-    ldd = shutil.which("ldd")
-    if ldd is None:
-        raise SandboxUnavailable("the sandbox needs `ldd` to find the interpreter's shared libraries")
-    done = subprocess.run([ldd, *files], capture_output=True, text=True, timeout=60, env={"LC_ALL": "C"})
-    loader, libraries = None, []
-    for line in done.stdout.splitlines():
-        match = _LDD_LINE.match(line)
-        if not match:
-            continue
-        path = match.group(1)
-        if "=>" not in line and os.path.basename(path).startswith("ld-"):
-            loader = path
-        elif path not in libraries:
-            libraries.append(path)
-    if loader is None:
-        raise SandboxUnavailable(f"cannot find the ELF loader of {files[0]} (ldd said: {done.stderr.strip()[:200]})")
-    return loader, libraries
-
-
-_RUNTIME_LOCK = threading.Lock()
-_RUNTIME: Optional[Runtime] = None
-
-
-def runtime() -> Runtime:
-    global _RUNTIME
-    with _RUNTIME_LOCK:
-        if _RUNTIME is None:
-            executable = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
-            stdlib = os.path.realpath(sysconfig.get_path("stdlib"))
-            if not os.path.isfile(os.path.join(stdlib, "os.py")):
-                raise SandboxUnavailable(f"no standard library at {stdlib}")
-            dynload = os.path.join(stdlib, "lib-dynload")
-            modules = sorted(os.path.join(dynload, f) for f in os.listdir(dynload)) if os.path.isdir(dynload) else []
-            loader, libraries = _shared_libraries([executable, *modules])
-            _RUNTIME = Runtime(executable, stdlib, loader, tuple(libraries))
-        return _RUNTIME
+    backstop: float = 3.0  # where wall_s counts CPU time, the wall clock still ends a run at backstop * wall_s
+    cpus: float = 1.0  # cores one jail may use at once, all its processes and threads together (cgroup quota)
 
 
 def bwrap_path() -> str:
@@ -107,12 +59,29 @@ def bwrap_path() -> str:
     return path
 
 
-def jail_command(rt: Runtime, limits: SandboxLimits, info_fd: int, seccomp_fd: int) -> tuple[list[str], list[str]]:
-    """bubblewrap's options and the jailed command for one `_sandbox_child.py`: the options hold host
-    paths, so the caller passes them through `--args FD` and they never appear on a command line
-    the jail can read (`/proc/1/cmdline` is bubblewrap's)."""
-    version = os.path.basename(rt.stdlib)  # python3.X
-    stdlib = f"/py/lib/{version}"
+# /proc entries of a task or of the jail's own namespaces; every other top-level entry is the
+# machine's (meminfo, loadavg, stat, locks, pressure/, sys/, ...): counters that any jail moves and
+# any other reads, so they are covered (files by /dev/null, folders by an empty tmpfs)
+_PROC_KEPT = {"self", "thread-self", "net", "mounts"}
+
+
+@functools.lru_cache(maxsize=1)
+def _proc_covers() -> tuple[tuple[str, bool], ...]:
+    """(name, is a folder) of the machine-wide entries of /proc, as this kernel has them."""
+    covers = []
+    for name in sorted(os.listdir("/proc")):
+        path = os.path.join("/proc", name)
+        if name.isdigit() or name in _PROC_KEPT or os.path.islink(path):
+            continue
+        covers.append((name, os.path.isdir(path)))
+    return tuple(covers)
+
+
+def jail_command(image: "RuntimeImage", copies: Sequence[tuple[int, "RuntimeFile"]], limits: SandboxLimits,
+                 info_fd: int, seccomp_fd: int) -> tuple[list[str], list[str]]:
+    """bubblewrap's options and the jailed command for one `_sandbox_child.py`. `copies` are this
+    jail's descriptors of the runtime image (`runtime.open_for_jail`): bubblewrap copies each into
+    its root tmpfs. The options go through `--args FD`, never on a command line the jail reads."""
     options = ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
                "--die-with-parent", "--new-session", "--clearenv", "--seccomp", str(seccomp_fd)]
     if os.geteuid() == 0:
@@ -124,17 +93,16 @@ def jail_command(rt: Runtime, limits: SandboxLimits, info_fd: int, seccomp_fd: i
     else:
         uid = gid = 65534
         options += ["--unshare-user", "--uid", str(uid), "--gid", str(gid), "--disable-userns"]
-    options += ["--ro-bind", rt.loader, rt.loader, "--ro-bind", rt.executable, "/py/bin/python3",
-                "--ro-bind", rt.stdlib, stdlib]
-    for library in rt.libraries:
-        options += ["--ro-bind", library, f"/py/lib/{os.path.basename(library)}"]
-    if os.path.isdir(os.path.join(rt.stdlib, "site-packages")):
-        options += ["--tmpfs", f"{stdlib}/site-packages", "--remount-ro", f"{stdlib}/site-packages"]
-    # bubblewrap makes the folders above the bound files 0700: open them to the unprivileged uid
-    for folder in sorted({"/py", "/py/bin", "/py/lib", os.path.dirname(rt.loader)}):
-        options += ["--chmod", "0755", folder]
-    options += ["--dev", "/dev", "--proc", "/proc", "--size", str(limits.work_mb << 20), "--tmpfs", "/sandbox",
-                "--chmod", "0777", "/sandbox", "--remount-ro", "/", "--chdir", "/sandbox", "--info-fd", str(info_fd)]
+    for folder in image.directories:  # made 0755 (bubblewrap would make the parents of a file 0700)
+        options += ["--perms", "0755", "--dir", folder]
+    for fd, file in copies:
+        options += ["--perms", f"{file.mode:04o}", "--file", str(fd), file.path]
+    options += ["--dev", "/dev", "--proc", "/proc"]
+    for name, folder in _proc_covers():
+        options += (["--perms", "0555", "--size", "4096", "--tmpfs", f"/proc/{name}"] if folder
+                    else ["--ro-bind", "/dev/null", f"/proc/{name}"])
+    options += ["--size", str(limits.work_mb << 20), "--tmpfs", "/sandbox", "--chmod", "0777", "/sandbox",
+                "--remount-ro", "/", "--chdir", "/sandbox", "--info-fd", str(info_fd)]
     env = {"PATH": "/py/bin", "HOME": "/sandbox", "TMPDIR": "/sandbox", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
            "LD_LIBRARY_PATH": "/py/lib", "PYTHONHASHSEED": "0", "PYTHONIOENCODING": "utf-8",
            "PYTHONDONTWRITEBYTECODE": "1", "MALLOC_ARENA_MAX": "2", "OMP_NUM_THREADS": "1",
@@ -144,9 +112,10 @@ def jail_command(rt: Runtime, limits: SandboxLimits, info_fd: int, seccomp_fd: i
     return options, ["/py/bin/python3", "-I", "-S", "-B", "-c", CHILD_SOURCE, str(uid), str(gid)]
 
 
-def jail_memory_bytes(limits: SandboxLimits) -> int:
-    """The whole jail's memory (every process and its tmpfs) where a cgroup holds it."""
-    return (limits.memory_mb + limits.work_mb) << 20
+def jail_memory_bytes(limits: SandboxLimits, image: "RuntimeImage") -> int:
+    """The whole jail's memory where a cgroup holds it: every process, its work dir and the copy of
+    the runtime it is given (which the candidate does not pay for)."""
+    return ((limits.memory_mb + limits.work_mb) << 20) + image.bytes
 
 
 def jail_tasks(limits: SandboxLimits) -> int:
