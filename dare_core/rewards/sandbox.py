@@ -43,6 +43,7 @@ from typing import Optional, Sequence
 from dare_core.rewards._verdict import drain_pipe, never_started, parse_verdict, result_cap
 import dare_core.rewards.seccomp as seccomp
 from dare_core.rewards.cgroup import JailGroup
+from dare_core.rewards.harness import modules_for
 from dare_core.rewards.jail import (INSTALL_HINT, SandboxLimits, SandboxUnavailable, bwrap_path, jail_command,
                                     jail_memory_bytes, jail_tasks, memfd, rlimits, runtime)
 from dare_core.rewards.task_names import names_for
@@ -88,6 +89,7 @@ class _Jail:
         job = {**job, "result_fd": result_w, "limits": rlimits(limits),
                "keyring": {"keyctl": seccomp.syscall_number("keyctl", arch),
                            "seal": seccomp.keyctl_seal_filter(arch).hex()}}
+        job["harness"] = modules_for(job["role"])  # the role's code: the jail holds no dare_core
         self.pending = memoryview(json.dumps(job).encode("utf-8"))
         self.kept = {"stdout": bytearray(), "stderr": bytearray(), "info": bytearray(), "result": bytearray()}
         self.result_cap, self.result_overflow = _RESULT_BYTES, False  # run_python may lower the cap
