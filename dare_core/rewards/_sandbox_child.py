@@ -2,24 +2,22 @@
 
 It runs inside the bubblewrap jail that `dare_core.rewards.sandbox` builds, before any untrusted
 code: it leaves root for the given unprivileged uid (when the jail was started by root), lowers the
-resource limits, reads its job (JSON) from stdin and plays one of three roles. Self-contained: the
-jail holds only the standard library, no `dare_core`.
+resource limits, reads its job (JSON) from stdin, loads the modules its job carries and plays one of
+three roles. The jail holds only the standard library, no `dare_core`: the modules of a role come in
+the job (`dare_core.rewards.harness`), as source, and are loaded here after the limits are set and
+before any untrusted code runs.
 
-- `stdio`: run the program once per input as `__main__`, with the input on stdin and fd 1 captured
-  into a file of the private work dir; report each case's raw output. The parent compares outputs.
-- `serve`: the candidate's side of a test run. Execute the program as module `solution`, send the
-  values of the names the job lists, then answer requests (call this, get that attribute) with
-  JSON-encoded values. Everything here is under the candidate's control, so nothing it sends is
-  trusted: it is data.
-- `tests`: the tests' side, in a jail of its own that never runs candidate code. The tests execute
-  here against proxies of the candidate's names, only those its own job lists (the task's choice);
-  builtins and modules are its own. A call crosses to the `serve` process and comes back as plain
-  values (int, str, list, tuple, dict, ...), and objects that are not plain values come back as
-  opaque handles that compare equal only to themselves; the candidate's exceptions come back as
-  CandidateError. The first failure ends the run at once, so no later request tells the candidate
-  that an earlier answer passed. The verdict is this process's alone.
+- `stdio` (here): run the program once per input as `__main__`, with the input on stdin and fd 1
+  captured into a file of the private work dir; report each case's raw output. The parent compares.
+- `serve` (`_harness_serve.py`): the candidate's side of a test run. It executes the program as
+  module `solution` and answers requests with JSON-encoded values. Everything in that process is
+  under the candidate's control, so nothing it sends is trusted: it is data.
+- `tests` (`_harness_run.py` and the modules it uses): the tests' side, in a jail of its own that
+  never runs candidate code. The tests run there against proxies of the candidate's names, every
+  check of theirs runs whatever the earlier ones found, and the verdict is computed at the end.
 
-Messages between `tests` and `serve`: a 4-byte big-endian length, then UTF-8 JSON.
+Messages between `tests` and `serve`: a 4-byte big-endian length, then UTF-8 JSON; `encode` and
+`decode` below are the value format of both sides.
 """
 import builtins
 import io
@@ -31,20 +29,6 @@ import types
 
 MAX_MESSAGE = 16 << 20
 MAX_DEPTH = 64
-# builtin exceptions that steer control flow rather than report an error, never raised in `tests`
-# under their own class: a StopIteration ends the tests' map() or next(), an AssertionError passes
-# for the tests' own failure, ImportError picks import fallbacks, Warning feeds warning filters.
-# BaseExceptions that are not Exceptions (SystemExit, GeneratorExit, ...) are never relayed either.
-_NOT_RELAYED = (AssertionError, StopIteration, StopAsyncIteration, ImportError, Warning)
-
-
-class CandidateError(Exception):
-    """An exception of the candidate's process. One of a builtin error class outside _NOT_RELAYED
-    arrives as a subclass of both, so that tests expecting it (`except ValueError`) still catch it;
-    any other arrives as CandidateError itself, which only `except Exception` catches."""
-
-
-_RELAYED_CLASSES = {}
 
 
 class ProtocolError(BaseException):
@@ -145,25 +129,26 @@ def encode(value, handle, depth=0):
 _CONTAINERS = {"tuple": tuple, "set": set, "frozenset": frozenset}
 
 
-def decode(data, reference, depth=0):
-    """The inverse of `encode`; `reference(message)` turns a handle into an object. Anything else
-    (an unknown tag, a wrong shape) is a ProtocolError."""
+def decode(data, reference, depth=0, kinds=_CONTAINERS):
+    """The inverse of `encode`; `reference(message)` turns a handle into an object and `kinds` maps
+    the tags of tuple, set and frozenset to the types to build. Anything else (an unknown tag, a
+    wrong shape) is a ProtocolError."""
     kind = type(data)
     if data is None or kind is bool or kind is int or kind is float or kind is str:
         return data
     if depth > MAX_DEPTH + 1:
         raise ProtocolError("value nested too deeply")
     if kind is list:
-        return [decode(item, reference, depth + 1) for item in data]
+        return [decode(item, reference, depth + 1, kinds) for item in data]
     if kind is not dict:
         raise ProtocolError(f"unexpected {kind.__name__} in a message")
     tag, items = data.get("$"), data.get("v")
     if tag == "ref":
         return reference(data)
-    if tag in _CONTAINERS and type(items) is list:
-        return _CONTAINERS[tag](decode(item, reference, depth + 1) for item in items)
+    if tag in kinds and type(items) is list:
+        return kinds[tag](decode(item, reference, depth + 1, kinds) for item in items)
     if tag == "dict" and type(items) is list and all(type(p) is list and len(p) == 2 for p in items):
-        return {decode(k, reference, depth + 1): decode(v, reference, depth + 1) for k, v in items}
+        return {decode(k, reference, depth + 1, kinds): decode(v, reference, depth + 1, kinds) for k, v in items}
     if tag == "bytes" and type(items) is str:
         return bytes.fromhex(items)
     if tag == "complex" and type(items) is list and len(items) == 2 and all(type(x) in (int, float) for x in items):
@@ -267,238 +252,14 @@ def run_stdio(job, program):
     return {"cases": cases}
 
 
-# ---- role: serve (candidate side) -----------------------------------------------------------------
-
-def serve(job, program):
-    channel = Channel(job["channel"][0], job["channel"][1])
-    objects = []
-
-    def handle(value):
-        objects.append(value)
-        return {"$": "ref", "id": len(objects) - 1, "type": str(type(value).__name__)}
-
-    def reference(message):
-        index = message.get("id")
-        if type(index) is not int or not 0 <= index < len(objects):
-            raise ProtocolError("unknown handle")
-        return objects[index]
-
-    module = types.ModuleType("solution")
-    sys.modules["solution"] = module
-    try:
-        exec(program, module.__dict__)
-    except BaseException as exc:  # noqa: BLE001
-        channel.send({"error": describe(exc)})
-        return
-    names = {}
-    for name in job["names"]:  # only those the tests may use (the tests' side picks them again)
-        if name in module.__dict__:
-            value = module.__dict__[name]
-            try:
-                names[name] = encode(value, handle)
-            except BaseException:  # noqa: BLE001  (too deep, or an int too long to print)
-                names[name] = handle(value)
-    flush()
-    channel.send({"names": names})
-    while True:
-        request = channel.receive()
-        if request is None:
-            return
-        try:
-            target = reference({"id": request["target"]})
-            if request["op"] == "call":
-                args = decode(request["args"], reference)
-                kwargs = decode(request["kwargs"], reference)
-                value = target(*args, **kwargs)
-            else:
-                value = getattr(target, request["name"])
-            reply = {"value": encode(value, handle)}
-        except BaseException as exc:  # noqa: BLE001
-            reply = {"raise": {"type": type(exc).__name__, "message": describe(exc)}}
-        flush()  # the program's output reaches the caller even when the jail is killed after the tests
-        channel.send(reply)
-
-
-# ---- role: tests (trusted side) -------------------------------------------------------------------
-
-class Remote:
-    """A name or value of the candidate's process: it can be called and its attributes read (both
-    cross to the other process); it equals only itself."""
-
-    __slots__ = ("_id", "_type", "_link")
-
-    def __init__(self, link, index, type_name):
-        object.__setattr__(self, "_link", link)
-        object.__setattr__(self, "_id", index)
-        object.__setattr__(self, "_type", type_name)
-
-    def __call__(self, *args, **kwargs):
-        return self._link.request({"op": "call", "target": self._id, "args": self._link.encode(list(args)),
-                                   "kwargs": self._link.encode(dict(kwargs))})
-
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return self._link.request({"op": "getattr", "target": self._id, "name": name})
-
-    def __repr__(self):
-        return f"<remote {self._type} object>"
-
-    def __bool__(self):
-        # its own __bool__ would decide `assert f(x)`: only plain values have a truth value here
-        raise TypeError(f"the truth value of a {self._type} object of the program under test is not checked "
-                        "(return a plain value)")
-
-
-class Link:
-    """The tests' end of the channel to the candidate's process. Anything but a well-formed reply
-    (the process went away, a malformed message, a value that cannot be rebuilt) fails the run at
-    once through `fail`, so that no test can catch it and go on."""
-
-    def __init__(self, channel, fail):
-        self.channel, self.fail = channel, fail
-
-    def reference(self, message):
-        if type(message.get("id")) is not int:
-            raise ProtocolError("bad handle")
-        return Remote(self, message["id"], str(message.get("type"))[:100])
-
-    def encode(self, value):
-        def handle(obj):
-            if type(obj) is Remote:
-                return {"$": "ref", "id": obj._id}
-            raise TypeError(f"cannot pass a {type(obj).__name__} to the program under test (only plain values)")
-        return encode(value, handle)
-
-    def receive(self):
-        try:
-            message = self.channel.receive()
-        except (ProtocolError, OSError) as exc:
-            self.fail(f"the program under test: {describe(exc)}")
-        if type(message) is not dict:
-            self.fail("the program under test exited" if message is None else "malformed reply")
-        return message
-
-    def value(self, data):
-        try:  # an unhashable key or bad hex would be a TypeError/ValueError of the candidate's making
-            return decode(data, self.reference)
-        except BaseException as exc:  # noqa: BLE001
-            self.fail(f"the program under test: {describe(exc)}")
-
-    def request(self, message):
-        try:
-            self.channel.send(message)
-        except OSError as exc:
-            self.fail(f"the program under test: {describe(exc)}")
-        reply = self.receive()
-        if "raise" in reply:
-            raise _relayed(reply["raise"])
-        return self.value(reply["value"]) if "value" in reply else self.fail("malformed reply")
-
-
-def _relayed(info):
-    name = info.get("type") if type(info) is dict else None
-    message = str(info.get("message", ""))[:500] if type(info) is dict else ""
-    base = vars(builtins).get(name) if type(name) is str else None
-    if isinstance(base, type) and issubclass(base, Exception) and not issubclass(base, _NOT_RELAYED):
-        try:
-            if name not in _RELAYED_CLASSES:
-                _RELAYED_CLASSES[name] = type(name, (CandidateError, base), {})
-            return _RELAYED_CLASSES[name](message.split(": ", 1)[-1])
-        except Exception:  # noqa: BLE001  (classes that need other arguments, or cannot be combined)
-            pass
-    return CandidateError(message)
-
-
-def _fail_fast_result(unittest, fail):
-    class FailFast(unittest.TestResult):
-        """Ends the run at the first failure, subtests included: no later request reaches the program."""
-
-        def addError(self, test, err):
-            fail(f"{test}: {describe(err[1])}")
-
-        addFailure = addError
-
-        def addSubTest(self, test, subtest, err):
-            if err is not None:
-                fail(f"{subtest}: {describe(err[1])}")
-
-        def addUnexpectedSuccess(self, test):
-            fail(f"{test}: unexpected success")
-
-    return FailFast()
-
-
-def _run_collected(namespace, names, fail):
-    """Run what the tests define in pytest or unittest style: `test*` functions, `Test*` classes
-    (methods `test*`), and `unittest.TestCase` subclasses (at least one test of theirs must run)."""
-    unittest, cases, ran = sys.modules.get("unittest"), False, 0
-    for name in names:
-        obj = namespace[name]
-        if getattr(obj, "__module__", None) != "__main__":  # imported (`from unittest import TestCase`)
-            continue
-        if name.startswith("test") and type(obj) is types.FunctionType:
-            obj()
-        elif isinstance(obj, type) and unittest is not None and issubclass(obj, unittest.TestCase):
-            result = _fail_fast_result(unittest, fail)
-            unittest.defaultTestLoader.loadTestsFromTestCase(obj).run(result)
-            cases, ran = True, ran + result.testsRun
-        elif isinstance(obj, type) and name.startswith("Test"):
-            instance = obj()
-            for attribute in sorted(dir(obj)):
-                if attribute.startswith("test") and callable(getattr(instance, attribute)):
-                    getattr(instance, attribute)()
-    if cases and not ran:
-        fail("no unittest test ran")
-
-
-def run_tests(job, tests):
-    import importlib
-
-    def fail(error):  # at once: the candidate's process hears nothing more, and is killed
-        report(job["result_fd"], {"ok": False, "error": str(error)[:500]})
-
-    link = Link(Channel(job["channel"][0], job["channel"][1]), fail)
-    manifest = link.receive()
-    if "error" in manifest:
-        fail(str(manifest["error"]))
-    sent = manifest.get("names") if type(manifest.get("names")) is dict else {}
-    # the task's names only, whatever the manifest holds: builtins and modules stay the tests' own
-    namespace = {"__name__": "__main__", "__builtins__": builtins}
-    for name in job["modules"]:  # modules the tests use without importing them
-        try:
-            namespace[name] = importlib.import_module(name)
-        except Exception:  # noqa: BLE001
-            pass
-    program = {}
-    for name in job["names"]:
-        if name in sent:
-            program[name] = link.value(sent[name])
-        elif name in job["required"]:  # else a builtin of that name would stand in for it
-            fail(f"the program does not define {name}")
-    namespace.update(program)
-    module = types.ModuleType("solution")
-    module.__dict__.update(program)
-    sys.modules["solution"] = module  # so tests may `from solution import f`
-    if "unittest" in job["tests"]:
-        # the real unittest.main() would look for test cases in this start-up code's `__main__`: the
-        # tests' script ends there as with its exit, and their test cases run next, collected
-        import unittest
-        unittest.main = lambda *args, **kwargs: sys.exit(0)
-
-    def collected():  # what the tests defined (or redefined), not the candidate's names
-        names = [n for n, v in list(namespace.items()) if not n.startswith("__") and v is not program.get(n)]
-        _run_collected(namespace, names, fail)
-
-    for step in (lambda: exec(tests, namespace), collected):
-        try:
-            step()
-        except SystemExit as exc:  # the tests' own exit (never the candidate's: it is not relayed)
-            if exc.code not in (None, 0):
-                fail(describe(exc))
-        except BaseException as exc:  # noqa: BLE001
-            fail(describe(exc))
-    return {"ok": True, "error": None}
+def load_modules(modules):
+    """The role's modules from the job (trusted: the parent's), in order, each importable by name
+    from those after it. Loaded before any untrusted code runs."""
+    for name, source in modules:
+        module = types.ModuleType(name)
+        module.__file__ = f"/harness/{name}.py"
+        sys.modules[name] = module
+        exec(compile(source, module.__file__, "exec"), module.__dict__)
 
 
 def main():
@@ -515,24 +276,28 @@ def main():
         raise SystemExit(code)
 
     builtins.exit = builtins.quit = leave
-    result_fd = job["result_fd"]
-    source, filename = (job["tests"], "/sandbox/tests.py") if job["role"] == "tests" else (job["program"], "/sandbox/solution.py")
+    result_fd, role = job["result_fd"], job["role"]
+    load_modules(job.get("harness", ()))
+    source, filename = (job["tests"], "/sandbox/tests.py") if role == "tests" else (job["program"], "/sandbox/solution.py")
     with open(filename, "w", encoding="utf-8") as f:  # tracebacks and `inspect.getsource` find the source
         f.write(source)
+    # the tests' side rewrites the tests before compiling them (`_harness_rewrite`, which loaded
+    # `ast`): it takes their syntax tree
+    flags = sys.modules["ast"].PyCF_ONLY_AST if role == "tests" else 0
     try:
-        code = compile(source, filename, "exec")
+        code = compile(source, filename, "exec", flags)
     except BaseException as exc:  # noqa: BLE001  (a syntax error fails the run; it is not a crash)
-        if job["role"] == "serve":
+        if role == "serve":
             Channel(*job["channel"]).send({"error": describe(exc)})
             os._exit(0)
         report(result_fd, {"ok": False, "phase": "compile", "error": describe(exc)})
-    if job["role"] == "stdio":
+    if role == "stdio":
         report(result_fd, run_stdio(job, code))
-    elif job["role"] == "serve":
-        serve(job, code)
+    elif role == "serve":
+        sys.modules["_harness_serve"].serve(job, code)
         os._exit(0)
     else:
-        report(result_fd, run_tests(job, code))
+        report(result_fd, sys.modules["_harness_run"].run_tests(job, code))
 
 
 main()

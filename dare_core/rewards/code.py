@@ -43,7 +43,8 @@ from dare_core.rewards.base import RewardResult
 from dare_core.rewards.extract import extract_code
 from dare_core.rewards.registry import ground_truth_check, register_reward
 from dare_core.rewards.sandbox import SandboxLimits, SandboxResult, check_available, run_python
-from dare_core.rewards.task_names import MODULES, prompt_helpers, used_names
+from dare_core.rewards.task_names import (MODULES, builtin_entries, names_for, prompt_helpers, prompt_stubs,
+                                         used_names)
 
 DEFAULT_LIMITS = SandboxLimits()
 
@@ -126,16 +127,22 @@ def run_tests(code: str, ground_truth: str, limits: Optional[SandboxLimits] = No
     prompt, supplies the helpers it defines to the tests (a prompt in the ground truth wins)."""
     spec = parse_ground_truth(ground_truth)
     if spec["kind"] == "assert":
-        setup, tests, entry = spec["setup"], spec["tests"], spec["entry"]
+        setup, tests, entry, prompt = spec["setup"], spec["tests"], spec["entry"], spec["prompt"] or prompt
         free, imported = used_names(f"{setup}\n\n{tests}")
-        helpers, defined = prompt_helpers(spec["prompt"] or prompt, {*entry, *imported})
+        helpers, defined = prompt_helpers(prompt, {*entry, *imported})
         if not entry and free - MODULES and free - MODULES <= defined:
             # with no entry point declared, a prompt that defines every name the tests use shows what
             # the program must write (an example, a slower version): its definitions are not helpers
             helpers = ""
         program = f"{code}\n\n{setup}\n" if setup else code
         tests = "\n\n".join(part for part in (helpers, setup, tests) if part)
-        return run_python(program, tests=tests, limits=limits, names=entry or None, required=spec["required"])
+        names, required = entry or None, spec["required"]
+        if not entry:  # builtin-named functions the task means as the program's (`max`)
+            others = names_for(tests)[0]
+            own = builtin_entries(tests, code, prompt_stubs(prompt), bool(others))
+            if own:
+                names, required = sorted({*others, *own}), own
+        return run_python(program, tests=tests, limits=limits, names=names, required=required)
     result = run_python(code, inputs=spec["inputs"], limits=limits)
     if result.passed:
         for case, expected in zip(result.cases, spec["outputs"]):

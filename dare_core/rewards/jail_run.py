@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 import dare_core.rewards.seccomp as seccomp
 from dare_core.rewards._verdict import drain_pipe
 from dare_core.rewards.cgroup import JailGroup
+from dare_core.rewards.harness import modules_for
 from dare_core.rewards.jail import SandboxLimits, bwrap_path, jail_command, jail_memory_bytes, jail_tasks, memfd, rlimits
 from dare_core.rewards.runtime import open_for_jail, runtime_image
 
@@ -51,6 +52,7 @@ class Jail:
         job = {**job, "result_fd": result_w, "limits": rlimits(limits),
                "keyring": {"keyctl": seccomp.syscall_number("keyctl", arch),
                            "seal": seccomp.keyctl_seal_filter(arch).hex()}}
+        job["harness"] = modules_for(job["role"])  # the role's code: the jail holds no dare_core
         self.pending = memoryview(json.dumps(job).encode("utf-8"))
         self.kept = {"stdout": bytearray(), "stderr": bytearray(), "info": bytearray(), "result": bytearray()}
         self.result_cap, self.result_overflow = RESULT_BYTES, False  # run_python may lower the cap

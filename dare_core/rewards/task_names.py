@@ -9,6 +9,11 @@ hand the tests its own `__builtins__`, a module the tests use, or a helper of th
 - Without one, the program's names are those the tests use but never bind themselves (at any scope,
   found with `symtable`), leaving out builtins (always the tests' own) and names of standard-library
   modules (the tests' own import, never a proxy).
+- Builtin functions the tests call are the program's in two cases the task decides
+  (`builtin_entries`): the prompt leaves a function of that name for the program to write (a stub),
+  or the tests use no other name of the program's (without it they would check Python's own `max`,
+  and every answer would pass). In the second case the program's are those it defines (read from its
+  text), and one of them must be there.
 - Names the tests import from `solution` (`from solution import f`, `solution.f`) are the program's.
 - Helpers the task's prompt defines (HumanEval/32's `poly`, /38's `encode_cyclic`) run in the
   tests' jail from the prompt's own code, so the tests use the task's version of them.
@@ -19,11 +24,13 @@ import ast
 import builtins
 import symtable
 import sys
+import types
 from typing import Iterable, Optional
 
 from dare_core.rewards.extract import python_blocks
 
 BUILTINS = frozenset(vars(builtins))
+FUNCTIONS = frozenset(n for n, v in vars(builtins).items() if isinstance(v, types.BuiltinFunctionType))
 MODULES = frozenset(sys.stdlib_module_names)
 
 
@@ -33,14 +40,14 @@ def _tables(table: symtable.SymbolTable) -> Iterable[symtable.SymbolTable]:
         yield from _tables(child)
 
 
-def used_names(source: str) -> tuple[set[str], set[str]]:
-    """(names the code uses without binding them anywhere, names it imports from module `solution`).
-    Code that does not compile uses nothing (it fails in the jail anyway)."""
+def _bindings(source: str) -> Optional[tuple[ast.Module, set[str], set[str]]]:
+    """(tree, names bound at the top level or declared global, names used at the top level or as
+    globals) of `source`; None when it does not compile."""
     try:
         top = symtable.symtable(source, "tests", "exec")
         tree = ast.parse(source)
     except (SyntaxError, ValueError, RecursionError):
-        return set(), set()
+        return None
     bound, used = set(), set()
     for table in _tables(top):
         for symbol in table.get_symbols():
@@ -50,6 +57,16 @@ def used_names(source: str) -> tuple[set[str], set[str]]:
                 bound.add(name)
             if symbol.is_referenced() and (table is top or symbol.is_global()):
                 used.add(name)
+    return tree, bound, used
+
+
+def used_names(source: str) -> tuple[set[str], set[str]]:
+    """(names the code uses without binding them anywhere, names it imports from module `solution`).
+    Code that does not compile uses nothing (it fails in the jail anyway)."""
+    found = _bindings(source)
+    if found is None:
+        return set(), set()
+    tree, bound, used = found
     imported, aliases = set(), set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module == "solution" and not node.level:
@@ -61,6 +78,54 @@ def used_names(source: str) -> tuple[set[str], set[str]]:
             imported.add(node.attr)
     free = {n for n in used - bound if n not in BUILTINS and not n.startswith("__")}
     return free, imported
+
+
+def builtins_called(source: str) -> set[str]:
+    """Builtin functions (`max`, `sum`, not classes such as `list`) that the code calls by a name it
+    never binds itself."""
+    found = _bindings(source)
+    if found is None:
+        return set()
+    tree, bound, used = found
+    called = {node.func.id for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
+    return {n for n in called & used - bound
+            if n in FUNCTIONS and not n.startswith("__")}
+
+
+def top_level_names(program: str) -> set[str]:
+    """Names the program binds at its top level (in `if`/`try`/`with`/loop bodies too), read from its
+    text: what it defines, before it runs. Text that does not parse binds nothing."""
+    try:
+        tree = ast.parse(program)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return set()
+    names, todo = set(), list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        target = getattr(node, "target", None)  # of AnnAssign, AugAssign, for
+        for bound in [*(getattr(node, "targets", None) or ()), *([target] if isinstance(target, ast.AST) else [])]:
+            names.update(n.id for n in ast.walk(bound) if isinstance(n, ast.Name))
+        for field in ("body", "orelse", "finalbody", "handlers"):
+            todo.extend(item for item in getattr(node, field, None) or () if isinstance(item, ast.AST))
+    return names
+
+
+def builtin_entries(tests: str, program: str, stubs: Iterable[str], others: bool) -> list[str]:
+    """The builtin-named functions of the program's that the tests mean (they then call the
+    program's, which must exist), for a task that declares no entry point: those the tests call
+    that the prompt leaves for the program to write (`stubs`); else, only when the tests use no
+    other name of the program's (`others` False, so without one they would test Python itself),
+    those of them the program defines, or, if it defines none of them, all of them."""
+    called = builtins_called(tests)
+    declared = called & set(stubs)
+    if declared or others:
+        return sorted(declared)
+    return sorted(called & top_level_names(program) or called)
 
 
 def _is_stub(node: ast.stmt) -> bool:
@@ -94,6 +159,19 @@ def prompt_helpers(prompt: Optional[str], keep_out: Iterable[str]) -> tuple[str,
                 parts.append(ast.unparse(node))
                 names.add(node.name)
     return "\n\n".join(parts), names
+
+
+def prompt_stubs(prompt: Optional[str]) -> set[str]:
+    """Names of the functions and classes the prompt's code leaves for the program to write (stubs)."""
+    stubs = set()
+    for block in python_blocks(prompt or "") or [prompt or ""]:
+        try:
+            tree = ast.parse(block)
+        except (SyntaxError, ValueError, RecursionError):
+            continue
+        stubs.update(node.name for node in tree.body
+                     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and _is_stub(node))
+    return stubs
 
 
 def names_for(tests: str, declared: Optional[Iterable[str]] = None) -> tuple[list[str], list[str]]:
