@@ -11,6 +11,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Optional
 
 import pytest
 
@@ -200,7 +201,7 @@ def test_processes_are_capped_and_nothing_survives(program):
     result = run(program, inputs=[""])  # run() asserts that no process of the jail is left
     assert time.monotonic() - started < LIMITS.wall_s * LIMITS.backstop + 1.5
     assert result.status in ("passed", "failed", "timeout", "crashed")
-    assert not _jailed()
+    assert not _jailed(os.getpid())
 
 
 # ---- what the jail keeps out ----------------------------------------------------------------------
@@ -365,14 +366,13 @@ def test_the_jail_dies_with_the_trainer():
     script = ("import sys\nsys.path.insert(0, %r)\nfrom dare_core.rewards.sandbox import run_python, SandboxLimits\n"
               "print('started', flush=True)\nrun_python('import time\\ntime.sleep(60)', inputs=[''], "
               "limits=SandboxLimits(wall_s=60, cpu_s=60))\n") % os.getcwd()
-    before = set(_jailed())
     trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     trainer.stdout.readline()
     # (a jail starts in well under a second; the margin is for a machine that other work keeps busy)
     deadline = time.monotonic() + 30
-    while not (set(_jailed()) - before) and trainer.poll() is None and time.monotonic() < deadline:
+    while not _jailed(trainer.pid) and trainer.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    jailed = set(_jailed()) - before
+    jailed = set(_jailed(trainer.pid))
     if not jailed:
         trainer.kill()
         _, err = trainer.communicate()
@@ -385,11 +385,17 @@ def test_the_jail_dies_with_the_trainer():
     assert not set(_jailed()) & jailed
 
 
-def _jailed() -> list[int]:
-    """Processes running the sandbox's start-up code (its source is on their command line)."""
+def _jailed(ancestor: Optional[int] = None) -> list[int]:
+    """Processes running the sandbox's start-up code (its source is on their command line); with
+    `ancestor`, those below that process only. A jailed process never leaves that tree: one whose
+    parent dies goes to its PID namespace's init, a child of bubblewrap, and new namespaces are
+    denied. Other test processes (pytest-xdist's other worker) run jails of their own meanwhile."""
+    import psutil
+
     found = []
+    below = None if ancestor is None else {p.pid for p in psutil.Process(ancestor).children(recursive=True)}
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
+        if entry.isdigit() and (below is None or int(entry) in below):
             try:
                 with open(f"/proc/{entry}/cmdline", "rb") as f:
                     if b"Trusted start-up code of a jailed process" in f.read() and _running(entry):
