@@ -13,7 +13,7 @@ would stay Running (or Pending) for good, their timeline bars growing. Two piece
   count. Its first step (`take_over`) closes what is still open (no worker was there to run the
   closing flow) and counts each stage's tries in the lost attempts, so that the stage table says
   `attempts 2` for a stage tried before; keyed artifacts the lost attempt already published are not
-  published again (`published_keys`).
+  published again (`EarlierAttempts.published`).
 """
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ LAST_LINES = 12  # of each lost stage's log, on the crash artifact
 class EarlierAttempts:
     closed: list[str] = field(default_factory=list)  # task runs this attempt found open and closed
     tries: Counter = field(default_factory=Counter)  # stage -> its tries in earlier attempts that did not complete
+    published: set[str] = field(default_factory=set)  # artifact keys earlier attempts published
 
 
 def lost_task_runs(task_runs: list[TaskRun], attempt: int) -> list[TaskRun]:
@@ -67,8 +68,9 @@ def _task_runs(client, flow_run_id: UUID | str) -> list[TaskRun]:
 
 
 def take_over(flow_run_id: UUID | str, flow_run_name: str, attempt: int) -> EarlierAttempts:
-    """At the start of attempt `attempt`: mark Crashed the task runs earlier attempts left open and
-    count each stage's unfinished tries in them. Attempt 1 asks the API nothing."""
+    """At the start of attempt `attempt`: mark Crashed the task runs earlier attempts left open,
+    count each stage's unfinished tries in them and note the artifact keys they published. Attempt 1
+    asks the API nothing."""
     earlier = EarlierAttempts()
     if attempt <= 1:
         return earlier
@@ -81,17 +83,10 @@ def take_over(flow_run_id: UUID | str, flow_run_name: str, attempt: int) -> Earl
             message = (f"attempt {run.flow_run_run_count} of flow run {flow_run_name!r} stopped before this "
                        f"task ended (its worker or host died); closed by attempt {attempt}")
             earlier.closed += _close(client, [run], message)
-    return earlier
-
-
-def published_keys(flow_run_id: UUID | str, attempt: int) -> set[str]:
-    """The artifact keys earlier attempts of this flow run published (none to ask for attempt 1)."""
-    if attempt <= 1:
-        return set()
-    with get_client(sync_client=True) as client:
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
             flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
-    return {a.key for a in artifacts if a.key}
+        earlier.published = {a.key for a in artifacts if a.key}
+    return earlier
 
 
 def crash_markdown(run_name: str, reason: str, when: str, lost: list[tuple[TaskRun, list[str]]]) -> str:

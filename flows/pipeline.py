@@ -62,7 +62,7 @@ from prefect.runtime import flow_run  # noqa: E402
 from prefect.artifacts import create_markdown_artifact as _create_markdown_artifact  # noqa: E402
 from prefect.artifacts import create_table_artifact as _create_table_artifact  # noqa: E402
 
-from flows.attempts import EarlierAttempts, published_keys, take_over  # noqa: E402
+from flows.attempts import EarlierAttempts, take_over  # noqa: E402
 from flows.report import run_markdown, stage_markdown  # noqa: E402
 from tasks.dvc_stage import StageResult, dvc_stage  # noqa: E402
 from tasks.workspace import apply_overrides, checkout_state, create_workspace, end_run  # noqa: E402
@@ -249,9 +249,8 @@ def _run_in(root: Path, stages: list[str], overrides: list[str], run_info: dict,
         applied = apply_overrides(root / "params.yaml", overrides)
         logger.info("params.yaml overrides: %s", ", ".join(f"{k}={v!r}" for k, v in applied))
     # a retried flow run lists the artifacts of all its attempts: what a lost one published stays
-    published = published_keys(flow_run.get_id(), flow_run.get_run_count())
-    create_markdown_artifact = _once(_create_markdown_artifact, published)
-    create_table_artifact = _once(_create_table_artifact, published)
+    create_markdown_artifact = _once(_create_markdown_artifact, earlier.published)
+    create_table_artifact = _once(_create_table_artifact, earlier.published)
     create_markdown_artifact(
         key="dare-run",
         markdown=run_markdown(workdir=root, overrides=overrides, stages=stages, **run_info),
