@@ -26,8 +26,10 @@ class LoraSettings:
     targets: str = "all-linear"  # all-linear | attention | a regex over module paths
 
 
-def apply_lora(model, settings: LoraSettings):
-    """Inject a LoRA adapter into `model.net` in place; only adapter weights stay trainable."""
+def apply_lora(model, settings: LoraSettings, generator: Optional[torch.Generator] = None):
+    """Inject a LoRA adapter into `model.net` in place; only adapter weights stay trainable. With
+    `generator`, each A is drawn from it (peft's law, U(-1/sqrt(fan_in), 1/sqrt(fan_in))) instead of
+    from torch's global RNG, so that the same run seed starts the same adapter; B starts at zero."""
     from peft import LoraConfig, inject_adapter_in_model
 
     pattern = TARGETS.get(settings.targets, settings.targets)
@@ -36,6 +38,13 @@ def apply_lora(model, settings: LoraSettings):
     # 8B model's stage start-up seconds at r = 128 (and on the meta device it costs nothing)
     with torch.device(next(model.net.parameters()).device):
         inject_adapter_in_model(config, model.net)
+    if generator is not None:
+        with torch.no_grad():
+            for layer in lora_layers(model.net):
+                weight = layer.lora_A["default"].weight
+                bound = weight.shape[1] ** -0.5
+                draw = torch.empty(weight.shape, device=generator.device, dtype=torch.float32)
+                weight.copy_(draw.uniform_(-bound, bound, generator=generator))
     for name, p in model.net.named_parameters():
         p.requires_grad_("lora_" in name)
     model.lora = settings

@@ -75,5 +75,7 @@ def prepare_for_training(model: DiffusionLM, cfg: DareConfig) -> DiffusionLM:
         from dare_core.config import from_dict
         from dare_core.models.lora import LoraSettings, apply_lora
 
-        apply_lora(model, from_dict(LoraSettings, cfg.model.lora, "model.lora"))
+        device = next(model.net.parameters()).device
+        draws = generator(cfg.run.seed, "lora", device=device) if device.type != "meta" else None
+        apply_lora(model, from_dict(LoraSettings, cfg.model.lora, "model.lora"), draws)
     return model

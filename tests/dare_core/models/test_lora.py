@@ -112,3 +112,20 @@ def test_merged_rollouts_under_zero3_are_refused_before_the_run():
         check_rl_config(cfg)
     cfg.launch.zero_stage = 2
     check_rl_config(cfg)
+
+
+def test_adapter_draws_follow_the_seed():
+    """The same seed starts the same adapter (A drawn from the run's generator, peft's bound
+    1/sqrt(fan_in)); torch's global RNG, which other code draws from, plays no part."""
+    def adapter(seed: int, global_seed: int) -> dict:
+        torch.manual_seed(global_seed)
+        model = tiny("llada")
+        apply_lora(model, LoraSettings(r=4, alpha=8), generator(seed, "lora"))
+        return {n: p.detach().clone() for n, p in model.net.named_parameters() if "lora_A" in n}
+
+    first, again, other = adapter(0, 1), adapter(0, 2), adapter(1, 1)
+    assert first.keys() == again.keys() and all(torch.equal(first[n], again[n]) for n in first)
+    assert not any(torch.equal(first[n], other[n]) for n in first)
+    for w in first.values():
+        bound = w.shape[1] ** -0.5
+        assert w.abs().max() <= bound and w.abs().max() > 0.5 * bound
