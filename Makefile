@@ -37,7 +37,7 @@ LMDEPLOY_PYTHON ?= $(PYTHON)
 DARE_LMDEPLOY_CPU ?= $(CURDIR)/.cache/lmdeploy-cpu
 
 # ---- Runtime environment shared by every target (offline-friendly, caches inside the repo) ----
-# dare.env holds the list; `dare stage` and the flow read the same file (dare_core/env_file.py).
+# dare.env holds the list; `dare stage` and the flow read the same file (dare_core/process/env_file.py).
 # Its ${DARE_PROJECT} is this checkout (the checkout a workspace of an isolated run belongs to).
 DARE_PROJECT := $(firstword $(subst /.cache/workspaces/, ,$(CURDIR)))
 include dare.env
@@ -66,7 +66,7 @@ $(VENV)/.stamp-test: $(VENV)/.stamp requirements/test.txt
 	$(PIP) install $(CONSTRAINTS) $(PIN_TORCH) -r requirements/test.txt
 	touch $@
 
-# The code reward's OS-level sandbox (dare_core/rewards/sandbox.py) runs candidate code under
+# The code reward's OS-level sandbox (dare_core/rewards/sandbox/__init__.py) runs candidate code under
 # bubblewrap; without it the code reward refuses to run. Debian/Ubuntu package, installed as root or
 # through sudo.
 sandbox:

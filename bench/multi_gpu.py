@@ -77,7 +77,7 @@ def rank_main(spec_path: Path) -> int:
         summary = run_sft(cfg, progress=False, save_checkpoints=False, export=False, phase_times=True)
     else:
         from dare_core.models.hf_folder import inspect_model
-        from dare_core.training.rl_loop import run_rl
+        from dare_core.training.rl.loop import run_rl
 
         ts.register_rl_pieces()
         block = inspect_model(spec["folder"]).block_size
@@ -91,7 +91,7 @@ def rank_main(spec_path: Path) -> int:
         if spec["kind"] == "sft":
             out["work"] = ts.sft_step_work(cfg, world=int(os.environ.get("WORLD_SIZE", "1")))
     spec_path.with_suffix(f".rank{rank}.json").write_text(json.dumps(out))
-    from dare_core.training.process_group import shutdown_distributed
+    from dare_core.process.process_group import shutdown_distributed
 
     shutdown_distributed(clean=True)  # as `dare stage` ends a rank (workers/common.py run_worker)
     return 0
@@ -111,7 +111,7 @@ def rank_env(gpus: int) -> dict:
     """The ranks' environment, with the CPU thread counts `dare stage` exports (torchrun alone would
     give each rank OMP_NUM_THREADS=1, and the offloaded optimizer steps on the CPU)."""
     from dare_core.config import LaunchConfig
-    from dare_core.threads import launcher_env
+    from dare_core.process.threads import launcher_env
 
     return launcher_env(LaunchConfig().threads, gpus, ts.child_env())
 

@@ -32,8 +32,8 @@ from dare_core.batch import Batch
 from dare_core.diffusion.seeding import sample_generators
 from dare_core.sampling.decode import generate
 from dare_core.training import engine as eng
-from dare_core.training.rl_loop import RLStage
-from dare_core.training.rl_verbs import RLRun, Rollout, Scores, collect, score
+from dare_core.training.rl.loop import RLStage
+from dare_core.training.rl.verbs import RLRun, Rollout, Scores, collect, score
 
 
 def wall_us(fn: Callable[[], object], repeats: int) -> float:

@@ -36,7 +36,7 @@ from typing import Callable, Iterator, Optional
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
-from dare_core.threads import REASON_VAR, launcher_env  # noqa: E402
+from dare_core.process.threads import REASON_VAR, launcher_env  # noqa: E402
 from stamp import git_commit, hardware, header, markdown_table, usable_cores  # noqa: E402
 
 OUT = REPO / "bench" / "results" / "threads.md"
@@ -49,7 +49,7 @@ THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SP
 def measure(seconds: float) -> dict:
     """Run in a fresh interpreter, as a stage's worker starts: every workload for `seconds` after a
     warm-up step, with the thread count the parent put in OMP_NUM_THREADS."""
-    from dare_core.threads import configure_threads
+    from dare_core.process.threads import configure_threads
 
     choice = configure_threads("auto")  # (the count in OMP_NUM_THREADS, taken as a worker takes it)
     import torch

@@ -101,8 +101,8 @@ def run_rl_on_folder(cfg, folder: str, stage: Optional[Callable[..., object]] = 
     stage's export, with the bench's synthetic reward registered. `stage`: an RLStage subclass (or a
     partial of one) to run instead, phase times off (bench/profile_step.py's, which profiles parts
     of a step in place of running steps)."""
-    from dare_core.training.rl_checks import rl_start_folder
-    from dare_core.training.rl_loop import run_rl
+    from dare_core.training.rl.checks import rl_start_folder
+    from dare_core.training.rl.loop import run_rl
 
     register_rl_pieces()
     start = rl_start_folder(cfg)
@@ -193,7 +193,7 @@ def rl_pass_flops(cfg, folder: str, step: dict) -> dict:
     from model_throughput import model_flops
 
     from dare_core.models.hf_folder import inspect_model
-    from dare_core.training.rl_verbs import first_iteration_is_current, ratio_is_trivial
+    from dare_core.training.rl.verbs import first_iteration_is_current, ratio_is_trivial
 
     rl = cfg.rl
     model = inspect_model(folder)

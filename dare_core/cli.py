@@ -5,7 +5,7 @@
   dare run               the whole pipeline through the Prefect flow (same as `make run`)
   dare generate          sample from a model folder
   dare eval              OpenCompass benchmarks (or a prepared eval file) on any model folder
-  dare workspaces prune  remove old workspaces of isolated flow runs (dare_core/workspaces.py)
+  dare workspaces prune  remove old workspaces of isolated flow runs (dare_core/process/workspaces.py)
 """
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ def _work_in_project_root(args: argparse.Namespace) -> None:
     `dare stage` typed in a subfolder would otherwise write `sub/data/prepared` and `sub/runs`. The
     command line's own paths (--params, a --recipe file) keep meaning what they meant where they were
     typed; the settings' paths start at the root, as they do under DVC."""
-    from dare_core.env_file import enter_project_root
+    from dare_core.process.env_file import enter_project_root
     from dare_core.recipes import names_a_file
 
     recipe_file = args.recipe if args.recipe and names_a_file(args.recipe) else None
@@ -128,7 +128,7 @@ def _duration(seconds: float) -> str:
 
 
 def _run_stage(args: argparse.Namespace) -> int:
-    from dare_core.env_file import apply_env_defaults
+    from dare_core.process.env_file import apply_env_defaults
 
     _work_in_project_root(args)
     # what the Makefile exports, for a stage not started by make (a deployment's worker, `dvc repro`):
@@ -146,7 +146,7 @@ def _run_stage(args: argparse.Namespace) -> int:
     if not distributed:
         import importlib
 
-        from dare_core.lifeline import watch_parent
+        from dare_core.process.lifeline import watch_parent
 
         watch_parent()  # killing dvc (or whatever started this) ends the stage
         code = importlib.import_module(module).main(worker_args)
@@ -159,12 +159,12 @@ def _run_stage(args: argparse.Namespace) -> int:
 
 def _launch(cmd: list[str], env: dict, what: str = "the worker") -> int:
     """Run the launcher (or the one worker) to its end; its exit code. It ends with this process,
-    and this process with its parent (lifeline.py); the watch starts after the fork (a
+    and this process with its parent (process/lifeline.py); the watch starts after the fork (a
     preexec_fn is only safe while no other thread runs). Killed by a signal, it printed nothing
     about it: this names the signal in an `error:` line and exits as a shell would, 128 + N
     (`sys.exit(-9)` would end this process with 247, which reads as an ordinary exit code)."""
-    from dare_core.exits import killed_by, signal_of
-    from dare_core.lifeline import dies_with_parent, watch_parent
+    from dare_core.process.exits import killed_by, signal_of
+    from dare_core.process.lifeline import dies_with_parent, watch_parent
 
     launcher = subprocess.Popen(cmd, env=env, preexec_fn=dies_with_parent())
     watch_parent()
@@ -184,7 +184,7 @@ def _launch(cmd: list[str], env: dict, what: str = "the worker") -> int:
 
 def launch_env(launch: LaunchConfig, environ: Mapping[str, str]) -> dict:
     """`environ` for the launcher and its ranks (what the user set wins)."""
-    from dare_core.threads import launcher_env
+    from dare_core.process.threads import launcher_env
 
     # each rank starts with its share of the cores (torchrun would otherwise give every rank one)
     env = launcher_env(launch.threads, launch.nproc, environ)
@@ -272,7 +272,7 @@ def cmd_server(args: argparse.Namespace) -> int:
     started bare sent Prefect its telemetry): flows/server.py, which also keeps the server's one
     outbound call without a setting local. The server keeps its database where Prefect does
     (PREFECT_HOME, default ~/.prefect), not in the project's .cache, which `make clean` deletes."""
-    from dare_core.env_file import apply_env_defaults, find_env_file
+    from dare_core.process.env_file import apply_env_defaults, find_env_file
 
     env = apply_env_defaults(dict(os.environ), skip=("PREFECT_HOME",))
     project = find_env_file()
@@ -331,7 +331,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_workspaces_prune(args: argparse.Namespace) -> int:
-    from dare_core.workspaces import DEFAULT_KEEP, keep_setting, prune
+    from dare_core.process.workspaces import DEFAULT_KEEP, keep_setting, prune
 
     keep = args.keep if args.keep is not None else keep_setting() or DEFAULT_KEEP  # ('off' is for the automatic prune)
     prune(args.repo, keep, args.failed_for, dry_run=args.dry_run)
@@ -468,7 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _workspaces_parser(sub_parser: Callable[..., argparse.ArgumentParser]) -> None:
-    from dare_core.workspaces import DEFAULT_FAILED_FOR_H, DEFAULT_KEEP, KEEP_ENV
+    from dare_core.process.workspaces import DEFAULT_FAILED_FOR_H, DEFAULT_KEEP, KEEP_ENV
 
     w = sub_parser("workspaces", help="the git worktrees of isolated flow runs (.cache/workspaces)")
     prune = w.add_subparsers(dest="action", required=True).add_parser(

@@ -147,7 +147,7 @@ class ModelConfig:
 
 
 LR_SCHEDULES = ("constant", "cosine")
-# how rollouts and updates interleave (the functions: training/rl_schedules.py)
+# how rollouts and updates interleave (the functions: training/rl/schedules.py)
 RL_SCHEDULES = ("on_policy", "one_step_off_policy")
 
 
@@ -195,7 +195,7 @@ class LaunchConfig:
     rollout_weights: str = "whole"  # whole | partitioned
     # torch CPU threads per rank: auto = (physical cores available - those other processes keep
     # busy) / local ranks (an explicit OMP_NUM_THREADS wins over auto); an int wins over both
-    # (dare_core/threads.py)
+    # (dare_core/process/threads.py)
     threads: Union[str, int] = "auto"
     # seconds a rank waits for the others (rendezvous, every collective) before it fails with an
     # error instead of hanging: must exceed the longest time one rank works alone while the others

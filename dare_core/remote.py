@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 from urllib.parse import urlsplit
 
-from dare_core.env_file import project_of
+from dare_core.process.env_file import project_of
 from dare_core.errors import UserError
 from dare_core.storage import PathLike, atomic_dir, is_remote
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from dare_core.env_file import apply_env_defaults, env_defaults
+from dare_core.process.env_file import apply_env_defaults, env_defaults
 
 # dare.env (the Makefile's list) must be in the environment before Prefect reads its settings (at
 # import): a deployment's worker is not started by make, and the stages inherit it (TORCH_EXTENSIONS_DIR:
@@ -205,7 +205,7 @@ def dare_pipeline(
     shared) instead of the checkout itself, so concurrent runs never collide and the checkout stays clean.
     Deployments set it (prefect.yaml); a run from the command line works in place by default. When an
     isolated run ends, its outcome is recorded in its workspace and old workspaces are pruned
-    (`DARE_KEEP_WORKSPACES`, default 10; `off`: none; dare_core/workspaces.py has the rule).
+    (`DARE_KEEP_WORKSPACES`, default 10; `off`: none; dare_core/process/workspaces.py has the rule).
 
     Returns a PipelineResult (per-stage ran/restored/skipped, attempts, wall time; eval metrics and table).
     A failing stage raises StageFailed (the worker's error line, the stage and its exit code).

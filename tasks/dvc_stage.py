@@ -42,8 +42,8 @@ from prefect.logging.handlers import APILogHandler
 from prefect.logging.loggers import PrefectLogAdapter
 from prefect.runtime import task_run
 
-from dare_core.env_file import apply_env_defaults
-from dare_core.exits import killed_by, signal_of
+from dare_core.process.env_file import apply_env_defaults
+from dare_core.process.exits import killed_by, signal_of
 from tasks.stage_output import WORKER_ERROR, LineForwarder, dvc_error, error_line, line_level
 
 __all__ = ["StageFailed", "StageResult", "dvc_stage", "run_stage", "stage_changes"]
@@ -62,7 +62,7 @@ class StageFailed(RuntimeError):
     `error: ...` line when it printed one (`error_line`), else DVC's report. `returncode` is the
     stage cmd's exit code when DVC reported it ("exited with N"), else the DVC command's own exit
     code (`dvc_returncode`; DVC exits 255 on any error). `signal` is the signal that code carries
-    (dare_core/exits.py), if any: a killed stage is reported as killed, by name, not by a number
+    (dare_core/process/exits.py), if any: a killed stage is reported as killed, by name, not by a number
     (DVC reports `-9`, a shell `137`, the DeepSpeed launcher `247`)."""
 
     def __init__(self, stage: str, dvc_returncode: int, command: list[str], repo: str | Path,

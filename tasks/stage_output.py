@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Callable
 
-from dare_core.exits import is_progress_bar
+from dare_core.process.exits import is_progress_bar
 
 # DARE's workers end a failed run with one `error: ...` line (dare_core/workers/common.py)
 WORKER_ERROR = re.compile(r"^error: ")

@@ -6,7 +6,7 @@ with the checkout. Two runs at once then never meet on DVC's stage locks (`'data
 busy`) or on each other's outputs, the checkout stays clean, and what one run cached (the outputs
 are cached) the next restores instead of recomputing. Only committed files are in a workspace.
 A run holds its workspace's lock while it works and records its outcome there; after it, old
-workspaces are pruned (dare_core/workspaces.py has the rule, `dare workspaces prune` applies it by hand).
+workspaces are pruned (dare_core/process/workspaces.py has the rule, `dare workspaces prune` applies it by hand).
 
 Overrides (`rl.num_steps=200`) are written into the workspace's params.yaml through DVC's own YAML
 round trip, the one `dvc exp run -S` uses, so DVC tracks them as params and the file keeps its
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from dare_core.storage import load_yaml
-from dare_core.workspaces import (RECORD, WORKSPACES, WorkspaceError, claim, git, keep_setting, prune, record_run,
+from dare_core.process.workspaces import (RECORD, WORKSPACES, WorkspaceError, claim, git, keep_setting, prune, record_run,
                                   release)
 
 __all__ = ["WorkspaceError", "apply_overrides", "checkout_state", "create_workspace", "end_run", "parse_overrides"]
@@ -108,7 +108,7 @@ def share_dvc_cache(repo: Path, path: Path) -> None:
 def end_run(repo: str | Path, workspace: Path, status: str, say: Callable[[str], None] = print,
             warn: Callable[[str], None] = print) -> None:
     """Record the run's outcome (`ran` or `failed`) in its workspace, let the workspace go, and prune
-    the checkout's workspaces as DARE_KEEP_WORKSPACES says (dare_core/workspaces.py). A prune that
+    the checkout's workspaces as DARE_KEEP_WORKSPACES says (dare_core/process/workspaces.py). A prune that
     cannot run is a warning: the run's own outcome stands."""
     try:
         record_run(workspace, status)

@@ -12,7 +12,7 @@ from pathlib import Path
 def main(spec: str) -> int:
     from dare_core.config import load_config
     from dare_core.training.preference_loop import run_preference
-    from dare_core.training.rl_loop import run_rl
+    from dare_core.training.rl.loop import run_rl
     from dare_core.training.sft_loop import run_sft
 
     stages = {"sft": run_sft, "preference": run_preference, "rl": run_rl}

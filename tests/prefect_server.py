@@ -29,7 +29,7 @@ from pathlib import Path
 
 import psutil
 
-from dare_core.env_file import ENV_FILE, read_env_file
+from dare_core.process.env_file import ENV_FILE, read_env_file
 
 PREFECT = [sys.executable, "-m", "prefect"]
 DARE = [sys.executable, "-m", "dare_core.cli"]  # `dare`, as the tests' subprocesses run it

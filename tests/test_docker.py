@@ -160,7 +160,7 @@ def test_image_holds_a_git_checkout():
 def test_caches_are_writable_and_match_the_makefile():
     """The image sets the runtime environment the Makefile exports (dare.env), and every cache lives
     in the checkout (owned by the image's user, or by whoever owns a mounted one)."""
-    from dare_core.env_file import read_env_file
+    from dare_core.process.env_file import read_env_file
 
     env = _env()
     workdir = instructions()[_index("WORKDIR", last=True)][1]

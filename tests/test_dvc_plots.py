@@ -23,7 +23,7 @@ import yaml
 
 from dare_core.training.metrics import MetricsLogger
 from dare_core.training.plots import STAGE_PLOTS, VALIDATION
-from dare_core.training.rl_validation import validation_csv
+from dare_core.training.rl.validation import validation_csv
 from pipeline_helpers import copy_pipeline
 
 REPO = Path(__file__).resolve().parents[1]

@@ -26,9 +26,9 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 
 from dare_core.errors import UserError
 from dare_core.eval.configs import get_benchmark, parse_benchmarks
-from dare_core.exits import is_progress_bar, killed_by, signal_of
+from dare_core.process.exits import is_progress_bar, killed_by, signal_of
 from dare_core.storage import atomic_dir, atomic_write_json, atomic_write_text
-from dare_core.lifeline import dies_with_parent
+from dare_core.process.lifeline import dies_with_parent
 
 
 # the OpenCompass classes, by dotted path: this module never imports OpenCompass itself (its import

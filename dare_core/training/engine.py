@@ -11,8 +11,8 @@ import torch
 from dare_core.config import LaunchConfig, OptimConfig
 from dare_core.training.op_builds import announced
 from dare_core.training.parallel import init_layout, layout
-from dare_core.training.process_group import ensure_dist_env, init_distributed
-from dare_core.threads import log_threads
+from dare_core.process.process_group import ensure_dist_env, init_distributed
+from dare_core.process.threads import log_threads
 
 
 def lr_lambda(cfg: OptimConfig, total_steps: int):

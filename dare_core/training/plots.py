@@ -68,7 +68,7 @@ STAGE_PLOTS: dict[str, dict[str, PlotSpec]] = {
     },
 }
 
-# rl/validation.png and rl/validation.csv (dare_core/training/rl_validation.py)
+# rl/validation.png and rl/validation.csv (dare_core/training/rl/validation.py)
 VALIDATION = PlotSpec("RL validation on held-out prompts", "RL step", "fraction of prompts correct", fraction=True)
 
 

@@ -24,7 +24,7 @@ from dare_core.data.prepare import check_prepare
 from dare_core.eval.runner import benchmark_settings
 from dare_core.models.tokenizer import char_tokenizer
 from dare_core.training.preference_loop import check_preference_settings
-from dare_core.training.rl_checks import check_rl_settings
+from dare_core.training.rl.checks import check_rl_settings
 from dare_core.training.setup import initial_spec
 from dare_core.training.sft_loop import check_sft_settings
 

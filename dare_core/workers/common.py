@@ -21,8 +21,8 @@ import traceback
 from typing import Callable, Optional
 
 from dare_core.config import ConfigError, DareConfig, load_config
-from dare_core.exits import killed_by
-from dare_core.threads import configure_threads, log_threads
+from dare_core.process.exits import killed_by
+from dare_core.process.threads import configure_threads, log_threads
 from dare_core.workers.rank_output import NativeNoiseFilter, lost_contact, native_error_message, parse_collective
 
 # failures a user can act on from the message alone: ValueError covers ConfigError, UserError,
@@ -155,13 +155,13 @@ def run_worker(fn: Callable[[DareConfig], object], argv: Optional[list[str]], de
 
     def work() -> int:
         # (here, not at the top: run_rank, every rank's supervisor, need not import torch)
-        from dare_core.training.process_group import exit_before_teardown, several_gloo_ranks, shutdown_distributed
+        from dare_core.process.process_group import exit_before_teardown, several_gloo_ranks, shutdown_distributed
 
         cfg = parse(argv, description)
         # before any tensor work: torch's default (a thread per logical CPU in every rank)
         # oversubscribes shared or multi-rank machines
         configure_threads(cfg.launch.threads)
-        # waiting on the other ranks is bounded: read by training/process_group.py's init_distributed
+        # waiting on the other ranks is bounded: read by process/process_group.py's init_distributed
         os.environ["DARE_DIST_TIMEOUT_S"] = str(cfg.launch.timeout_s)
         try:
             fn(cfg)

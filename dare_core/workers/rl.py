@@ -1,7 +1,7 @@
 """Worker of the `rl` stage, launched on every rank (`dare stage rl`)."""
 import sys
 
-from dare_core.training.rl_loop import run_rl
+from dare_core.training.rl.loop import run_rl
 from dare_core.workers.common import run_worker
 
 

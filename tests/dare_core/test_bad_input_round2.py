@@ -293,7 +293,7 @@ def test_atomic_writes_follow_the_umask(tmp_path: Path, mask: int) -> None:
 
 _PARENT = r"""
 import subprocess, sys, time
-from dare_core.lifeline import dies_with_parent
+from dare_core.process.lifeline import dies_with_parent
 preexec = dies_with_parent() if sys.argv[2] == "prctl" else None
 child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], preexec_fn=preexec)
 print(child.pid, flush=True)
@@ -301,7 +301,7 @@ time.sleep(120)
 """
 # (SIGHUP to its default: a test run under nohup would otherwise ask the stage to outlive its parent)
 _WATCHING_CHILD = ("import signal, time; signal.signal(signal.SIGHUP, signal.SIG_DFL); "
-                   "from dare_core.lifeline import watch_parent; assert watch_parent(0.2); time.sleep(120)")
+                   "from dare_core.process.lifeline import watch_parent; assert watch_parent(0.2); time.sleep(120)")
 _PLAIN_CHILD = "import time; time.sleep(120)"
 
 
@@ -324,7 +324,7 @@ def test_a_worker_whose_parent_is_killed_exits(how: str) -> None:
 
 
 def test_a_stage_under_nohup_may_outlive_its_parent() -> None:
-    from dare_core.lifeline import watch_parent
+    from dare_core.process.lifeline import watch_parent
 
     before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:

@@ -158,7 +158,7 @@ def test_an_empty_test_or_validation_file_is_refused_as_an_empty_training_file_i
 
 
 def test_the_project_root_is_the_nearest_folder_holding_params_or_dvc_yaml(tmp_path: Path) -> None:
-    from dare_core.env_file import project_root
+    from dare_core.process.env_file import project_root
 
     (tmp_path / "proj" / "sub" / "deeper").mkdir(parents=True)
     (tmp_path / "proj" / "params.yaml").write_text("run: {}\n")

@@ -109,7 +109,7 @@ def test_dare_stage_fills_in_dare_env_for_its_workers(monkeypatch):
     from pathlib import Path
 
     import dare_core.cli
-    from dare_core.env_file import env_defaults
+    from dare_core.process.env_file import env_defaults
 
     repo = Path(__file__).resolve().parents[2]
     for key in env_defaults(repo):  # (set, then unset: whatever `dare stage` sets is undone after the test)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dare_core.env_file import ENV_FILE, env_defaults, read_env_file
+from dare_core.process.env_file import ENV_FILE, env_defaults, read_env_file
 from dare_core.errors import UserError
 
 REPO = Path(__file__).resolve().parents[2]

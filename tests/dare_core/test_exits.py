@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from dare_core.cli import _launch
-from dare_core.exits import is_progress_bar, killed_by, signal_of
+from dare_core.process.exits import is_progress_bar, killed_by, signal_of
 
 
 def status_of(*cmd: str) -> int:

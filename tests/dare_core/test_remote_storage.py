@@ -24,7 +24,7 @@ from dare_core.models.hf_folder import load_model, save_model
 from dare_core.object_cache import local_copy
 from dare_core.remote import RemoteError
 from dare_core.training.setup import initial_model
-from dare_core.workspaces import WORKSPACES, prune
+from dare_core.process.workspaces import WORKSPACES, prune
 from git_repos import committed_repo, git
 from pipeline_helpers import worker_env
 from s3_server import ACCESS_KEY, SECRET, s3_bucket, s3_server, start_moto  # noqa: F401  (fixtures)

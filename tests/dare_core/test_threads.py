@@ -1,4 +1,4 @@
-"""launch.threads: torch's CPU thread count per worker (dare_core/threads.py)."""
+"""launch.threads: torch's CPU thread count per worker (dare_core/process/threads.py)."""
 import subprocess
 import sys
 import textwrap
@@ -6,8 +6,8 @@ import textwrap
 import pytest
 
 from dare_core.config import ConfigError, load_config
-from dare_core import threads
-from dare_core.threads import (REASON_VAR, Machine, auto_threads, busy_cpus, cgroup_cpus, launcher_env, physical_cores,
+from dare_core.process import threads
+from dare_core.process.threads import (REASON_VAR, Machine, auto_threads, busy_cpus, cgroup_cpus, launcher_env, physical_cores,
                                         resolve_threads)
 from pipeline_helpers import worker_env
 

@@ -11,7 +11,7 @@ import pytest
 
 from dare_core.cli import main
 from dare_core.errors import UserError
-from dare_core.workspaces import RECORD, WORKSPACES, claim, keep_setting, prune, release
+from dare_core.process.workspaces import RECORD, WORKSPACES, claim, keep_setting, prune, release
 from git_repos import committed_repo, git
 
 HOUR = 3600.0
@@ -74,7 +74,7 @@ def test_the_rule_keeps_the_newest_the_recently_failed_and_the_running(repo):
 
 def test_a_lock_held_by_another_live_process_is_never_pruned(repo):
     path = workspace(repo, "elsewhere", "ran", 100)
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from dare_core.workspaces import claim; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from dare_core.process.workspaces import claim; "
                                f"claim(__import__('pathlib').Path({str(path)!r})); print('held', flush=True); time.sleep(60)"],
                               stdout=subprocess.PIPE, text=True)
     try:
@@ -107,7 +107,7 @@ def test_the_keep_setting():
 
 
 def test_a_workspace_git_will_not_remove_is_named_and_the_others_still_go(repo):
-    from dare_core.workspaces import WorkspaceError
+    from dare_core.process.workspaces import WorkspaceError
 
     pinned, old = workspace(repo, "pinned", "ran", 50), workspace(repo, "old", "ran", 60)
     git(repo, "worktree", "lock", "--reason", "kept by hand", str(pinned))  # `git worktree lock`: a user's wish

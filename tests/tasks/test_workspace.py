@@ -33,7 +33,7 @@ def test_a_run_holds_its_workspace_and_the_prune_after_it_keeps_the_newest(tmp_p
     import json
 
     import tasks.workspace
-    from dare_core.workspaces import RECORD, prune
+    from dare_core.process.workspaces import RECORD, prune
     from tasks.workspace import create_workspace, end_run
 
     repo = committed_repo(tmp_path / "repo", {"params.yaml": "a: 1\n"})

@@ -417,7 +417,7 @@ def test_configuration_errors():
 
 
 def test_rl_config_check_counts_transitions():
-    from dare_core.training.rl_checks import check_rl_config
+    from dare_core.training.rl.checks import check_rl_config
 
     cfg = DareConfig(rl=_rl(group_size=16, prompts_per_step=4, micro_batch_size=32))
     check_rl_config(cfg)  # 64 rollouts: fine for group-size algorithms

@@ -104,7 +104,7 @@ def test_adapters_merged_rounds_once_in_bf16_and_leaves_a_plain_model_alone():
 
 def test_merged_rollouts_under_zero3_are_refused_before_the_run():
     from dare_core.config import DareConfig, LaunchConfig, ModelConfig, RLConfig, SamplerConfig
-    from dare_core.training.rl_checks import check_rl_config
+    from dare_core.training.rl.checks import check_rl_config
 
     rl = RLConfig(group_size=4, prompts_per_step=2, sampler=SamplerConfig(lora_merged=True))
     cfg = DareConfig(model=ModelConfig(lora={"r": 4}), rl=rl, launch=LaunchConfig(zero_stage=3))

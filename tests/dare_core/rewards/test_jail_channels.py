@@ -11,7 +11,7 @@ import sysconfig
 
 import pytest
 
-from dare_core.rewards import cgroup
+from dare_core.rewards.sandbox import cgroup
 from dare_core.rewards.sandbox import check_available
 from dare_core.rewards.scoring import score_texts
 
@@ -274,7 +274,7 @@ def test_a_jail_uses_no_more_than_its_cores_however_many_processes_it_makes():
 # ---- what is left of these kernel interfaces -------------------------------------------------------
 
 def test_the_kernels_shared_state_is_closed_at_the_system_call():
-    from dare_core.rewards import seccomp
+    from dare_core.rewards.sandbox import seccomp
     from dare_core.rewards.sandbox import SandboxLimits, run_python
 
     nr = seccomp.syscall_number

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from dare_core.rewards import cgroup, seccomp
+from dare_core.rewards.sandbox import cgroup, seccomp
 from dare_core.rewards.sandbox import SandboxLimits, run_python
 from dare_core.rewards.scoring import score_texts
 

@@ -7,7 +7,7 @@ from pipeline_helpers import worker_env
 
 PROBE = """
 import atexit, logging, sys
-from dare_core.training.process_group import exit_before_teardown
+from dare_core.process.process_group import exit_before_teardown
 
 out = sys.argv[1]
 logging.basicConfig(filename=out + ".log", level=logging.INFO)
@@ -31,7 +31,7 @@ def test_exit_before_teardown_runs_exit_handlers_and_flushes_output(tmp_path):
 
 INIT = """
 import torch
-from dare_core.training.process_group import init_distributed
+from dare_core.process.process_group import init_distributed
 init_distributed()
 print("group", torch.distributed.get_world_size())
 """
@@ -46,7 +46,7 @@ def test_making_the_group_prints_no_build_notice():
 
 
 def test_the_filter_keeps_other_lines(capsys):
-    from dare_core.training.process_group import _quiet_build_notice
+    from dare_core.process.process_group import _quiet_build_notice
 
     with _quiet_build_notice():
         print("DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully")

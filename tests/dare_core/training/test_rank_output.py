@@ -19,7 +19,7 @@ from pipeline_helpers import worker_env
 # bar that rewrites itself after \r), then NCCL's watchdog once the all-reduce has waited
 # launch.timeout_s (60 s): glog lines prefixed by the rank, the C++ exception with its backtrace,
 # std::terminate's report of it. Written for this test in the formats torch 2.x uses.
-OWN = ("2026-11-26 10:14:00,100 INFO dare_core.threads: torch threads: 8 (launch.threads: auto)\n"
+OWN = ("2026-11-26 10:14:00,100 INFO dare_core.process.threads: torch threads: 8 (launch.threads: auto)\n"
        "\rsft:   0%|          | 0/100 [00:00<?, ?it/s]"
        "\rsft:   1%|1         | 1/100 [00:01<02:10,  1.31s/it, loss=4.703]")
 WATCHDOG = "WorkNCCL(SeqNum=57, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=60000) ran for 60012 milliseconds before timing out."

@@ -370,7 +370,7 @@ def test_every_group_waits_launch_timeout_s(tmp_path):
     group) would wait torch's default (gloo 30 min, NCCL 10 min) for a hung rank."""
     probe = ("import torch\n"
              "from deepspeed.utils import groups\n"
-             "from dare_core.training.process_group import init_distributed, shutdown_distributed\n"
+             "from dare_core.process.process_group import init_distributed, shutdown_distributed\n"
              "init_distributed()\n"
              "print(groups._clone_world_group()._get_backend(torch.device('cpu')).options._timeout.total_seconds())\n"
              "shutdown_distributed(clean=True)\n")

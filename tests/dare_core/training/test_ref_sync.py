@@ -12,8 +12,8 @@ import torch
 from conftest import make_tiny_llada
 from dare_core.config import ConfigError, DareConfig, FieldError, ModelConfig, RLConfig, load_config
 from dare_core.training.reference import sync_reference
-from dare_core.training.rl_checks import check_rl_config
-from dare_core.training.rl_verbs import ref_sync_due
+from dare_core.training.rl.checks import check_rl_config
+from dare_core.training.rl.verbs import ref_sync_due
 from pipeline_helpers import tiny_params, worker_env, write_params
 
 
@@ -72,7 +72,7 @@ import json, shutil, sys
 import torch
 from dare_core.config import load_config
 from dare_core.data.prepare import prepare
-from dare_core.training import rl_loop, rl_verbs
+from dare_core.training.rl import loop as rl_loop, verbs as rl_verbs
 from dare_core.training.sft_loop import run_sft
 
 torch.set_num_threads(1)

@@ -14,9 +14,9 @@ import pytest
 
 from dare_core.config import DareConfig, LaunchConfig, RLConfig, load_config
 from dare_core.data.prepare import prepare
-from dare_core.training.rl_checks import check_rl_ranks
-from dare_core.training.rl_ranks import combine_rank_metrics, rank_prompts
-from dare_core.training.rl_validation import validation_share
+from dare_core.training.rl.checks import check_rl_ranks
+from dare_core.training.rl.ranks import combine_rank_metrics, rank_prompts
+from dare_core.training.rl.validation import validation_share
 from pipeline_helpers import dare, tiny_params, worker_env, write_params
 
 # one-digit sums (as in test_rl_validation): after 700 SFT steps (~15 s) about a third to a half of

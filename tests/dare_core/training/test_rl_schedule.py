@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from dare_core.config import RL_SCHEDULES
-from dare_core.training.rl_schedules import SCHEDULES
+from dare_core.training.rl.schedules import SCHEDULES
 from pipeline_helpers import tiny_params, worker_env, write_params
 
 _RUN = r"""
@@ -14,7 +14,7 @@ import json, shutil, sys
 import torch
 from dare_core.config import load_config
 from dare_core.data.prepare import prepare
-from dare_core.training import rl_loop, rl_schedules, rl_verbs
+from dare_core.training.rl import loop as rl_loop, schedules as rl_schedules, verbs as rl_verbs
 from dare_core.training.checkpoint import CheckpointManager
 from dare_core.training.sft_loop import run_sft
 
@@ -97,7 +97,7 @@ import json, shutil, sys
 import torch
 from dare_core.config import load_config
 from dare_core.data.prepare import prepare
-from dare_core.training import rl_loop, rl_schedules, rl_verbs
+from dare_core.training.rl import loop as rl_loop, schedules as rl_schedules, verbs as rl_verbs
 from dare_core.training.sft_loop import run_sft
 
 torch.set_num_threads(1)

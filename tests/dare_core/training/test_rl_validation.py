@@ -12,7 +12,7 @@ import pytest
 
 from dare_core.config import RLConfig, SamplerConfig, load_config
 from dare_core.data.prepare import prepare
-from dare_core.training.rl_validation import check_validation_config, due, plot_validation, validation_csv
+from dare_core.training.rl.validation import check_validation_config, due, plot_validation, validation_csv
 from pipeline_helpers import dare, tiny_params, worker_env, write_params
 
 KEYS = ("val/mean@4", "val/best@4", "val/maj@4")
@@ -146,7 +146,7 @@ def test_schedule_and_config_checks(tmp_path):
         check_validation_config(RLConfig(validate_every=1, validate_k=0))
     # the temperature is the only sampler setting validation changes
     rl = RLConfig(sampler=SamplerConfig(temperature=0.3, gen_length=4, steps=2, block_length=4), validate_temperature=0.9)
-    from dare_core.training.rl_validation import validation_params
+    from dare_core.training.rl.validation import validation_params
 
     assert validation_params(rl).temperature == 0.9 and validation_params(rl).steps == 2
     # the plot takes rows of any k
@@ -165,7 +165,7 @@ def test_schedule_and_config_checks(tmp_path):
 def test_open_resumes_or_discards_the_record(tmp_path):
     """`open` at a resumed step keeps the validations up to it in validation.jsonl, validation.csv and
     the plot; a fresh run (step 0) starts all three empty, whatever an earlier run left."""
-    from dare_core.training.rl_validation import RLValidator
+    from dare_core.training.rl.validation import RLValidator
 
     cfg = load_config(write_params(tmp_path / "params.yaml", tiny_params(tmp_path, rl__validate_every=0)))
     out = cfg.stage_dir("rl")
@@ -188,7 +188,7 @@ def test_validator_samples_through_the_rollout_engine(tmp_path):
     engine_args (here a recording one), never around it."""
     from conftest import make_tiny_llada
     from dare_core.models.tokenizer import load_tokenizer
-    from dare_core.training.rl_validation import RLValidator
+    from dare_core.training.rl.validation import RLValidator
     from rollout_helpers import RecordingEngine
 
     cfg = load_config(write_params(tmp_path / "params.yaml", tiny_params(tmp_path, **DATA, rl__validate_every=1, rl__validate_k=2,

@@ -5,7 +5,7 @@ jail is killed when its run ends, whatever it did to detach itself (fork, setsid
 CPU: a quota of `cpus` cores for the whole jail, however many processes, sessions or threads it
 makes, and the scheduler's fair share between groups, so that jails that run at once share the
 cores as jails, not as processes (16 busy processes of one jail no longer starve another's one). The
-group's CPU time (`cpu_seconds`) is what the run's time limit counts (`dare_core.rewards.jail_run`).
+group's CPU time (`cpu_seconds`) is what the run's time limit counts (`dare_core.rewards.sandbox.jail_run`).
 
 cgroup v2 where this process may make child groups with the memory and pids controllers (and cpu,
 where delegated), else cgroup v1 (one group under this process's own group in each of the memory,

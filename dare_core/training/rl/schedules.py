@@ -1,4 +1,4 @@
-"""RL schedules: the order a run calls the verbs of training/rl_verbs.py in. A schedule walks the
+"""RL schedules: the order a run calls the verbs of training/rl/verbs.py in. A schedule walks the
 steps it is given and hands each finished one to `end_step` (metrics, validation, logging and the
 checkpoint, the same for every schedule); a new schedule is one more function here, registered
 under its rl.schedule name (config.RL_SCHEDULES)."""
@@ -12,7 +12,7 @@ import torch
 
 from dare_core.registry import Registry
 from dare_core.training import engine as eng
-from dare_core.training.rl_verbs import (RLRun, Rollout, Update, collect, first_iteration_is_current, optimize, ratio_is_trivial,
+from dare_core.training.rl.verbs import (RLRun, Rollout, Update, collect, first_iteration_is_current, optimize, ratio_is_trivial,
                                          score, sync)
 
 # end_step(step, the rollout trained on, its update, the step's start time, a rollout collected

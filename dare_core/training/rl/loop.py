@@ -1,6 +1,6 @@
 """The RL stage: rollout -> reward -> group advantages -> corruptions -> old/ref scores ->
 num_iterations x mini-batch PPO updates -> log -> checkpoint (docs/algorithms.md#rl-algorithms). The step's verbs
-are in training/rl_verbs.py, the order they run in (rl.schedule) in training/rl_schedules.py; this
+are in training/rl/verbs.py, the order they run in (rl.schedule) in training/rl/schedules.py; this
 file builds the run and ends each step the same way whatever the schedule."""
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ from dare_core.training import engine as eng
 from dare_core.training.checkpoint import CheckpointManager
 from dare_core.training.plots import STAGE_PLOTS
 from dare_core.training.reference import frozen_reference, sync_reference
-from dare_core.training.rl_checks import check_rl, rl_start_folder
-from dare_core.training.rl_ranks import reduce_step_metrics
-from dare_core.training.rl_schedules import SCHEDULES, ahead_file, load_ahead
-from dare_core.training.rl_validation import due
-from dare_core.training.rl_verbs import RLRun, Rollout, Update, ratio_is_trivial
+from dare_core.training.rl.checks import check_rl, rl_start_folder
+from dare_core.training.rl.ranks import reduce_step_metrics
+from dare_core.training.rl.schedules import SCHEDULES, ahead_file, load_ahead
+from dare_core.training.rl.validation import due
+from dare_core.training.rl.verbs import RLRun, Rollout, Update, ratio_is_trivial
 from dare_core.training.setup import prepare_for_training
 from dare_core.training.stage import TrainingStage
 
@@ -43,7 +43,7 @@ def run_rl(cfg: DareConfig, progress: bool = True, save_checkpoints: bool = True
 
 class RLStage(TrainingStage):
     """RL in the steps of training/stage.py: from the SFT model; no export (`convert` reads the last
-    checkpoint). Its steps run in the order of rl.schedule (training/rl_schedules.py)."""
+    checkpoint). Its steps run in the order of rl.schedule (training/rl/schedules.py)."""
 
     name, title, active_timer = "rl", "RL", True
 

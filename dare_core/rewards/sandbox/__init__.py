@@ -37,9 +37,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from dare_core.rewards._verdict import never_started, parse_verdict, result_cap
-from dare_core.rewards.jail import INSTALL_HINT, SandboxLimits, SandboxUnavailable
-from dare_core.rewards.jail_run import READY, Jail, run_jails
+from dare_core.rewards.sandbox._verdict import never_started, parse_verdict, result_cap
+from dare_core.rewards.sandbox.jail import INSTALL_HINT, SandboxLimits, SandboxUnavailable
+from dare_core.rewards.sandbox.jail_run import READY, Jail, run_jails
 from dare_core.rewards.task_names import names_for
 
 __all__ = ["SandboxLimits", "SandboxResult", "SandboxUnavailable", "check_available", "run_python"]

@@ -5,7 +5,7 @@
     optimize  num_iterations x mini-batches x micro-batches of updates and engine steps (`Update`)
     sync      the rollout engine gets the new weights; the reference is synced when due
 
-A schedule (training/rl_schedules.py) is the order it calls them in."""
+A schedule (training/rl/schedules.py) is the order it calls them in."""
 from __future__ import annotations
 
 import dataclasses
@@ -25,7 +25,7 @@ from dare_core.training import engine as eng
 from dare_core.training.parallel import from_group_first, layout
 from dare_core.training.reference import reference_model, sync_reference
 from dare_core.metric_keys import is_max_metric
-from dare_core.training.rl_ranks import rank_prompts
+from dare_core.training.rl.ranks import rank_prompts
 
 
 @dataclass

@@ -1,13 +1,13 @@
 """The jail of the code sandbox: what it holds and bubblewrap's command line for it.
 
 A jail holds its own copy of the interpreter, the parts of the standard library a run can use and
-the shared libraries they load (`dare_core.rewards.runtime`), all in bubblewrap's root tmpfs, which
+the shared libraries they load (`dare_core.rewards.sandbox.runtime`), all in bubblewrap's root tmpfs, which
 is then made read-only; a private tmpfs at /sandbox; /dev's usual nodes; and a /proc of its own
 processes whose machine-wide files are covered. Run by root, bubblewrap builds it without a user
 namespace and the start-up code (`_sandbox_child.py`) drops to a random uid of the host with no
 capabilities; run by another user, it is a user namespace mapping uid 65534 to that user. Either
-way a seccomp filter (`dare_core.rewards.seccomp`) closes keyrings, namespaces, mounts, tracing and
-the kernel's shared state, and a cgroup per jail (`dare_core.rewards.cgroup`) bounds its memory,
+way a seccomp filter (`dare_core.rewards.sandbox.seccomp`) closes keyrings, namespaces, mounts, tracing and
+the kernel's shared state, and a cgroup per jail (`dare_core.rewards.sandbox.cgroup`) bounds its memory,
 tasks and CPU as a whole. `dare_core.rewards.sandbox` runs jails.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Sequence
 from dare_core.errors import UserError
 
 if TYPE_CHECKING:
-    from dare_core.rewards.runtime import RuntimeFile, RuntimeImage
+    from dare_core.rewards.sandbox.runtime import RuntimeFile, RuntimeImage
 
 CHILD_SOURCE = Path(__file__).with_name("_sandbox_child.py").read_text()
 INSTALL_HINT = "run `make sandbox`, which installs bubblewrap (apt-get install bubblewrap)"

@@ -6,7 +6,7 @@ it in memory and CPU time. Nothing of the host's interpreter is bound into a jai
 (the two of one run, the rows of one call, the calls that follow) share an inode through it: a lock,
 an inotify watch, an access time or the page-cache residency of one of these files belongs to the
 jail that holds it and dies with it. What no copy can close (/dev's nodes, global counters) seccomp
-closes (`dare_core.rewards.seccomp`); docs/sandbox.md says why both.
+closes (`dare_core.rewards.sandbox.seccomp`); docs/sandbox.md says why both.
 
 A copy must be cheap, since every jail makes one, so the image holds only what a run can use:
 
@@ -44,7 +44,7 @@ import zipfile
 from dataclasses import dataclass
 from typing import Optional
 
-from dare_core.rewards.jail import SandboxUnavailable
+from dare_core.rewards.sandbox.jail import SandboxUnavailable
 
 PYTHON = "/py/bin/python3"
 LIB = "/py/lib"

@@ -4,7 +4,7 @@ It runs inside the bubblewrap jail that `dare_core.rewards.sandbox` builds, befo
 code: it leaves root for the given unprivileged uid (when the jail was started by root), lowers the
 resource limits, reads its job (JSON) from stdin, loads the modules its job carries and plays one of
 three roles. The jail holds only the standard library, no `dare_core`: the modules of a role come in
-the job (`dare_core.rewards.harness`), as source, and are loaded here after the limits are set and
+the job (`dare_core.rewards.sandbox.harness`), as source, and are loaded here after the limits are set and
 before any untrusted code runs.
 
 - `stdio` (here): run the program once per input as `__main__`, with the input on stdin and fd 1

@@ -17,7 +17,7 @@ import os
 import re
 from typing import Optional, Sequence
 
-from dare_core.rewards.jail import SandboxLimits
+from dare_core.rewards.sandbox.jail import SandboxLimits
 
 # JSON escapes a byte of output as at most 6 bytes (`\\u00XX`, or `\\ufffd` for an invalid one; a
 # 4-byte character is a 12-byte surrogate pair); errors are at most 500 characters.

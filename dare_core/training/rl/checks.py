@@ -1,5 +1,5 @@
 """Every check of the RL stage, before it writes anything or starts DeepSpeed (`check_rl`), and
-the plan they leave for the loop (training/rl_loop.py)."""
+the plan they leave for the loop (training/rl/loop.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,7 +23,7 @@ from dare_core.training.export_choice import protected_tags
 from dare_core.training.fingerprint import stage_fingerprint
 from dare_core.training.parallel import check_sequence_parallel
 from dare_core.training.preflight import check_outputs, checkpoint_bytes, model_bytes, stage_writes, training_need
-from dare_core.training.rl_validation import RLValidator, check_validation_config, validation_params
+from dare_core.training.rl.validation import RLValidator, check_validation_config, validation_params
 from dare_core.training.setup import prepare_for_training, stage_tokenizer
 
 

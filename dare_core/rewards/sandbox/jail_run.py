@@ -20,12 +20,12 @@ import threading
 import time
 from typing import Optional, Sequence
 
-import dare_core.rewards.seccomp as seccomp
-from dare_core.rewards._verdict import drain_pipe
-from dare_core.rewards.cgroup import JailGroup
-from dare_core.rewards.harness import modules_for
-from dare_core.rewards.jail import SandboxLimits, bwrap_path, jail_command, jail_memory_bytes, jail_tasks, memfd, rlimits
-from dare_core.rewards.runtime import open_for_jail, runtime_image
+import dare_core.rewards.sandbox.seccomp as seccomp
+from dare_core.rewards.sandbox._verdict import drain_pipe
+from dare_core.rewards.sandbox.cgroup import JailGroup
+from dare_core.rewards.sandbox.harness import modules_for
+from dare_core.rewards.sandbox.jail import SandboxLimits, bwrap_path, jail_command, jail_memory_bytes, jail_tasks, memfd, rlimits
+from dare_core.rewards.sandbox.runtime import open_for_jail, runtime_image
 
 READY = b"R"  # the start-up code's first byte on its result pipe
 # Result-pipe caps. Whatever reaches the trainer through a pipe is bounded by what an honest start-up

@@ -1,0 +1,1 @@
+"""The RL stage: its checks (`checks`), the run and each step's end (`loop`), the verbs of a step (`verbs`), the orders they run in (`schedules`), the ranks' shares (`ranks`) and in-loop validation (`validation`)."""
