@@ -2,7 +2,7 @@
 
 The config is plain data (classes by dotted path), written without importing OpenCompass. The run
 is a subprocess (`python -m opencompass.cli.main <config> --debug`): OpenCompass's logging,
-registries and argv stay out of the caller, and in debug mode all of its tasks run in that one
+registries and argv stay out of the caller, and in debug mode all of its OpenCompass tasks run in that one
 process, so a checkpoint is loaded once for every benchmark. Predictions are written per
 benchmark as they finish; rerunning into the same run folder reuses them (`reuse=True`).
 
@@ -123,7 +123,7 @@ def opencompass_config(models: dict, specs: list, work_dir: Path, model_options:
     # a model is a checkpoint folder, or a dict of model_config arguments (another model class)
     model_cfgs = [model_config(abbr, **{**(model_options or {}), **spec}, batch_size=batch_size) if isinstance(spec, dict)
                   else model_config(abbr, spec, batch_size=batch_size, **(model_options or {})) for abbr, spec in models.items()]
-    # one task per model holding every benchmark, run in one process: each checkpoint loads once
+    # one OpenCompass task per model holding every benchmark, run in one process: each checkpoint loads once
     partitioner = {"type": "opencompass.partitioners.NaivePartitioner", "n": max(len(datasets), 1)}
     runner = {"type": "opencompass.runners.LocalRunner", "max_num_workers": 1}
     return {

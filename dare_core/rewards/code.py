@@ -5,7 +5,7 @@ else the whole text (completion-style prompts such as HumanEval's "complete the 
 
 Ground truth, one of:
 - test code (a plain string): assertion tests (HumanEval(+), MBPP, KodCode), run in a jail of their own
-  against the program's names: those they use without defining them (`dare_core.rewards.task_names`).
+  against the program's names: those they use without defining them (`dare_core.rewards.problem_names`).
   `from solution import f` works, top-level `test*` functions, `Test*` and `unittest` classes run
   (also after `unittest.main()`);
 - JSON `{"tests": "<code>", "entry_point": "f", "setup": "<code>", "prompt": "<text>"}`: the same, with
@@ -20,7 +20,7 @@ Ground truth, one of:
   (TACO/APPS LeetCode style): `f(*args) == value`, with `f` a top-level function or a method of
   `Solution`.
 
-Helpers that the task's prompt defines (HumanEval/32's `poly`) are the task's: their definitions, from
+Helpers that the problem's prompt defines (HumanEval/32's `poly`) are the problem's: their definitions, from
 the prompt's code, run in the tests' jail. The prompt is the graded row's (`extra["row"]["prompt"]`,
 as `dare_core.rewards.scoring` passes it), or the ground truth's `"prompt"`.
 
@@ -43,7 +43,7 @@ from dare_core.rewards.base import RewardResult
 from dare_core.rewards.extract import extract_code
 from dare_core.rewards.registry import ground_truth_check, register_reward
 from dare_core.rewards.sandbox import SandboxLimits, SandboxResult, check_available, run_python
-from dare_core.rewards.task_names import (MODULES, builtin_entries, names_for, prompt_helpers, prompt_stubs,
+from dare_core.rewards.problem_names import (MODULES, builtin_entries, names_for, prompt_helpers, prompt_stubs,
                                          used_names)
 
 DEFAULT_LIMITS = SandboxLimits()
@@ -69,7 +69,7 @@ def outputs_match(got: str, expected: str) -> bool:
 def parse_ground_truth(ground_truth: str) -> dict:
     """{"kind": "stdio", "inputs": [...], "outputs": [...]} or {"kind": "assert", "tests": str, "setup": str,
     "entry": [names], "required": [names], "prompt": str or None}: `entry` are the program's names the
-    task declares (empty: the tests' own rule, `dare_core.rewards.task_names`), `required` those the
+    problem declares (empty: the tests' own rule, `dare_core.rewards.problem_names`), `required` those the
     program must define."""
     text = ground_truth.strip()
     spec = None
@@ -123,7 +123,7 @@ def _call_tests(fn_name: str, inputs: list, outputs: list) -> str:
 
 def run_tests(code: str, ground_truth: str, limits: Optional[SandboxLimits] = None,
               prompt: Optional[str] = None) -> SandboxResult:
-    """Run `code` against the tests of `ground_truth`; `passed` is the verdict. `prompt`, the task's
+    """Run `code` against the tests of `ground_truth`; `passed` is the verdict. `prompt`, the problem's
     prompt, supplies the helpers it defines to the tests (a prompt in the ground truth wins)."""
     spec = parse_ground_truth(ground_truth)
     if spec["kind"] == "assert":
@@ -137,7 +137,7 @@ def run_tests(code: str, ground_truth: str, limits: Optional[SandboxLimits] = No
         program = f"{code}\n\n{setup}\n" if setup else code
         tests = "\n\n".join(part for part in (helpers, setup, tests) if part)
         names, required = entry or None, spec["required"]
-        if not entry:  # builtin-named functions the task means as the program's (`max`)
+        if not entry:  # builtin-named functions the problem means as the program's (`max`)
             others = names_for(tests)[0]
             own = builtin_entries(tests, code, prompt_stubs(prompt), bool(others))
             if own:
@@ -154,7 +154,7 @@ def run_tests(code: str, ground_truth: str, limits: Optional[SandboxLimits] = No
 
 
 def _prompt_of(extra: Optional[dict]) -> Optional[str]:
-    """The task's prompt: scoring passes the graded row as extra["row"] (`dare_core.rewards.scoring`)."""
+    """The problem's prompt: scoring passes the graded row as extra["row"] (`dare_core.rewards.scoring`)."""
     extra = extra or {}
     row = extra.get("row")
     prompt = row.get("prompt") if isinstance(row, dict) else extra.get("prompt")

@@ -18,17 +18,17 @@ INSTRUCTION = "Write the Python function in a ```python code block."
 
 
 def _parts(rec: Record) -> tuple[int, str, str, list[str], str]:
-    """(task id, text, solution code, asserts, setup code); the release's code uses CRLF line ends."""
-    task_id = rec.need("task_id", kind=int)
+    """(problem id (the release's `task_id`), text, solution code, asserts, setup code); the release's code uses CRLF line ends."""
+    problem_id = rec.need("task_id", kind=int)
     tests = rec.need("test_list", kind=list)
     if not tests or not all(isinstance(t, str) for t in tests):
         raise rec.fail("'test_list' must be a non-empty list of assert strings")
     code = rec.need("code").replace("\r\n", "\n")
     setup = str(rec.get("test_setup_code") or "").replace("\r\n", "\n")
-    return task_id, rec.text("text"), code, [t.replace("\r\n", "\n") for t in tests], setup
+    return problem_id, rec.text("text"), code, [t.replace("\r\n", "\n") for t in tests], setup
 
 
-def _task(text: str, tests: list[str]) -> str:
+def _problem_text(text: str, tests: list[str]) -> str:
     asserts = "\n".join(tests)
     return f"{text}\nYour code should pass these tests:\n\n```python\n{asserts}\n```"
 
@@ -47,19 +47,19 @@ class MBPP(Benchmark):
         path = self.require(Path(data_dir) / "mbpp" / "mbpp.jsonl")
         check_shots(self.name, shots, len(FEWSHOT_IDS), "MBPP's few-shot split (task ids 2-4)")
         items = sorted(map(_parts, read_jsonl(path)), key=lambda item: item[0])
-        examples = [(_task(text, tests), _fenced(code)) for task_id, text, code, tests, _ in items
-                    if task_id in FEWSHOT_IDS][:shots]
+        examples = [(_problem_text(text, tests), _fenced(code)) for problem_id, text, code, tests, _ in items
+                    if problem_id in FEWSHOT_IDS][:shots]
         if len(examples) < shots:
             raise ValueError(f"{self.name}: {shots} shots requested but {path} has only {len(examples)} "
                              f"of task ids 2-4")
         rows = []
-        for task_id, text, code, tests, setup in items:
-            if task_id in TEST_IDS:
-                question = fewshot_prompt(examples, f"{_task(text, tests)}\n\n{INSTRUCTION}")
+        for problem_id, text, code, tests, setup in items:
+            if problem_id in TEST_IDS:
+                question = fewshot_prompt(examples, f"{_problem_text(text, tests)}\n\n{INSTRUCTION}")
                 asserts = "\n".join(tests)
                 # the setup code (imports the reference solutions lean on) runs on both sides of the sandbox
                 answer = json.dumps({"tests": asserts, "setup": setup}) if setup.strip() else asserts
-                rows.append({"id": str(task_id), "question": question, "answer": answer,
+                rows.append({"id": str(problem_id), "question": question, "answer": answer,
                              "reference": _fenced(code)})
         check_unique_ids(rows, str(path))
         return take(rows, max_samples)

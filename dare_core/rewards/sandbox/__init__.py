@@ -16,7 +16,7 @@ Candidate code runs in a process that the kernel isolates, never trusted to poli
   file locks, change notification, page-cache probes, machine-wide counters or other kernel surfaces
   of the host.
 - **Limits**: CPU seconds, address space, file size, open files and processes (`setrlimit` before
-  any untrusted code), memory, tasks and cores of the whole jail (a cgroup, `cgroup.py`), a time
+  any untrusted code), memory, problems and cores of the whole jail (a cgroup, `cgroup.py`), a time
   limit counted in the jails' own CPU time with a wall-clock backstop (`jail_run.py`), capped
   output, and a kill of the whole jail (its PID namespace and its cgroup) before the call returns.
 - **Verdicts outside.** Stdin/stdout tests: the jail reports each case's raw output and the caller
@@ -40,7 +40,7 @@ from typing import Optional, Sequence
 from dare_core.rewards.sandbox._verdict import never_started, parse_verdict, result_cap
 from dare_core.rewards.sandbox.jail import INSTALL_HINT, SandboxLimits, SandboxUnavailable
 from dare_core.rewards.sandbox.jail_run import READY, Jail, run_jails
-from dare_core.rewards.task_names import names_for
+from dare_core.rewards.problem_names import names_for
 
 __all__ = ["SandboxLimits", "SandboxResult", "SandboxUnavailable", "check_available", "run_python"]
 
@@ -103,7 +103,7 @@ def run_python(program: str, tests: Optional[str] = None, inputs: Optional[Seque
     - `tests` (assertion tests): they run in a jail of their own against the program's names (also
       importable as module `solution`); top-level `test*` functions and `Test*`/`unittest` classes are
       run too. Passes when the tests complete without an exception. Which of the program's names the
-      tests see is the task's choice (`dare_core.rewards.task_names`): `names`, its declared entry
+      tests see is the problem's choice (`dare_core.rewards.problem_names`): `names`, its declared entry
       points, else the names the tests use without defining them; `required` must exist.
     - `inputs` (stdin/stdout tests): the program runs once per input, as `__main__`, with that input
       on stdin; `result.cases[i]["stdout"]` holds its output, and `passed` only says that every case

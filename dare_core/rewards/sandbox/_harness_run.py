@@ -1,9 +1,9 @@
-"""The tests' side of a test run (role `tests`): run the task's tests against the program's names
+"""The tests' side of a test run (role `tests`): run the problem's tests against the program's names
 and compute the verdict once they have all run. Loaded by `_sandbox_child.py` into the tests' jail,
 which never runs candidate code.
 
 The tests execute against proxies of the program's names (`_harness_values`), only those the job
-lists (the task's choice, `dare_core.rewards.task_names`); builtins and modules are their own, and
+lists (the problem's choice, `dare_core.rewards.problem_names`); builtins and modules are their own, and
 `pytest` is the jail's small one (`_pytest_shim`). Every check runs whatever the earlier ones found
 (`_harness_rewrite`), then top-level `test*` functions, `Test*` classes and unittest cases run, each
 whatever the others did; a failure is recorded, never raised to the end. Only what the program
@@ -93,7 +93,7 @@ def run_tests(job, tree):
     if "error" in manifest:
         fail(str(manifest["error"]))
     sent = manifest.get("names") if type(manifest.get("names")) is dict else {}
-    # the task's names only, whatever the manifest holds: builtins and modules stay the tests' own
+    # the problem's names only, whatever the manifest holds: builtins and modules stay the tests' own
     namespace = {"__name__": "__main__", "__builtins__": builtins, **helpers(failures, job["tests"])}
     for name in job["modules"]:  # modules the tests use without importing them
         try:

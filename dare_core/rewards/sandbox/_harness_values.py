@@ -10,7 +10,7 @@ What comes from the program is data, and only types of this jail decide comparis
   Two Remotes are equal when they are the same object, or two instances of the same class of the
   program's with equal attributes (compared here by these same rules): never by the program's own
   `__eq__`, which could say anything. Against anything else a Remote defers to the other side, so a
-  class the task defines compares with the task's `__eq__`, reading the program's object's attributes;
+  class the problem defines compares with the problem's `__eq__`, reading the program's object's attributes;
 - an iterator (a generator, `map`, ...) arrives as a `RemoteIterator`, which the tests can iterate
   lazily and which equals a list with the items it yields (drained, up to DRAIN_MAX items);
 - a float NaN anywhere in a value is a failure of the run unless the tests name NaN themselves (a

@@ -1,5 +1,5 @@
 """A control group per jail: the jail's memory (its tmpfs included: tmpfs pages are charged to the
-writer's group), its number of tasks and its CPU are limited as a whole, and every process of the
+writer's group), its number of processes and its CPU are limited as a whole, and every process of the
 jail is killed when its run ends, whatever it did to detach itself (fork, setsid, double fork).
 
 CPU: a quota of `cpus` cores for the whole jail, however many processes, sessions or threads it
@@ -173,8 +173,8 @@ class JailGroup:
         self.cpus = cpus  # the quota set, in cores (None: no quota)
 
     @classmethod
-    def create(cls, memory_bytes: int, tasks: int, cpus: Optional[float] = None) -> Optional["JailGroup"]:
-        """A group for one jail: `memory_bytes` of memory, `tasks` tasks and (where the cpu controller
+    def create(cls, memory_bytes: int, processes: int, cpus: Optional[float] = None) -> Optional["JailGroup"]:
+        """A group for one jail: `memory_bytes` of memory, `processes` processes (the kernel's tasks: threads count) and (where the cpu controller
         is there) `cpus` cores; None where no group can be made."""
         layout = _layout()
         if not layout:
@@ -197,7 +197,7 @@ class JailGroup:
                 for optional, value in (("memory.swap.max", "0"), ("memory.oom.group", "1")):
                     if os.path.exists(os.path.join(group, optional)):
                         _write(os.path.join(group, optional), value)
-                _write(os.path.join(group, "pids.max"), str(tasks))
+                _write(os.path.join(group, "pids.max"), str(processes))
                 usage = os.path.join(group, "cpu.stat")  # usage_usec, kept by every v2 group
                 if cpus and os.path.exists(os.path.join(group, "cpu.max")):
                     quota = _set_quota(group, cpus, v2=True)
@@ -208,7 +208,7 @@ class JailGroup:
                     _write(os.path.join(group, "memory.memsw.limit_in_bytes"), str(memory_bytes))
                 except OSError:
                     pass
-                _write(os.path.join(make(layout["pids"]), "pids.max"), str(tasks))
+                _write(os.path.join(make(layout["pids"]), "pids.max"), str(processes))
                 if "cpu" in layout:  # a group of its own is what shares the cores fairly between jails
                     group = make(layout["cpu"])
                     quota = _set_quota(group, cpus, v2=False) if cpus else None

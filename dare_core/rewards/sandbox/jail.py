@@ -8,7 +8,7 @@ namespace and the start-up code (`_sandbox_child.py`) drops to a random uid of t
 capabilities; run by another user, it is a user namespace mapping uid 65534 to that user. Either
 way a seccomp filter (`dare_core.rewards.sandbox.seccomp`) closes keyrings, namespaces, mounts, tracing and
 the kernel's shared state, and a cgroup per jail (`dare_core.rewards.sandbox.cgroup`) bounds its memory,
-tasks and CPU as a whole. `dare_core.rewards.sandbox` runs jails.
+processes and CPU as a whole. `dare_core.rewards.sandbox` runs jails.
 """
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def jail_memory_bytes(limits: SandboxLimits, image: "RuntimeImage") -> int:
     return ((limits.memory_mb + limits.work_mb) << 20) + image.bytes
 
 
-def jail_tasks(limits: SandboxLimits) -> int:
+def jail_processes(limits: SandboxLimits) -> int:
     # the candidate's processes and threads, plus bubblewrap's own (outer process, PID-namespace init)
     return limits.processes + 4
 

@@ -24,7 +24,7 @@ import dare_core.rewards.sandbox.seccomp as seccomp
 from dare_core.rewards.sandbox._verdict import drain_pipe
 from dare_core.rewards.sandbox.cgroup import JailGroup
 from dare_core.rewards.sandbox.harness import modules_for
-from dare_core.rewards.sandbox.jail import SandboxLimits, bwrap_path, jail_command, jail_memory_bytes, jail_tasks, memfd, rlimits
+from dare_core.rewards.sandbox.jail import SandboxLimits, bwrap_path, jail_command, jail_memory_bytes, jail_processes, memfd, rlimits
 from dare_core.rewards.sandbox.runtime import open_for_jail, runtime_image
 
 READY = b"R"  # the start-up code's first byte on its result pipe
@@ -67,7 +67,7 @@ class Jail:
                 options, command = jail_command(image, copies, limits, info_w, seccomp_fd)
                 passed.append(memfd("dare-bwrap-args", b"".join(o.encode() + b"\0" for o in options)))
                 argv = [bwrap_path(), "--args", str(passed[-1]), *command]
-                self.group = JailGroup.create(jail_memory_bytes(limits, image), jail_tasks(limits), limits.cpus)
+                self.group = JailGroup.create(jail_memory_bytes(limits, image), jail_processes(limits), limits.cpus)
                 if self.group is not None:
                     argv = self.group.wrap(argv)
                 self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,

@@ -1,22 +1,22 @@
-"""Which names of the program under test its tests may use, decided from the task alone.
+"""Which names of the program under test its tests may use, decided from the problem alone.
 
 The tests run in a jail of their own against proxies of the program's names (`sandbox.run_python`).
-Which names become proxies is the task's choice, never the program's: the program could otherwise
-hand the tests its own `__builtins__`, a module the tests use, or a helper of the task.
+Which names become proxies is the problem's choice, never the program's: the program could otherwise
+hand the tests its own `__builtins__`, a module the tests use, or a helper of the problem.
 
 - A declared entry point (`entry_point`, `fn_name`) is the program's, even where it is named like a
   builtin (`max`): the tests then mean the program's function, not Python's.
 - Without one, the program's names are those the tests use but never bind themselves (at any scope,
   found with `symtable`), leaving out builtins (always the tests' own) and names of standard-library
   modules (the tests' own import, never a proxy).
-- Builtin functions the tests call are the program's in two cases the task decides
+- Builtin functions the tests call are the program's in two cases the problem decides
   (`builtin_entries`): the prompt leaves a function of that name for the program to write (a stub),
   or the tests use no other name of the program's (without it they would check Python's own `max`,
   and every answer would pass). In the second case the program's are those it defines (read from its
   text), and one of them must be there.
 - Names the tests import from `solution` (`from solution import f`, `solution.f`) are the program's.
-- Helpers the task's prompt defines (HumanEval/32's `poly`, /38's `encode_cyclic`) run in the
-  tests' jail from the prompt's own code, so the tests use the task's version of them.
+- Helpers the problem's prompt defines (HumanEval/32's `poly`, /38's `encode_cyclic`) run in the
+  tests' jail from the prompt's own code, so the tests use the problem's version of them.
 """
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def top_level_names(program: str) -> set[str]:
 
 def builtin_entries(tests: str, program: str, stubs: Iterable[str], others: bool) -> list[str]:
     """The builtin-named functions of the program's that the tests mean (they then call the
-    program's, which must exist), for a task that declares no entry point: those the tests call
+    program's, which must exist), for a problem that declares no entry point: those the tests call
     that the prompt leaves for the program to write (`stubs`); else, only when the tests use no
     other name of the program's (`others` False, so without one they would test Python itself),
     those of them the program defines, or, if it defines none of them, all of them."""
@@ -176,7 +176,7 @@ def prompt_stubs(prompt: Optional[str]) -> set[str]:
 
 def names_for(tests: str, declared: Optional[Iterable[str]] = None) -> tuple[list[str], list[str]]:
     """(the program's names the tests may use, standard-library modules to import in the tests'
-    jail for the modules they use without importing). `declared`: the task's entry points; None
+    jail for the modules they use without importing). `declared`: the problem's entry points; None
     leaves the choice to the rule above."""
     free, imported = used_names(tests)
     names = set(declared) if declared is not None else {n for n in free if n not in MODULES}
