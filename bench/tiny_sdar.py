@@ -20,7 +20,7 @@ from typing import Optional
 
 from stamp import REPO, git_commit, hardware, utc_now, write_atomic
 
-from dare_core.process.ownership import OUTPUT_MARKER
+from dare_core.ownership import OUTPUT_MARKER
 
 RUN = "tiny-sdar"
 BLOCK = 4

@@ -17,10 +17,9 @@ from typing import Any, Optional, Union
 import yaml
 
 from dare_core.errors import ConfigError, FieldError
-from dare_core.output_paths import output_conflict
+from dare_core.output_paths import RUN_STAGES, Place, output_conflict
 from dare_core.recipes import all_auto, apply_recipe
 from dare_core.remote import cache_path, redact
-from dare_core.rl_rules import check_reference_sync
 from dare_core.sampling.params import SamplingParams
 from dare_core.storage import DuplicateKeyError, is_remote, load_yaml, read_yaml_mapping
 
@@ -406,7 +405,10 @@ class RLConfig:
         _at_least(self, 2, "group_size")  # group advantages need a group
         _one_of(self, "schedule", RL_SCHEDULES)
         _at_least(self, 0, "clip_eps_low", "clip_eps_high", "kl_beta", "ref_sync_steps", "entropy_coeff")
-        check_reference_sync(self)
+        if self.ref_sync_steps > 0 and self.kl_beta == 0:
+            raise FieldError("ref_sync_steps", f"needs rl.kl_beta > 0 (got ref_sync_steps {self.ref_sync_steps} with "
+                                               f"kl_beta 0): only the KL term reads the reference policy, so there is "
+                                               f"nothing to sync; set rl.ref_sync_steps: 0 or a kl_beta")
         if self.dual_clip < 0 or 0 < self.dual_clip <= 1:
             raise FieldError("dual_clip", f"must be > 1 (or 0: off), got {self.dual_clip}")
         if not self.reward:
@@ -544,6 +546,32 @@ class DareConfig:
 
 # --------------------------------------------------------------------------- loading
 
+    def output_places(self) -> list[Place]:
+        """Every folder a run writes (output_paths.py checks them as a set): the run folder and each
+        stage's folder in it, the exported model, the metrics files, the prepared data, the tokenizer
+        of a from-scratch model, and a local artifact copy."""
+        run, data = self.run, self.data
+        run_dir = Path(run.runs_dir) / run.name
+        places = [
+            Place("run.runs_dir", run_dir, "run folder", container=True),
+            *(Place("run.runs_dir", run_dir / stage, f"{stage} folder") for stage in RUN_STAGES),
+            Place("run.models_dir", Path(run.models_dir) / run.name, "model folder"),
+            Place("run.metrics_dir", run.metrics_dir),
+            Place("data.prepared_dir", data.prepared_dir),
+        ]
+        if not self.model.path:  # with a given model its tokenizer is used, and prepare writes none
+            places.append(Place("data.tokenizer_dir", data.tokenizer_dir))
+        if run.artifact_root and not is_remote(run.artifact_root):
+            places.append(Place("run.artifact_root", Path(run.artifact_root) / run.name, "copy of the run"))
+        return places
+
+    def input_places(self) -> list[Place]:
+        """The user's files a run reads (local ones; a URL is fetched into the download cache)."""
+        given = {"data.source": self.data.source, "data.eval_source": self.data.eval_source,
+                 "data.val_source": self.data.val_source, "data.preference_source": self.data.preference_source,
+                 "model.path": self.model.path, "eval.data_dir": self.eval.data_dir, "launch.hostfile": self.launch.hostfile}
+        return [Place(key, value) for key, value in given.items() if value and not is_remote(value)]
+
 
 def _type_matches(value: Any, tp: Any) -> bool:
     origin = typing.get_origin(tp)
@@ -664,7 +692,7 @@ def load_config(path: Union[str, Path] = "params.yaml", overrides: Optional[list
         _set_dotted(raw, key, value)
     cfg = from_dict(DareConfig, raw, "", str(path))
     check_finite(cfg, str(path))
-    conflict = output_conflict(cfg, root, path)
+    conflict = output_conflict(cfg.output_places(), cfg.input_places(), root, path)
     if conflict:
         raise ConfigError(f"{path}: {conflict}")
     return cfg

@@ -15,12 +15,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Union
-
-from dare_core.storage import is_remote
-
-if TYPE_CHECKING:
-    from dare_core.config import DareConfig
+from typing import Optional, Union
 
 # in the project folder: files and folders a run must never replace or write into
 PROJECT_FILES = ("dvc.yaml", "dvc.lock", "params.yaml", "prefect.yaml", "pyproject.toml", "Makefile", ".git", ".dvc",
@@ -30,6 +25,18 @@ PROJECT_FILES = ("dvc.yaml", "dvc.lock", "params.yaml", "prefect.yaml", "pyproje
 
 # the folders of the stages in the run folder, each replaced in part or whole by its stage
 RUN_STAGES = ("base", "sft", "preference", "rl", "eval")
+
+
+@dataclass(frozen=True)
+class Place:
+    """A location as the config names it (`DareConfig.output_places`, `input_places`): which setting
+    places it, its value, and for a derived folder what lies there; resolved against the project
+    folder by `output_conflict`. The config knows its settings; this module only how they collide."""
+
+    setting: str
+    value: Union[str, Path]
+    what: str = ""
+    container: bool = False
 
 
 @dataclass(frozen=True)
@@ -46,46 +53,18 @@ class Location:
         return f"{self.setting} ({self.shown})" if not self.what else f"{self.setting}'s {self.what} {self.shown}"
 
 
-def _location(setting: str, value: Union[str, Path], root: Path, what: str = "", container: bool = False) -> Location:
-    text = str(value)
+def _location(place: Place, root: Path) -> Location:
+    text = str(place.value)
     local = text[len("file://"):] if text.startswith("file://") else text
-    return Location(setting, what, text, Path(os.path.realpath(root / os.path.expanduser(local))), container)
-
-
-def output_locations(cfg: DareConfig, root: Path) -> list[Location]:
-    """Every folder a run writes: the run folder and each stage's folder in it, the exported
-    model, the metrics files, the prepared data, the tokenizer of a from-scratch model, and a local
-    artifact copy."""
-    run, data = cfg.run, cfg.data
-    run_dir = Path(run.runs_dir) / run.name
-    outputs = [
-        _location("run.runs_dir", run_dir, root, "run folder", container=True),
-        *(_location("run.runs_dir", run_dir / stage, root, f"{stage} folder") for stage in RUN_STAGES),
-        _location("run.models_dir", Path(run.models_dir) / run.name, root, "model folder"),
-        _location("run.metrics_dir", run.metrics_dir, root),
-        _location("data.prepared_dir", data.prepared_dir, root),
-    ]
-    if not cfg.model.path:  # with a given model its tokenizer is used, and prepare writes none
-        outputs.append(_location("data.tokenizer_dir", data.tokenizer_dir, root))
-    if run.artifact_root and not is_remote(run.artifact_root):
-        outputs.append(_location("run.artifact_root", Path(run.artifact_root) / run.name, root, "copy of the run"))
-    return outputs
-
-
-def input_locations(cfg: DareConfig, root: Path) -> list[Location]:
-    """The user's files a run reads (local ones; a URL is fetched into the download cache)."""
-    given = {"data.source": cfg.data.source, "data.eval_source": cfg.data.eval_source,
-             "data.val_source": cfg.data.val_source, "data.preference_source": cfg.data.preference_source,
-             "model.path": cfg.model.path, "eval.data_dir": cfg.eval.data_dir, "launch.hostfile": cfg.launch.hostfile}
-    return [_location(key, value, root) for key, value in given.items() if value and not is_remote(value)]
+    return Location(place.setting, place.what, text, Path(os.path.realpath(root / os.path.expanduser(local))), place.container)
 
 
 def project_locations(root: Path, params_file: Optional[Path]) -> list[Location]:
     """The project's own files that exist (and the params file wherever it lies), and the dare_core
     package this process runs."""
-    found = [_location("the project", name, root) for name in PROJECT_FILES if (root / name).exists()]
+    found = [_location(Place("the project", name), root) for name in PROJECT_FILES if (root / name).exists()]
     if params_file is not None:
-        found.append(_location("the params file", params_file, root))
+        found.append(_location(Place("the params file", params_file), root))
     package = Path(__file__).resolve().parent
     found.append(Location("the dare_core package", "", str(package), package))
     return found
@@ -109,13 +88,14 @@ def _describe_project(loc: Location) -> str:
     return f"the dare_core package {loc.shown}"
 
 
-def output_conflict(cfg: DareConfig, root: Union[str, Path, None] = None,
+def output_conflict(output_places: list[Place], input_places: list[Place], root: Union[str, Path, None] = None,
                     params_file: Union[str, Path, None] = None) -> Optional[str]:
     """The first output location that collides with another location (module docstring), as a
     message naming both settings and the paths; None when there is none. `root`: the folder relative
     paths start from (the working directory of the stages; default: the current one)."""
     root = Path(os.path.realpath(root if root is not None else os.getcwd()))
-    outputs = output_locations(cfg, root)
+    outputs = [_location(place, root) for place in output_places]
+    inputs = [_location(place, root) for place in input_places]
     fix = "give each output a folder of its own"
     for out in outputs:
         if out.path == root or root.is_relative_to(out.path):
@@ -127,7 +107,7 @@ def output_conflict(cfg: DareConfig, root: Union[str, Path, None] = None,
             relation = _relation(out, other)
             if relation:
                 return f"{out.describe()} {relation} {other.describe()}: a stage replacing one would delete the other; {fix}"
-        for given in input_locations(cfg, root):
+        for given in inputs:
             relation = _relation(out, given)
             if relation:
                 return (f"{out.describe()} {relation} the input {given.describe()}: a stage would overwrite the "

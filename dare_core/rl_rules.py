@@ -1,14 +1,16 @@
-"""The rules an RL setup must satisfy beyond one field's own range, in one place: which settings go
-together (reference sync, LoRA, batch shapes) and which algorithms suit which models and settings.
+"""The rules an RL setup must satisfy that need more than the config's own fields, in one place:
+which settings go together with the model and the algorithm (LoRA, batch shapes) and which
+algorithms suit which models and settings. (Rules among the RL section's own fields, such as
+rl.ref_sync_steps needing a KL term, are `RLConfig`'s own checks, run when the config loads.)
 
-Each rule runs where its facts are first known: the reference-sync rule when the config loads
-(`RLConfig` calls `check_reference_sync`), an algorithm's fit to the model when the algorithm is
-built (`RLAlgorithm` calls `check_algorithm_fits`), the shapes once the algorithm says how many
+Each rule runs where its facts are first known: an algorithm's fit to the model when the algorithm
+is built (`RLAlgorithm` calls `check_algorithm_fits`), the shapes once the algorithm says how many
 training rows a prompt makes (`check_rl_config`, from the RL stage's checks). What one algorithm
 alone asks of the rollout sampler stays with it (`RLAlgorithm.check_sampler`).
 
-This module sits beside the config schema (which calls it), below the algorithms: it names their
-classes' facts (`families`, `allows_kl`, `token_level`) and imports neither.
+This module sits above the config schema (it reads its sections; the schema never imports it),
+below the algorithms: it names their classes' facts (`families`, `allows_kl`, `token_level`) and
+imports none of them.
 """
 from __future__ import annotations
 
@@ -18,15 +20,6 @@ from dare_core.errors import FieldError
 
 if TYPE_CHECKING:
     from dare_core.config import DareConfig, RLConfig
-
-
-def check_reference_sync(rl: RLConfig) -> None:
-    """rl.ref_sync_steps needs a KL term: nothing else reads the reference policy (FieldError, as a
-    config section's own check)."""
-    if rl.ref_sync_steps > 0 and rl.kl_beta == 0:
-        raise FieldError("ref_sync_steps", f"needs rl.kl_beta > 0 (got ref_sync_steps {rl.ref_sync_steps} with "
-                                           f"kl_beta 0): only the KL term reads the reference policy, so there is "
-                                           f"nothing to sync; set rl.ref_sync_steps: 0 or a kl_beta")
 
 
 def check_algorithm_fits(algorithm: type, rl: RLConfig, block_size: Optional[int], registry: Mapping[str, type]) -> None:

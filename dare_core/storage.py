@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Union
 
 from dare_core.errors import UserError
-from dare_core.process.ownership import check_replaceable, files_under, mark
+from dare_core.ownership import check_replaceable, files_under, mark
 
 PathLike = Union[str, Path]
 
@@ -100,7 +100,7 @@ def atomic_dirs(*paths: PathLike, writes: Iterable[str] = (), claim: bool = True
     back the ones already done, so the outputs are all new or all old. An OSError (disk full,
     read-only) becomes a UserError naming the output.
 
-    Only folders DARE wrote are replaced (process/ownership.py): each new folder gets the marker, and an
+    Only folders DARE wrote are replaced (ownership.py): each new folder gets the marker, and an
     existing one without it must be empty or hold only files matching `writes` (patterns of what
     the caller writes there; checked before the caller writes anything) or, at the swap, files the
     new folder holds too. `claim=False`: a folder of DARE's own cache, neither marked nor checked."""

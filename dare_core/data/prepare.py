@@ -30,12 +30,12 @@ from dare_core.data.synthetic import get_task
 from dare_core.data.synthetic.registry import check_task_args
 from dare_core.inputs import model_folder
 from dare_core.models.tokenizer import TOKENIZER_FILES, Tokenizer, char_tokenizer, load_tokenizer
-from dare_core.process.ownership import check_replaceable
+from dare_core.ownership import check_replaceable
 from dare_core.rewards.instructions import add_instruction, check_rows
 from dare_core.storage import atomic_dirs, atomic_write_json, check_writable, read_json
 
 SPLITS = ("sft", "rl", "eval", "val", "preference")
-# what prepare writes into its folders (an unmarked folder holding only these is an earlier one's: process/ownership.py)
+# what prepare writes into its folders (an unmarked folder holding only these is an earlier one's: ownership.py)
 WRITES = (*(f"{split}.parquet" for split in SPLITS), "summary.json", *TOKENIZER_FILES)
 # Sequence length of a from-scratch model whose init config does not say.
 DEFAULT_MAX_LENGTH = 128

@@ -21,7 +21,7 @@ from dare_core.storage import atomic_dir, read_json
 
 
 INDEX = "model.safetensors.index.json"
-# what `save_model` writes into a folder (an unmarked folder holding only these is an earlier export: process/ownership.py)
+# what `save_model` writes into a folder (an unmarked folder holding only these is an earlier export: ownership.py)
 EXPORT_FILES = ("config.json", "generation_config.json", INDEX, "model-*-of-*.safetensors", *TOKENIZER_FILES)
 
 

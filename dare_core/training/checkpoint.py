@@ -16,7 +16,7 @@ import torch
 
 from dare_core.artifacts import ArtifactRoot
 from dare_core.errors import UserError
-from dare_core.process.ownership import STAGE_OFF_NOTE
+from dare_core.ownership import STAGE_OFF_NOTE
 from dare_core.remote import RemoteError, file_lock
 from dare_core.storage import atomic_write_json, atomic_write_text, read_json
 from dare_core.training import superseded as sets_aside

@@ -16,7 +16,7 @@ from typing import Optional
 from dare_core.config import DareConfig
 from dare_core.data.pairs import pairs_required, why_no_pairs
 from dare_core.data.schema import DataError, read_rows
-from dare_core.process.ownership import STAGE_OFF_NOTE, leave_stage_off_note
+from dare_core.ownership import STAGE_OFF_NOTE, leave_stage_off_note
 from dare_core.storage import atomic_dir, atomic_write_json
 from dare_core.training.metrics import MetricsLogger
 from dare_core.training.plots import STAGE_PLOTS

@@ -11,7 +11,7 @@ from typing import Iterable
 import torch
 
 from dare_core.models.hf_folder import EXPORT_FILES
-from dare_core.process.ownership import check_replaceable
+from dare_core.ownership import check_replaceable
 from dare_core.storage import check_free_space, check_writable
 
 # Adam's two moments per trainable parameter, in fp32
@@ -71,7 +71,7 @@ def stage_writes(out_dir: Path) -> list[Path]:
 def check_outputs(writes: Iterable[Path], needs: list[tuple[Path, int]], what: str,
                   exports: Iterable[Path] = ()) -> None:
     """Raise UserError, naming the folder, unless every path in `writes` can be written, each
-    model folder in `exports` is DARE's to replace (process/ownership.py) and the disk holds `needs`
+    model folder in `exports` is DARE's to replace (ownership.py) and the disk holds `needs`
     ((where, bytes); `what` says what they are)."""
     for path in writes:
         check_writable(path)

@@ -20,7 +20,7 @@ from dare_core.diffusion.seeding import sample_generators
 from dare_core.inputs import tokenizer_folder
 from dare_core.models.hf_folder import save_model
 from dare_core.models.lm import DiffusionLM
-from dare_core.process.ownership import leave_stage_off_note
+from dare_core.ownership import leave_stage_off_note
 from dare_core.training import engine as eng
 from dare_core.training.checkpoint import CheckpointManager, SavePolicy
 from dare_core.training.fingerprint import stage_fingerprint

@@ -8,7 +8,7 @@ from dare_core.config import DareConfig
 from dare_core.data.lengths import resolve as resolve_lengths
 from dare_core.models.hf_folder import EXPORT_FILES
 from dare_core.models.lm import build_model
-from dare_core.process.ownership import check_replaceable
+from dare_core.ownership import check_replaceable
 from dare_core.storage import check_free_space, check_writable
 from dare_core.training.checkpoint import convert_checkpoint, latest_checkpoint
 from dare_core.training.export_choice import export_choice

@@ -17,13 +17,13 @@ from dare_core.config import DareConfig
 from dare_core.data.lengths import resolve as resolve_lengths
 from dare_core.errors import UserError
 from dare_core.inputs import model_folder
-from dare_core.process.ownership import stage_off_note
+from dare_core.ownership import stage_off_note
 from dare_core.storage import atomic_write_json, atomic_write_text
 from dare_core.process.threads import log_threads
 from dare_core.workers.common import run_worker
 
 # what this stage writes into runs/<name>/eval (an unmarked folder holding only these is an earlier
-# version's: process/ownership.py)
+# version's: ownership.py)
 EVAL_WRITES = ("opencompass/*", "summary.md", "opencompass_summary.md", "manifest.json", "accuracy.png")
 
 

@@ -18,7 +18,7 @@ import pytest
 from bad_input import run
 from dare_core.config import ConfigError, load_config
 from dare_core.errors import UserError
-from dare_core.process.ownership import OUTPUT_MARKER, check_replaceable
+from dare_core.ownership import OUTPUT_MARKER, check_replaceable
 from dare_core.storage import atomic_dir
 from pipeline_helpers import REPO, tiny_params, write_params
 

@@ -486,7 +486,7 @@ def test_outputs_written_together_are_all_new_or_all_old(tmp_path: Path) -> None
     """`atomic_dirs`: when the second swap fails (an immutable old folder cannot be moved aside),
     the first is put back; both hold their old files and no temporary folder is left."""
     from dare_core.errors import UserError
-    from dare_core.process.ownership import OUTPUT_MARKER
+    from dare_core.ownership import OUTPUT_MARKER
     from dare_core.storage import atomic_dirs
 
     first, second = tmp_path / "prepared", tmp_path / "tokenizer"

@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from dare_core.rewards.sandbox._verdict import never_started, parse_verdict, result_cap
-from dare_core.rewards.sandbox.jail import INSTALL_HINT, SandboxLimits, SandboxUnavailable
+from dare_core.rewards.sandbox.jail import SandboxLimits
+from dare_core.rewards.sandbox.unavailable import INSTALL_HINT, SandboxUnavailable
 from dare_core.rewards.sandbox.jail_run import READY, Jail, run_jails
 from dare_core.rewards.problem_names import names_for
 

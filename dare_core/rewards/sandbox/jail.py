@@ -21,18 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from dare_core.errors import UserError
+from dare_core.rewards.sandbox.unavailable import INSTALL_HINT, SandboxUnavailable
 
 if TYPE_CHECKING:
     from dare_core.rewards.sandbox.runtime import RuntimeFile, RuntimeImage
 
 CHILD_SOURCE = Path(__file__).with_name("_sandbox_child.py").read_text()
-INSTALL_HINT = "run `make sandbox`, which installs bubblewrap (apt-get install bubblewrap)"
-
-
-class SandboxUnavailable(UserError):
-    """The OS-level sandbox cannot run here; code is never run without it."""
-
 
 @dataclass(frozen=True)
 class SandboxLimits:

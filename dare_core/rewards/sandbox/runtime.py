@@ -44,7 +44,7 @@ import zipfile
 from dataclasses import dataclass
 from typing import Optional
 
-from dare_core.rewards.sandbox.jail import SandboxUnavailable
+from dare_core.rewards.sandbox.unavailable import SandboxUnavailable
 
 PYTHON = "/py/bin/python3"
 LIB = "/py/lib"

@@ -26,7 +26,7 @@ import platform
 import struct
 from typing import Optional, Union
 
-from dare_core.rewards.sandbox.jail import SandboxUnavailable
+from dare_core.rewards.sandbox.unavailable import SandboxUnavailable
 
 # struct seccomp_data: int nr; __u32 arch; __u64 instruction_pointer; __u64 args[6]
 _NR, _ARCH = 0, 4

@@ -14,7 +14,7 @@ from dare_core.config import load_config
 from dare_core.data.prepare import prepare
 from dare_core.data.schema import DataError
 from dare_core.errors import UserError
-from dare_core.process.ownership import STAGE_OFF_NOTE
+from dare_core.ownership import STAGE_OFF_NOTE
 from dare_core.training.preference_loop import run_preference
 from dare_core.workers.eval import run_eval
 from pipeline_helpers import tiny_params, write_params
