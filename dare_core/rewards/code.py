@@ -5,7 +5,7 @@ else the whole text (completion-style prompts such as HumanEval's "complete the 
 
 Ground truth, one of:
 - test code (a plain string): assertion tests (HumanEval(+), MBPP, KodCode), run in a jail of their own
-  against the program's names: those they use without defining them (`dare_core.rewards.problem_names`).
+  against the program's names: those they use without defining them (`dare_core.rewards.sandbox.test_names`).
   `from solution import f` works, top-level `test*` functions, `Test*` and `unittest` classes run
   (also after `unittest.main()`);
 - JSON `{"tests": "<code>", "entry_point": "f", "setup": "<code>", "prompt": "<text>"}`: the same, with
@@ -43,8 +43,8 @@ from dare_core.rewards.base import RewardResult
 from dare_core.rewards.extract import extract_code
 from dare_core.rewards.registry import ground_truth_check, register_reward
 from dare_core.rewards.sandbox import SandboxLimits, SandboxResult, check_available, run_python
-from dare_core.rewards.problem_names import (MODULES, builtin_entries, names_for, prompt_helpers, prompt_stubs,
-                                         used_names)
+from dare_core.rewards.problem_names import builtin_entries, prompt_helpers, prompt_stubs
+from dare_core.rewards.sandbox.test_names import MODULES, names_for, used_names
 
 DEFAULT_LIMITS = SandboxLimits()
 
@@ -69,7 +69,7 @@ def outputs_match(got: str, expected: str) -> bool:
 def parse_ground_truth(ground_truth: str) -> dict:
     """{"kind": "stdio", "inputs": [...], "outputs": [...]} or {"kind": "assert", "tests": str, "setup": str,
     "entry": [names], "required": [names], "prompt": str or None}: `entry` are the program's names the
-    problem declares (empty: the tests' own rule, `dare_core.rewards.problem_names`), `required` those the
+    problem declares (empty: the tests' own rule, `dare_core.rewards.sandbox.test_names`), `required` those the
     program must define."""
     text = ground_truth.strip()
     spec = None

@@ -41,7 +41,7 @@ from dare_core.rewards.sandbox._verdict import never_started, parse_verdict, res
 from dare_core.rewards.sandbox.jail import SandboxLimits
 from dare_core.rewards.sandbox.unavailable import INSTALL_HINT, SandboxUnavailable
 from dare_core.rewards.sandbox.jail_run import READY, Jail, run_jails
-from dare_core.rewards.problem_names import names_for
+from dare_core.rewards.sandbox.test_names import names_for
 
 __all__ = ["SandboxLimits", "SandboxResult", "SandboxUnavailable", "check_available", "run_python"]
 
@@ -104,7 +104,7 @@ def run_python(program: str, tests: Optional[str] = None, inputs: Optional[Seque
     - `tests` (assertion tests): they run in a jail of their own against the program's names (also
       importable as module `solution`); top-level `test*` functions and `Test*`/`unittest` classes are
       run too. Passes when the tests complete without an exception. Which of the program's names the
-      tests see is the problem's choice (`dare_core.rewards.problem_names`): `names`, its declared entry
+      tests see is the problem's choice (`test_names.py`): `names`, its declared entry
       points, else the names the tests use without defining them; `required` must exist.
     - `inputs` (stdin/stdout tests): the program runs once per input, as `__main__`, with that input
       on stdin; `result.cases[i]["stdout"]` holds its output, and `passed` only says that every case

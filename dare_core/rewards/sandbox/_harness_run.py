@@ -3,7 +3,7 @@ and compute the verdict once they have all run. Loaded by `_sandbox_child.py` in
 which never runs candidate code.
 
 The tests execute against proxies of the program's names (`_harness_values`), only those the job
-lists (the problem's choice, `dare_core.rewards.problem_names`); builtins and modules are their own, and
+lists (the problem's choice, `dare_core.rewards.sandbox.test_names`); builtins and modules are their own, and
 `pytest` is the jail's small one (`_pytest_shim`). Every check runs whatever the earlier ones found
 (`_harness_rewrite`), then top-level `test*` functions, `Test*` classes and unittest cases run, each
 whatever the others did; a failure is recorded, never raised to the end. Only what the program
