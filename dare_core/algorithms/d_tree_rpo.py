@@ -50,6 +50,7 @@ from dare_core.diffusion.likelihood import entropy_of_logprobs, token_logprobs
 from dare_core.diffusion.masking import Corruption, valid_region
 from dare_core.rewards.grading import grade
 from dare_core.sampling.decode import response_texts
+from dare_core.sampling.engines import TreeRollouts, engines_with
 from dare_core.sampling.tree import TreeOutput, TreeShape, tree_shape
 from dare_core.timing import phase
 
@@ -185,8 +186,10 @@ class DTreeRPO(RLAlgorithm):
         if o.score_temperature <= 0:
             raise ValueError("d_tree_rpo: score_temperature must be > 0")
         problems = []
-        if sampler.engine != "native":
-            problems.append("engine: native (the tree resumes the denoising loop from its parents' states)")
+        tree_engines = engines_with("tree_rollouts")
+        if sampler.engine not in tree_engines:
+            problems.append(f"engine: {' or '.join(tree_engines)} (an engine with tree rollouts: the tree resumes the "
+                            "denoising loop from its parents' states)")
         if sampler.cache != "none":
             problems.append("cache: none")
         if sampler.unmasking not in ("topk", "sequential"):
@@ -208,7 +211,7 @@ class DTreeRPO(RLAlgorithm):
 
     # ------------------------------------------------------------------ rollout
 
-    def rollout(self, engine, tokenizer, rows: list, spec: RolloutSpec) -> tuple[Batch, dict]:
+    def rollout(self, engine: TreeRollouts, tokenizer, rows: list, spec: RolloutSpec) -> tuple[Batch, dict]:
         model = engine.model
         prompts = [tokenizer.encode(r["prompt_text"]) for r in rows]
         uids = [str(r["uid"]) for r in rows]

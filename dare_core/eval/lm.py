@@ -154,8 +154,7 @@ class EvalModel:
         self.sampling_params()  # fail at construction, not on the first benchmark
         self.model = model if model is not None else load_model(self.path, dtype=resolve_dtype(dtype), device=dev)
         self.model.eval()
-        self.engine = build_engine(engine, self.model, **({"model_path": str(self.path)} if engine != "native" else {}),
-                                   **(engine_args or {}))
+        self.engine = build_engine(engine, self.model, model_path=str(self.path), **(engine_args or {}))
 
     # ---- settings
     def sampling_params(self, overrides: Optional[dict] = None) -> SamplingParams:

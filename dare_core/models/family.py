@@ -45,9 +45,10 @@ class Family:
     # and the label of its OpenCompass model class (`Dare<label>`; families sharing a label share it)
     sampler_defaults: dict = field(default_factory=dict)
     eval_label: Optional[str] = None
-    # rollout engines besides the native sampler that decode this family (each reads the model's own
-    # mask id from config.json: lmdeploy's SDAR builder hard-codes the released one, and DARE's
-    # engine makes it read config.json's, sampling/engines/lmdeploy/child.py)
+    # the engines that decode only the families naming them here (their `check` reads this; each
+    # reads the model's own mask id from config.json: lmdeploy's SDAR builder hard-codes the
+    # released one, and DARE's engine makes it read config.json's, sampling/engines/lmdeploy/child.py);
+    # one that decodes every family, as the native loop does, is named by none
     engines: tuple[str, ...] = ()
     # words of a `tokenizer_class` whose vocab.json + merges.txt are Qwen2's byte-level BPE
     tokenizer_class_words: tuple[str, ...] = ()

@@ -1,34 +1,42 @@
-"""Rollout engines behind one interface (ARCHITECTURE.md: sampler vs. engine).
+"""Rollout engines behind one interface (docs/architecture.md: Sampler).
 
-Training asks an engine for rollouts; whether they came from our own loop (`native`) or from an
-external inference engine (`lmdeploy`, block diffusion) is a config value. Every engine returns
+Training asks an engine for rollouts; whether they came from our own loop (`native.py`) or from an
+external inference engine (`lmdeploy/`, block diffusion) is a config value. Every engine returns
 token ids in a `GenerationOutput`, never re-tokenised text, honours one seed per prompt, and
 receives the training model's weights before the next rollout (`update_weights`), and is closed when
-its user is done (`close`: an external engine's process ends). External engines are imported lazily
-and run in their own environment and process, so DARE's install never needs them. `sampling/completions.py` is the one path
-through an engine; tree rollouts (d-TreeRPO) are a capability of the engines that can resume their
-own denoising loop (`generate_tree`, the native one).
+its user is done (`close`: an external engine's process ends). `sampling/completions.py` is the one
+path through an engine.
+
+Each engine is one module (or package) here whose class registers itself with
+`@ENGINES.register("<name>")`; importing this package imports every one of them, so a new engine is
+its own file, with no list to extend. An external engine's own library is imported only when the
+engine is checked or built (its module imports none of it), and runs in its own environment and
+process, so DARE's install never needs it.
+
+What an engine can do beyond `RolloutEngine` is declared on its class, read before one is built:
+`tree_rollouts` (d-TreeRPO's tree, `sampling/tree.py`: the engine resumes its own denoising loop
+from a parent's state) means it has `generate_tree` (`TreeRollouts`).
 """
 from __future__ import annotations
 
 import importlib
+import pkgutil
 from typing import Optional, Protocol, Sequence
 
 import torch
 
 from dare_core.registry import Registry
-from dare_core.sampling.decode import GenerationOutput, generate
+from dare_core.sampling.decode import GenerationOutput
 from dare_core.sampling.params import SamplingParams
-from dare_core.sampling.tree import TreeOutput, TreeShape, tree_rollout
+from dare_core.sampling.tree import TreeOutput, TreeShape
 
 ENGINES = Registry("rollout engine")
-# engines living in optional modules: name -> module that registers it when imported
-LAZY = {"lmdeploy": "dare_core.sampling.engines.lmdeploy"}
 
 
 class RolloutEngine(Protocol):
     name: str
     model: torch.nn.Module  # the training model whose weights the engine decodes with
+    tree_rollouts: bool  # a capability: it is also a `TreeRollouts`
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                  generators: Optional[Sequence[torch.Generator]] = None, record: str = "none") -> GenerationOutput: ...
@@ -38,40 +46,21 @@ class RolloutEngine(Protocol):
     def close(self) -> None: ...
 
 
-@ENGINES.register("native")
-class NativeEngine:
-    """Our own denoising loop on the training model itself (weights are always current)."""
-
-    name = "native"
-
-    def __init__(self, model, **_: object):
-        self.model = model
-
-    def generate(self, prompts, params, generators=None, record="none") -> GenerationOutput:
-        return generate(self.model, prompts, params, generators=generators, record=record)
+class TreeRollouts(RolloutEngine, Protocol):
+    """An engine that declares `tree_rollouts = True`."""
 
     def generate_tree(self, prompts: Sequence[Sequence[int]], params: SamplingParams, shape: TreeShape, seed_base: tuple,
-                      uids: Sequence[str], batch_size: int) -> TreeOutput:
-        """Tree rollouts (`sampling/tree.py`): the model decodes in eval mode and is left in the
-        train/eval mode it came in."""
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            return tree_rollout(self.model, prompts, params, shape, seed_base, uids, batch_size)
-        finally:
-            self.model.train(was_training)
-
-    def update_weights(self, model) -> None:
-        self.model = model
-
-    def close(self) -> None:
-        pass
+                      uids: Sequence[str], batch_size: int) -> TreeOutput: ...
 
 
 def engine_class(name: str) -> type:
-    if name not in ENGINES and name in LAZY:
-        importlib.import_module(LAZY[name])
     return ENGINES.lookup(name)
+
+
+def engines_with(capability: str) -> list[str]:
+    """The registered engines that declare `capability` (a class attribute of `RolloutEngine`'s; one
+    an engine leaves out it does not have), by name."""
+    return sorted(name for name, cls in ENGINES.items() if getattr(cls, capability, False))
 
 
 def check_engine(name: str, model, params: SamplingParams, record: str = "none", runtime: bool = True) -> None:
@@ -90,3 +79,8 @@ def build_engine(name: str, model, **options) -> RolloutEngine:
     """`name`'s engine around `model`. Options every engine takes: `model_path`, the checkpoint
     folder `model` was loaded from (an external engine starts from it; ours needs none)."""
     return engine_class(name)(model, **options)
+
+
+# after ENGINES exists: each member registers into it as it is imported
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")

@@ -37,6 +37,7 @@ class LMDeployEngine:
     changed in place) are pushed when it starts, so it always decodes with `model`'s weights."""
 
     name = "lmdeploy"
+    tree_rollouts = False  # a request denoises from its prompt to the end: lmdeploy cannot resume a partial state
 
     def __init__(self, model, model_path: Optional[str] = None, python: Optional[str] = None,
                  session_len: Optional[int] = None, cache_max_entry_count: float = 0.5,
