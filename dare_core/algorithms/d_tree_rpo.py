@@ -50,7 +50,8 @@ from dare_core.diffusion.likelihood import entropy_of_logprobs, token_logprobs
 from dare_core.diffusion.masking import Corruption, valid_region
 from dare_core.rewards.grading import grade
 from dare_core.sampling.decode import response_texts
-from dare_core.sampling.engines import TreeRollouts, engines_with
+from dare_core.sampling.engines import engines_with
+from dare_core.sampling.rollout_engine import TreeRollouts
 from dare_core.sampling.tree import TreeOutput, TreeShape, tree_shape
 from dare_core.timing import phase
 

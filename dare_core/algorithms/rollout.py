@@ -14,7 +14,7 @@ from dare_core.config import RLConfig, SamplerConfig
 from dare_core.rewards.grading import grade
 from dare_core.sampling.completions import Completions, DecodeShare, generate
 from dare_core.sampling.decode import response_texts
-from dare_core.sampling.engines import RolloutEngine
+from dare_core.sampling.rollout_engine import RolloutEngine
 from dare_core.sampling.trajectory import record_width
 from dare_core.timing import phase
 

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 from dare_core.rewards import RewardResult
 from dare_core.rewards.grading import grade
 from dare_core.sampling.completions import generate
-from dare_core.sampling.engines import RolloutEngine
+from dare_core.sampling.rollout_engine import RolloutEngine
 from dare_core.sampling.params import SamplingParams
 
 # one graded sample: the reward's result and the decoded response it graded

@@ -8,16 +8,14 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from dare_core.diffusion.seeding import generator
 from dare_core.sampling.decode import GenerationOutput, decode_responses
 from dare_core.sampling.params import SamplingParams
-
-if TYPE_CHECKING:  # an annotation only: the engines package imports its members, and the lmdeploy one imports this module
-    from dare_core.sampling.engines import RolloutEngine
+from dare_core.sampling.rollout_engine import RolloutEngine
 
 
 @dataclass

@@ -15,42 +15,18 @@ process, so DARE's install never needs it.
 
 What an engine can do beyond `RolloutEngine` is declared on its class, read before one is built:
 `tree_rollouts` (d-TreeRPO's tree, `sampling/tree.py`: the engine resumes its own denoising loop
-from a parent's state) means it has `generate_tree` (`TreeRollouts`).
+from a parent's state) means it has `generate_tree` (`TreeRollouts`). The interfaces are in
+`sampling/rollout_engine.py`, beside the rest of the sampler, which never imports this package.
 """
 from __future__ import annotations
 
 import importlib
 import pkgutil
-from typing import Optional, Protocol, Sequence
-
-import torch
-
 from dare_core.registry import Registry
-from dare_core.sampling.decode import GenerationOutput
 from dare_core.sampling.params import SamplingParams
-from dare_core.sampling.tree import TreeOutput, TreeShape
+from dare_core.sampling.rollout_engine import RolloutEngine
 
 ENGINES = Registry("rollout engine")
-
-
-class RolloutEngine(Protocol):
-    name: str
-    model: torch.nn.Module  # the training model whose weights the engine decodes with
-    tree_rollouts: bool  # a capability: it is also a `TreeRollouts`
-
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 generators: Optional[Sequence[torch.Generator]] = None, record: str = "none") -> GenerationOutput: ...
-
-    def update_weights(self, model) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class TreeRollouts(RolloutEngine, Protocol):
-    """An engine that declares `tree_rollouts = True`."""
-
-    def generate_tree(self, prompts: Sequence[Sequence[int]], params: SamplingParams, shape: TreeShape, seed_base: tuple,
-                      uids: Sequence[str], batch_size: int) -> TreeOutput: ...
 
 
 def engine_class(name: str) -> type:
