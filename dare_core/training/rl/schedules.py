@@ -108,7 +108,7 @@ def load_ahead(folder: Optional[Path], rank: int, device: torch.device, rl: RLCo
                                     f"the checkpoint kept for steps {start}-{start + count - 1}")
         rollout = torch.load(folder / name, map_location=device, weights_only=False)
         if rollout.step != start + index or (record.records_behaviour and rollout.behaviour is None):
-            raise ValueError(f"{folder / name}: not the rollout of step {start + index} with its behaviour scores "
-                             f"(rl.schedule {rl.schedule})")
+            scores = " with its behaviour scores" if record.records_behaviour else ""
+            raise ValueError(f"{folder / name}: not the rollout of step {start + index}{scores} (rl.schedule {rl.schedule})")
         kept.append(rollout)
     return kept
