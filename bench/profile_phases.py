@@ -85,7 +85,7 @@ def eval_mode(model: torch.nn.Module) -> Iterator[None]:
 
 def denoise_row(run: RLRun, rollout: Rollout, options: dict, traces: Path) -> dict:
     """One denoising step of the rollout batch: two blocks' decoding less one block's, over the block's steps."""
-    params, model, batch = run.cfg.rl.sampler, run.rollout_engine.model, rollout.batch
+    params, model, batch = run.rl.sampler, run.rollout_engine.model, rollout.batch
     if params.gen_length // params.block_length < 2:
         raise ValueError("the denoise profile is two blocks' decoding less one block's: gen_length must hold two blocks")
     n = min(params.batch_size, len(batch))  # one sampler batch: the rollouts that decode together
@@ -95,13 +95,13 @@ def denoise_row(run: RLRun, rollout: Rollout, options: dict, traces: Path) -> di
 
     def decode(blocks: int) -> Callable[[], object]:
         def fn() -> None:
-            gens = sample_generators((run.cfg.run.seed, "profile"), batch.uids[:n], device=device)
+            gens = sample_generators((run.seed, "profile"), batch.uids[:n], device=device)
             with eval_mode(model):
                 generate(model, prompts, params, gens, max_blocks=blocks)
         return fn
 
     spb = params.steps_per_block
-    with eng.rollout_weights(run.engine, run.cfg.launch):
+    with eng.rollout_weights(run.engine, run.launch):
         one = measured(decode(1), options, traces / "denoise-1-block.json.gz")
         two = measured(decode(2), options, traces / "denoise-2-blocks.json.gz")
     step = two.minus(one).scaled(1 / spb)
@@ -131,7 +131,7 @@ def scoring_row(run: RLRun, rollout: Rollout, scores: Scores, options: dict, tra
 
 def training_row(run: RLRun, rollout: Rollout, scores: Scores, options: dict, traces: Path) -> dict:
     """One micro-batch's update, forward and backward, with the reference's scores of its rows."""
-    rl, algo, engine, batch, corruption = run.cfg.rl, run.algo, run.engine, rollout.batch, scores.corruptions[0]
+    rl, algo, engine, batch, corruption = run.rl, run.algo, run.engine, rollout.batch, scores.corruptions[0]
     mini = torch.arange(len(batch) // rl.mini_batches)  # the first mini-batch's normaliser, as `optimize` takes it
     denom = eng.all_reduce_sum(algo.denominator(batch.select(mini), corruption.select(mini)))
     idx = micro_rows(run, rollout)
@@ -162,9 +162,7 @@ class ProfileStage(RLStage):
 
     def train(self) -> dict:
         cfg, phases, traces = self.cfg, self.options["phases"], Path(self.options["traces"])
-        run = RLRun(cfg=cfg, algo=self.algo, engine=self.engine, rollout_engine=self.rollout_engine, tokenizer=self.plan.tokenizer,
-                    rows=self.plan.rows, ref=self.ref, micro=self.micro, timer=self.timer, rank=self.data_rank,
-                    world=self.data_units)
+        run = self.rl_run()
         with eng.rollout_weights(self.engine, cfg.launch):
             rollout = collect(run, 0)
             # the corruptions of the step's inner iterations and the reference's scores (the KL term's)

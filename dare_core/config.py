@@ -12,7 +12,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Collection, Optional, Union
 
 import yaml
 
@@ -20,6 +20,7 @@ from dare_core.errors import ConfigError, FieldError
 from dare_core.output_paths import RUN_STAGES, Place, output_conflict
 from dare_core.recipes import all_auto, apply_recipe
 from dare_core.remote import cache_path, redact
+from dare_core.rl_schedules import RL_SCHEDULES
 from dare_core.sampling.params import SamplingParams
 from dare_core.storage import DuplicateKeyError, is_remote, load_yaml, read_yaml_mapping
 
@@ -40,7 +41,7 @@ def _int_or_auto(section: Any, name: str) -> None:
         raise FieldError(name, f"must be >= 1, got {value}")
 
 
-def _one_of(section: Any, name: str, allowed: tuple) -> None:
+def _one_of(section: Any, name: str, allowed: Collection) -> None:
     value = getattr(section, name)
     if value not in allowed:
         raise FieldError(name, f"must be one of {list(allowed)}, got {value!r}")
@@ -146,8 +147,6 @@ class ModelConfig:
 
 
 LR_SCHEDULES = ("constant", "cosine")
-# how rollouts and updates interleave (the functions: training/rl/schedules.py)
-RL_SCHEDULES = ("on_policy", "one_step_off_policy")
 
 
 @dataclass
@@ -403,7 +402,7 @@ class RLConfig:
         _at_least(self, 1, "num_steps", "prompts_per_step", "num_iterations", "mini_batches", "micro_batch_size",
                   "rows_per_forward", "log_every", "save_every", "keep_last")
         _at_least(self, 2, "group_size")  # group advantages need a group
-        _one_of(self, "schedule", RL_SCHEDULES)
+        _one_of(self, "schedule", RL_SCHEDULES)  # the records of dare_core/rl_schedules.py
         _at_least(self, 0, "clip_eps_low", "clip_eps_high", "kl_beta", "ref_sync_steps", "entropy_coeff")
         if self.ref_sync_steps > 0 and self.kl_beta == 0:
             raise FieldError("ref_sync_steps", f"needs rl.kl_beta > 0 (got ref_sync_steps {self.ref_sync_steps} with "

@@ -16,6 +16,9 @@ class RolloutEngine(Protocol):
     name: str
     model: torch.nn.Module  # the training model whose weights the engine decodes with
     tree_rollouts: bool  # a capability: it is also a `TreeRollouts`
+    # it decodes the training model itself (its weights are current without a sync); an engine that
+    # keeps its own copy is handed whole weights at each sync (under ZeRO-3 a gather, a collective)
+    decodes_policy: bool
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                  generators: Optional[Sequence[torch.Generator]] = None, record: str = "none") -> GenerationOutput: ...

@@ -80,6 +80,7 @@ def test_an_engine_is_its_module_and_every_engine_declares_its_capabilities():
         assert (folder / f"{name}.py").is_file() or (folder / name / "__init__.py").is_file(), name
         assert cls.__module__.split(".")[:4] == ["dare_core", "sampling", "engines", name], cls.__module__
         assert isinstance(cls.tree_rollouts, bool), f"{name} does not declare tree_rollouts"
+        assert isinstance(cls.decodes_policy, bool), f"{name} does not declare decodes_policy"
         assert callable(getattr(cls, "generate_tree", None)) == cls.tree_rollouts, name
     for family in own_families():
         assert set(family.engines) <= set(ENGINES), family.model_type

@@ -15,6 +15,7 @@ class NativeEngine:
 
     name = "native"
     tree_rollouts = True  # the loop resumes from any parent's state (`decode.denoise_range`)
+    decodes_policy = True
 
     def __init__(self, model, **_: object):
         self.model = model

@@ -15,6 +15,7 @@ from dare_core.inputs import reward_inputs
 from dare_core.models.hf_folder import inspect_model
 from dare_core.models.lm import DiffusionLM
 from dare_core.rl_rules import check_rl_config
+from dare_core.rl_schedules import RL_SCHEDULES
 from dare_core.sampling.cache import check_cache_fits
 from dare_core.sampling.engines import check_engine
 from dare_core.training import engine as eng
@@ -116,13 +117,13 @@ def check_rl(cfg: DareConfig, save_checkpoints: bool = True) -> RLPlan:
     tokenizer = stage_tokenizer(cfg)
     _check_prompt_lengths(data_path, rows, tokenizer, rl.sampler.gen_length, spec.max_sequence_length)
 
-    # rl.schedule is recorded only when it is not the default: checkpoints made before the key
-    # existed (all on-policy) still resume
+    # rl.schedule is recorded where its record says (on_policy's is not: checkpoints made before
+    # the key existed, all on-policy, still resume)
     # reward_errors_allowed only decides whether a failing reward stops the run: a run stopped by it
     # resumes under a looser share
     # export and export_metric choose what convert reads, never what is trained
     unrecorded = VALIDATION_KEYS + ("reward_errors_allowed", "export", "export_metric") + (
-        ("schedule",) if rl.schedule == "on_policy" else ())
+        () if RL_SCHEDULES.lookup(rl.schedule).in_fingerprint else ("schedule",))
     # a user reward's sources are inputs: checkpoints trained under another version of it are another run's
     inputs = {"data file": data_path, "start model": start_folder, **reward_inputs(rl.reward)}
     fingerprint = stage_fingerprint(cfg, "rl", inputs, unrecorded)

@@ -21,7 +21,7 @@ from dare_core.training.plots import STAGE_PLOTS
 from dare_core.training.reference import frozen_reference, sync_reference
 from dare_core.training.rl.checks import check_rl, rl_start_folder
 from dare_core.training.rl.ranks import reduce_step_metrics
-from dare_core.training.rl.schedules import SCHEDULES, ahead_file, load_ahead
+from dare_core.training.rl.schedules import SCHEDULES, ahead_files, load_ahead
 from dare_core.training.rl.validation import due
 from dare_core.training.rl.verbs import RLRun, Rollout, Update, ratio_is_trivial
 from dare_core.training.setup import prepare_for_training
@@ -80,9 +80,9 @@ class RLStage(TrainingStage):
     def plots(self) -> tuple[tuple, dict]:
         return ("reward", "accuracy"), STAGE_PLOTS["rl"]
 
-    def resume(self) -> Optional[Rollout]:
+    def resume(self) -> list[Rollout]:
         """What a resumed run restores beyond the engine: the reference of its last sync, and (a
-        schedule that collects ahead) the rollout its checkpoint kept for the next step."""
+        schedule that collects ahead) the rollouts its checkpoint kept for the next steps."""
         rl, engine, ref, start = self.cfg.rl, self.engine, self.ref, self.start
         if ref is not None and rl.ref_sync_steps and rl.ref_sync_steps <= start < rl.num_steps:
             # the reference of a resumed run is the policy of its last sync: exact when the checkpoint is
@@ -92,13 +92,14 @@ class RLStage(TrainingStage):
                 log.warning("rl.ref_sync_steps = %d: resuming at step %d, between two syncs; the reference is the resumed "
                             "policy instead of that of step %d (save_every a multiple of ref_sync_steps makes resumes exact)",
                             rl.ref_sync_steps, start, start - start % rl.ref_sync_steps)
-        if rl.schedule == "on_policy" or not 0 < start < rl.num_steps:
-            return None
-        ahead = load_ahead(self.ckpt.resumed, self.rank, engine.device)
-        if ahead is None:
-            raise FileNotFoundError(f"{self.ckpt.resumed}: no {ahead_file(self.rank)}: rl.schedule {rl.schedule} resumes "
-                                    f"from the rollout the checkpoint kept for step {start}")
-        return ahead
+        return load_ahead(self.ckpt.resumed, self.rank, engine.device, rl, start)
+
+    def rl_run(self) -> RLRun:
+        """What every verb reads (training/rl/verbs.py), once the engine is built."""
+        cfg = self.cfg
+        return RLRun(rl=cfg.rl, seed=cfg.run.seed, launch=cfg.launch, algo=self.algo, engine=self.engine,
+                     rollout_engine=self.rollout_engine, tokenizer=self.plan.tokenizer, rows=self.plan.rows, ref=self.ref,
+                     micro=self.micro, timer=self.timer, rank=self.data_rank, world=self.data_units)
 
     def train(self) -> dict:
         cfg, rl, timer, engine, logger, rank = self.cfg, self.cfg.rl, self.timer, self.engine, self.logger, self.rank
@@ -107,8 +108,7 @@ class RLStage(TrainingStage):
         validator.open(self.start, writer=rank == 0)
         if ratio_is_trivial(rl):
             log.warning("num_iterations = 1 with one mini-batch: the ratio is exactly 1 and clipping is inactive")
-        run = RLRun(cfg, self.algo, engine, self.rollout_engine, tokenizer, self.plan.rows, self.ref, self.micro, timer, self.data_rank,
-                    self.data_units)
+        run = self.rl_run()
 
         def validate(step: int) -> dict:
             """Validation due after `step` updates ({} when none is), on the whole weights."""
@@ -124,7 +124,7 @@ class RLStage(TrainingStage):
                 logger.log(0, val_metrics)
                 val_postfix = _val_postfix(val_metrics)
 
-        def end_step(step: int, rollout: Rollout, update: Update, t0: float, ahead: Optional[Rollout]) -> None:
+        def end_step(step: int, rollout: Rollout, update: Update, t0: float, ahead: list[Rollout]) -> None:
             """Metrics, validation, logging and the checkpoint after step `step`, whatever the schedule."""
             nonlocal val_postfix
             metrics = rollout.metrics
@@ -141,9 +141,8 @@ class RLStage(TrainingStage):
                 logger.log(step + 1, {**metrics, **reduce_step_metrics({"prompts": rollout.prompts, "metrics": timer.step_metrics()})})
             bar.set_postfix(reward=f"{metrics['reward']:.3f}", acc=f"{metrics['accuracy']:.2f}", **val_postfix)
             if self.save_checkpoints:
-                # a rollout collected ahead is part of the run's state: a resumed run trains on it
-                self.ckpt.after_step(engine, step + 1, engine.module.hf_config,
-                                     rank_files={ahead_file(rank): ahead} if ahead is not None else None)
+                # rollouts collected ahead are part of the run's state: a resumed run trains on them
+                self.ckpt.after_step(engine, step + 1, engine.module.hf_config, rank_files=ahead_files(rank, ahead) or None)
 
         try:
             SCHEDULES.lookup(rl.schedule)(run, bar, end_step, ahead)

@@ -11,14 +11,15 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from dare_core.algorithms.rollout import RolloutContext, RolloutSpec, prompt_rows_expanded
 from dare_core.batch import Batch
-from dare_core.config import DareConfig, RLConfig
+from dare_core.config import LaunchConfig, RLConfig
 from dare_core.data.batching import global_batch_indices
+from dare_core.rl_schedules import RL_SCHEDULES
 from dare_core.sampling.completions import DecodeShare
 from dare_core.timing import PhaseTimer
 from dare_core.training import engine as eng
@@ -27,17 +28,28 @@ from dare_core.training.reference import reference_model, sync_reference
 from dare_core.metric_keys import is_max_metric
 from dare_core.training.rl.ranks import rank_prompts
 
+if TYPE_CHECKING:  # types only: deepspeed and transformers cost seconds to import
+    from deepspeed import DeepSpeedEngine
+    from transformers import PreTrainedTokenizerBase
+
+    from dare_core.algorithms.base import RLAlgorithm
+    from dare_core.sampling.engines import RolloutEngine
+
 
 @dataclass
 class RLRun:
-    """What every verb reads: built once by the stage, the same for each step."""
+    """What every verb reads: built once by the stage, the same for each step. Of the config only
+    the sections the verbs read: the RL settings, the run seed and the launch (whole weights or
+    partitions for rollouts)."""
 
-    cfg: DareConfig
-    algo: object  # the RLAlgorithm
-    engine: object  # the DeepSpeed engine; engine.module is the policy
-    rollout_engine: object  # the RolloutEngine (sampling/engines): it decodes; `engine` is the DeepSpeed one
-    tokenizer: object
-    rows: list  # the RL prompts
+    rl: RLConfig
+    seed: int
+    launch: LaunchConfig
+    algo: RLAlgorithm
+    engine: DeepSpeedEngine  # engine.module is the policy
+    rollout_engine: RolloutEngine  # it decodes; `engine` trains
+    tokenizer: PreTrainedTokenizerBase
+    rows: list[dict]  # the RL prompts
     ref: Optional[torch.nn.Module]  # the frozen reference copy (None: no KL, or LoRA's adapter-disabled policy)
     micro: int  # rows per forward and per update micro-batch
     timer: PhaseTimer
@@ -80,18 +92,19 @@ class Update:
 
 
 def ratio_is_trivial(rl: RLConfig) -> bool:
-    """On-policy with one iteration and one mini-batch, the update sees the weights that rolled out:
-    the ratio is exactly 1 and no old scores are needed. Off-policy, the old scores are the
-    behaviour policy's, never the current weights'."""
-    return rl.schedule == "on_policy" and rl.num_iterations == 1 and rl.mini_batches == 1
+    """Where the update starts at the weights that rolled out (the schedule's record:
+    `skips_old_scores`), with one iteration and one mini-batch it sees exactly those weights: the
+    ratio is 1 and no old scores are needed. Off-policy, the old scores are the behaviour
+    policy's, never the current weights'."""
+    return RL_SCHEDULES.lookup(rl.schedule).skips_old_scores and rl.num_iterations == 1 and rl.mini_batches == 1
 
 
 def first_iteration_is_current(rl: RLConfig) -> bool:
-    """On-policy with one mini-batch, the first inner iteration updates from the weights that rolled
-    out (the optimizer first steps at its end): its old scores are the update's own scores,
-    detached, and need no forward of their own. Later iterations, and mini-batches after the first,
-    see stepped weights and read scored ones."""
-    return rl.schedule == "on_policy" and rl.mini_batches == 1
+    """Where the update starts at the weights that rolled out, with one mini-batch the first inner
+    iteration updates from them (the optimizer first steps at its end): its old scores are the
+    update's own scores, detached, and need no forward of their own. Later iterations, and
+    mini-batches after the first, see stepped weights and read scored ones."""
+    return RL_SCHEDULES.lookup(rl.schedule).skips_old_scores and rl.mini_batches == 1
 
 
 def chunked_scores(algo, model, batch: Batch, corruption, rows: int) -> torch.Tensor:
@@ -132,14 +145,14 @@ def collect(run: RLRun, step: int) -> Rollout:
     """Rollouts of step `step`'s prompts with the rollout engine's current weights, then rewards and
     advantages (`algo.prepare`). Every rank draws the same prompts and keeps its own share, whole
     prompts (`rank_prompts`), a sequence-parallel group one share. Call inside `eng.rollout_weights`."""
-    cfg, rl = run.cfg, run.cfg.rl
+    rl = run.rl
     t0 = time.time()
-    idx = global_batch_indices(step, rl.prompts_per_step, len(run.rows), cfg.run.seed)
+    idx = global_batch_indices(step, rl.prompts_per_step, len(run.rows), run.seed)
     prompt_rows = [run.rows[i] for i in idx]
     mine = [prompt_rows[i] for i in rank_prompts(len(prompt_rows), rl.mini_batches, run.rank, run.world)]
     with run.timer.phase("rollout"):  # less the reward, timed inside
         # a sequence-parallel group's ranks decode a share of its prompts each (group_decode_share)
-        spec = dataclasses.replace(RolloutSpec.of(rl, cfg.run.seed, step), share=group_decode_share())
+        spec = dataclasses.replace(RolloutSpec.of(rl, run.seed, step), share=group_decode_share())
         batch, metrics = run.algo.rollout(run.rollout_engine, run.tokenizer, mine, spec)
     seconds = time.time() - t0
     with run.timer.phase("reward"):
@@ -160,9 +173,9 @@ def score(run: RLRun, rollout: Rollout, old: bool = True, ref: bool = True, firs
     seed, the rollout's step and the iteration): the current weights' (`old`; `first_old` off: not
     for the first iteration, whose entry is None, see `first_iteration_is_current`) and the
     reference's (`ref`, where the KL term reads it). Call inside `eng.rollout_weights`."""
-    rl, engine = run.cfg.rl, run.engine
+    rl, engine = run.rl, run.engine
     with run.timer.phase("scoring"), torch.no_grad():
-        corruptions = [run.algo.corrupt(rollout.batch, (run.cfg.run.seed, rollout.step, it)) for it in range(rl.num_iterations)]
+        corruptions = [run.algo.corrupt(rollout.batch, (run.seed, rollout.step, it)) for it in range(rl.num_iterations)]
         olds = [None if it == 0 and not first_old else chunked_scores(run.algo, engine.module, rollout.batch, c, run.micro)
                 for it, c in enumerate(corruptions)] if old else None
         refs = (reference_scores(run.algo, engine.module, run.ref, rollout.batch, corruptions, run.micro)
@@ -174,7 +187,7 @@ def optimize(run: RLRun, rollout: Rollout, scores: Scores) -> Update:
     """num_iterations passes over the rollouts, each in rl.mini_batches mini-batches of this rank's
     rows, each in micro-batches: one forward/backward and one engine step per micro-batch (the
     engine steps the optimiser at each mini-batch's last)."""
-    rl, algo, engine, timer = run.cfg.rl, run.algo, run.engine, run.timer
+    rl, algo, engine, timer = run.rl, run.algo, run.engine, run.timer
     batch, corruptions, old, ref = rollout.batch, scores.corruptions, scores.old, scores.ref
     update = Update()
     local_mini = len(batch) // rl.mini_batches
@@ -210,10 +223,9 @@ def optimize(run: RLRun, rollout: Rollout, scores: Scores) -> Update:
 def sync(run: RLRun, step: int) -> None:
     """After step `step`'s update: the next rollout must see its weights, and the next step's KL is
     to this step's policy where a reference sync is due."""
-    # an external engine gets the policy's weights over to its own copy; under ZeRO-3 they are
-    # gathered for it first (every rank enters: a collective), ours decodes the policy itself
-    external = run.rollout_engine.name != "native"
-    with run.timer.phase("weight_sync"), eng.whole_weights(run.engine, needed=external):
+    # an engine with its own copy gets the policy's weights over; under ZeRO-3 they are gathered for
+    # it first (every rank enters: a collective); one that decodes the policy itself needs nothing
+    with run.timer.phase("weight_sync"), eng.whole_weights(run.engine, needed=not run.rollout_engine.decodes_policy):
         run.rollout_engine.update_weights(run.engine.module)
-    if run.ref is not None and ref_sync_due(step, run.cfg.rl.ref_sync_steps):
+    if run.ref is not None and ref_sync_due(step, run.rl.ref_sync_steps):
         sync_reference(run.ref, run.engine.module, run.zero3)

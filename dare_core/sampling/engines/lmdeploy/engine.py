@@ -38,6 +38,7 @@ class LMDeployEngine:
 
     name = "lmdeploy"
     tree_rollouts = False  # a request denoises from its prompt to the end: lmdeploy cannot resume a partial state
+    decodes_policy = False  # its own process holds a copy, sent over at each sync
 
     def __init__(self, model, model_path: Optional[str] = None, python: Optional[str] = None,
                  session_len: Optional[int] = None, cache_max_entry_count: float = 0.5,
