@@ -43,6 +43,11 @@ from dare_core.sampling.decode import Canvas, generate  # noqa: E402
 from dare_core.sampling.params import SamplingParams  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
+# --smoke: 2 small layers of either config (the real special ids lie past the small vocabulary)
+SMOKE_SHRINK = {"n_layers": 2, "num_hidden_layers": 2, "d_model": 128, "hidden_size": 128, "mlp_hidden_size": 256,
+                "intermediate_size": 256, "n_heads": 4, "n_kv_heads": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "head_dim": 32, "vocab_size": 2048, "embedding_size": 2048, "mask_token_id": 2000,
+                "eos_token_id": 2001, "pad_token_id": 2002, "bos_token_id": 2003}
 
 
 def sync() -> None:
@@ -83,12 +88,7 @@ def time_run(fn, repeats: int = 1) -> tuple[float, object, object]:
 
 def speed(args) -> list[dict]:
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
-    shrink = None
-    if args.smoke:
-        shrink = {"n_layers": 2, "num_hidden_layers": 2, "d_model": 128, "hidden_size": 128, "mlp_hidden_size": 256,
-                  "intermediate_size": 256, "n_heads": 4, "n_kv_heads": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-                  "head_dim": 32, "vocab_size": 2048, "embedding_size": 2048, "mask_token_id": 2000,
-                  "eos_token_id": 2001, "pad_token_id": 2002, "bos_token_id": 2003}  # the real ids lie past the small vocabulary
+    shrink = SMOKE_SHRINK if args.smoke else None
     rows = []
     for name in args.configs:
         model = random_model(name, device, shrink)
