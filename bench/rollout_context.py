@@ -14,12 +14,14 @@ holds beside the weights, at the real 8B shapes (random bf16 weights, greedy, CU
 One step is timed as (decoding `1 + k` blocks less decoding 1 block) / (k x steps per block): the
 first block carries the once-per-call work (the canvas, the prompt's prefill, the outputs), so what
 remains is the steady step at that context, its share of the block refreshes included. Memory: the
-peak of the `1 + k`-block call above what was allocated before it (weights), i.e. the caches, the
-canvas and the activations of the largest forward.
+peak above the weights while decoding `1 + k` blocks (the previous shape's graphs freed first): the
+KV cache, the canvas, the captured graphs' pools and the activations of the largest forward.
+LLaDA-8B's config allows 4,096 positions: its contexts stop at 3,968 response tokens.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import shlex
 import sys
 import time
@@ -33,25 +35,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rollout import SMOKE_SHRINK, random_model, sync  # noqa: E402
 from stamp import hardware, header, markdown_table, write_atomic  # noqa: E402
 from dare_core.sampling.decode import generate  # noqa: E402
+from dare_core.sampling.graphs import release_graph_store  # noqa: E402
 from dare_core.sampling.params import SamplingParams  # noqa: E402
 
 PROMPT_LLADA = 128
 
 
 def timed_generate(model, prompts, params: SamplingParams, blocks: int) -> tuple[float, float]:
-    """(seconds of one call decoding `blocks` blocks after a warm-up call, its peak bytes above what
-    was allocated before it)."""
+    """(seconds of one call decoding `blocks` blocks after a warm-up call, the peak bytes of the two
+    above the weights: the previous shape's graphs and cache are freed first)."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        release_graph_store(model)
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
     generate(model, prompts, params, max_blocks=blocks)  # warm-up: CUDA-graph capture
     sync()
-    cuda = torch.cuda.is_available()
-    before = torch.cuda.memory_allocated() if cuda else 0
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()
     generate(model, prompts, params, max_blocks=blocks)
     sync()
     seconds = time.perf_counter() - t
-    return seconds, (torch.cuda.max_memory_allocated() - before) if cuda else 0.0
+    return seconds, (torch.cuda.max_memory_allocated() - before) if cuda else 0
 
 
 def measure(model, name: str, context: int, batch: int, blocks: int, device: str) -> dict:
@@ -71,7 +75,7 @@ def measure(model, name: str, context: int, batch: int, blocks: int, device: str
         one, _ = timed_generate(model, prompts, params, 1)
         more, peak = timed_generate(model, prompts, params, 1 + blocks)
     except torch.cuda.OutOfMemoryError:
-        torch.cuda.empty_cache()
+        release_graph_store(model)
         return {**row, "error": "out of memory"}
     step = (more - one) / (blocks * steps_per_block)
     return {**row, "ms_per_step": step * 1e3, "tokens_per_s": batch * block / (step * steps_per_block),
@@ -85,15 +89,18 @@ def run(args, after_row) -> list[dict]:
     rows = []
     for name in args.configs:
         model = random_model(name, device, SMOKE_SHRINK if args.smoke else None)
-        blocks = args.sdar_blocks if model.block_size is not None else args.llada_blocks
-        for context in args.contexts:
+        is_block = model.block_size is not None
+        blocks = args.sdar_blocks if is_block else args.llada_blocks
+        for context in args.contexts if is_block else args.llada_contexts:
             for batch in args.batch:
                 rows.append(measure(model, name, context, batch, blocks, device))
                 print(rows[-1], flush=True)
                 after_row(rows)
                 if device == "cuda":
                     torch.cuda.empty_cache()
-        model = None
+        release_graph_store(model)
+        del model  # before the next config's weights are drawn
+        gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows
@@ -118,7 +125,8 @@ def table(rows: list[dict], args) -> list[str]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", nargs="+", default=["SDAR-8B-Chat", "LLaDA-8B-Instruct"])
-    p.add_argument("--contexts", nargs="+", type=int, default=[2048, 4096, 8192, 16384])
+    p.add_argument("--contexts", nargs="+", type=int, default=[2048, 4096, 8192, 16384], help="SDAR's")
+    p.add_argument("--llada-contexts", nargs="+", type=int, default=[1024, 2048, 3968])
     p.add_argument("--batch", nargs="+", type=int, default=[8, 32])
     p.add_argument("--sdar-blocks", type=int, default=8, help="SDAR blocks timed after the first")
     p.add_argument("--llada-blocks", type=int, default=1, help="LLaDA blocks timed after the first")

@@ -9,6 +9,8 @@ see (later blocks in block diffusion), so the graph needs no per-block key lengt
 """
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from dare_core.models.transformer import KVCache
@@ -95,3 +97,12 @@ def graph_store(model, batch: int, length: int, compile_forward: bool) -> GraphS
         store = GraphStore(model, batch, length, compile_forward)
         model._dare_graph_store = store
     return store
+
+
+def release_graph_store(model) -> None:
+    """Free the model's captured graphs and their static KV cache (the next `generate` under CUDA
+    graphs captures anew): memory a caller needs back, e.g. a benchmark's next shape or model."""
+    if getattr(model, "_dare_graph_store", None) is not None:
+        model._dare_graph_store = None
+        gc.collect()  # the store's graphs refer back to the model: a cycle that refcounting leaves
+        torch.cuda.empty_cache()

@@ -10,7 +10,7 @@ from pipeline_helpers import REPO, worker_env
 def test_smoke_run_writes_a_row_per_context(tmp_path):
     out = tmp_path / "rollout_context.md"
     cmd = [sys.executable, str(REPO / "bench" / "rollout_context.py"), "--smoke", "--contexts", "64", "128", "--batch", "2",
-           "--sdar-blocks", "2", "--out", str(out)]
+           "--llada-contexts", "64", "128", "--sdar-blocks", "2", "--out", str(out)]
     r = subprocess.run(cmd, env=worker_env(), cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     text = out.read_text()
