@@ -59,9 +59,9 @@ class CheckpointFacts:
 
 class TrainingStage:
     """One run of a training stage. A stage sets `name` (its config section, folder and
-    metrics/<name>.json), `title` (how its log lines name it) and `steps_key` (its section's step
-    count), and fills in `check`, `load`, `adopt`, `build_engine`, `plots` and `train`; `steps` is
-    the step the run ends at."""
+    metrics/<name>.json), `title` (how its log lines name it), `steps_key` (its section's step
+    count, which the checkpoints' save policy reads too) and `exports_model`, and fills in `check`,
+    `load`, `adopt`, `build_engine`, `plots` and `train`; `steps` is the step the run ends at."""
 
     name: ClassVar[str]
     title: ClassVar[str]
