@@ -18,8 +18,7 @@ from typing import Optional
 
 import torch
 
-from dare_core.algorithms.preference import build_preference, get_preference
-from dare_core.artifacts import artifact_root
+from dare_core.algorithms.preference import ElboDPO, build_preference, get_preference
 from dare_core.config import DareConfig
 from dare_core.data.batching import balanced_micro_batches, global_batch_indices, pair_batch, row_tokens
 from dare_core.data.lengths import resolve as resolve_lengths
@@ -29,16 +28,13 @@ from dare_core.devices import resolve_dtype
 from dare_core.models.hf_folder import inspect_model, load_model
 from dare_core.models.lm import DiffusionLM
 from dare_core.training import engine as eng
-from dare_core.training.checkpoint import CheckpointManager, SavePolicy
-from dare_core.training.fingerprint import stage_fingerprint
 from dare_core.training.metrics import last_logged
 from dare_core.training.parallel import check_sequence_parallel
 from dare_core.training.plots import STAGE_PLOTS
 from dare_core.training.preference_off import off_reason, write_off_stage
-from dare_core.training.preflight import check_outputs, checkpoint_bytes, model_bytes, stage_writes, training_need
 from dare_core.training.reference import frozen_reference, reference_model
 from dare_core.training.setup import prepare_for_training, stage_tokenizer
-from dare_core.training.stage import TrainingStage
+from dare_core.training.stage import CheckpointFacts, TrainingStage
 
 log = logging.getLogger(__name__)
 
@@ -76,11 +72,13 @@ def check_preference_config(cfg: DareConfig) -> None:
         raise ValueError("preference needs model.lora.dropout: 0 (its proxy-gradient replay recomputes the ELBO rows exactly)")
 
 
-def check_preference_settings(cfg: DareConfig, spec: DiffusionLM) -> None:
-    """The checks of the preference settings against the model (`spec`, weightless): no data read."""
+def check_preference_settings(cfg: DareConfig, spec: DiffusionLM) -> ElboDPO:
+    """The checks of the preference settings against the model (`spec`, weightless): no data read.
+    Returns the objective (it keeps the model's token ids only: the loaded model's are the same)."""
     check_preference_config(cfg)
-    build_preference(cfg.preference, spec)  # its options
+    objective = build_preference(cfg.preference, spec)  # its options
     check_sequence_parallel(cfg.launch, spec)
+    return objective
 
 
 @dataclass
@@ -91,17 +89,16 @@ class PreferencePlan:
     prompts: list
     chosen: list
     rejected: list
-    ckpt: CheckpointManager
+    objective: ElboDPO
+    checkpoints: CheckpointFacts
 
 
-def check_preference(cfg: DareConfig, save_checkpoints: bool = True, export: bool = True) -> PreferencePlan:
-    """Every check of the preference stage, before it writes anything or starts DeepSpeed: config,
-    pairs, the SFT model (its config only), lengths, the objective's options, the checkpoints,
-    writable outputs and room on the disk (for the checkpoints the save policy writes and the
-    exported model, where they will be written)."""
+def check_preference(cfg: DareConfig) -> PreferencePlan:
+    """The preference stage's own checks, before it writes anything or starts DeepSpeed: config,
+    pairs, the SFT model (its config only), lengths, the objective's options (the checkpoints and
+    outputs: the `plan` step of training/stage.py)."""
     pcfg = cfg.preference
     check_preference_config(cfg)
-    out_dir = cfg.stage_dir("preference")
     data_path = Path(cfg.data.prepared_dir) / "preference.parquet"
     rows = read_rows(data_path, "preference")
     if not rows:  # run_preference turns the stage off first (preference_off.py); a direct caller gets this
@@ -113,22 +110,9 @@ def check_preference(cfg: DareConfig, save_checkpoints: bool = True, export: boo
     prompts, chosen, rejected = encode_pairs(rows, tokenizer)
     spec = prepare_for_training(inspect_model(start_folder), cfg)
     check_pairs(data_path, prompts, chosen, rejected, pcfg.pad_to, spec.max_sequence_length)
-    check_preference_settings(cfg, spec)
-
-    fingerprint = stage_fingerprint(cfg, "preference", {"data file": data_path, "start model": start_folder})
-    dtype = resolve_dtype(cfg.model.dtype)
-    weights = model_bytes(spec, dtype)
-    ckpt = CheckpointManager(out_dir / "checkpoints", pcfg.keep_last, fingerprint, "preference", cfg.restart,
-                             checkpoint_bytes(spec, dtype), mirror=artifact_root(cfg),
-                             policy=SavePolicy(pcfg.save_every, pcfg.max_steps, exports=export), weights_bytes=weights)
-    ckpt.check()
-    writes = stage_writes(out_dir) + [Path(cfg.run.metrics_dir) / "preference.json"]
-    saves, existing = ckpt.planned_writes() if save_checkpoints else ([], [])
-    if export:
-        writes.append(out_dir / "model")
-    check_outputs(writes, [(out_dir, training_need(saves, existing, pcfg.keep_last, weights if export else 0))],
-                  "the preference checkpoints and the exported model", [out_dir / "model"] if export else [])
-    return PreferencePlan(rows, prompts, chosen, rejected, ckpt)
+    objective = check_preference_settings(cfg, spec)
+    return PreferencePlan(rows, prompts, chosen, rejected, objective,
+                          CheckpointFacts(spec, {"data file": data_path, "start model": start_folder}))
 
 
 def run_preference(cfg: DareConfig, progress: bool = True, save_checkpoints: bool = True, export: bool = True,
@@ -150,10 +134,9 @@ class PreferenceStage(TrainingStage):
 
     name, title = "preference", "preference"
 
-    def check(self) -> CheckpointManager:
-        self.plan = check_preference(self.cfg, self.save_checkpoints, self.export)
-        self.steps = self.cfg.preference.max_steps
-        return self.plan.ckpt
+    def check(self) -> CheckpointFacts:
+        self.plan = check_preference(self.cfg)
+        return self.plan.checkpoints
 
     def load(self, device: torch.device) -> torch.nn.Module:
         return prepare_for_training(load_model(preference_start_folder(self.cfg), dtype=resolve_dtype(self.cfg.model.dtype),
@@ -163,7 +146,7 @@ class PreferenceStage(TrainingStage):
         self.policy = model
         # the reference: a frozen copy, or with LoRA the policy with its adapter disabled (no copy)
         self.frozen = frozen_reference(model, self.cfg.model.lora)
-        self.objective = build_preference(self.cfg.preference, model)
+        self.objective = self.plan.objective
 
     def build_engine(self, model: torch.nn.Module):
         pcfg = self.cfg.preference

@@ -11,25 +11,20 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from dare_core.algorithms.registry import build_options, get_sft_objective
-from dare_core.artifacts import artifact_root
 from dare_core.config import DareConfig
 from dare_core.data.batching import balanced_micro_batches, global_batch_indices, row_tokens, sft_batch
 from dare_core.data.schema import DataError, read_rows, table_row
-from dare_core.devices import resolve_dtype
 from dare_core.diffusion.seeding import sample_generators
 from dare_core.inputs import tokenizer_folder
 from dare_core.models.hf_folder import save_model
 from dare_core.models.lm import DiffusionLM
 from dare_core.ownership import leave_stage_off_note
 from dare_core.training import engine as eng
-from dare_core.training.checkpoint import CheckpointManager, SavePolicy
-from dare_core.training.fingerprint import stage_fingerprint
 from dare_core.training.metrics import end_without_rows, last_logged
 from dare_core.training.parallel import check_sequence_parallel
 from dare_core.training.plots import sft_plots
-from dare_core.training.preflight import check_outputs, checkpoint_bytes, model_bytes, stage_writes, training_need
 from dare_core.training.setup import initial_model, initial_spec, stage_tokenizer
-from dare_core.training.stage import TrainingStage
+from dare_core.training.stage import CheckpointFacts, TrainingStage
 
 if TYPE_CHECKING:
     from dare_core.algorithms.base import Algorithm
@@ -55,7 +50,7 @@ class SFTPlan:
     prompts: list
     responses: list
     algo: object
-    ckpt: CheckpointManager
+    checkpoints: CheckpointFacts
 
 
 def check_sft_settings(cfg: DareConfig, spec: DiffusionLM) -> Algorithm:
@@ -67,13 +62,11 @@ def check_sft_settings(cfg: DareConfig, spec: DiffusionLM) -> Algorithm:
                     spec.mask_token_id)
 
 
-def check_sft(cfg: DareConfig, save_checkpoints: bool = True, export: bool = True) -> SFTPlan:
-    """Every check of the SFT stage, before it writes anything or starts DeepSpeed: the data, the
-    tokenizer, the model (its config only), prompt lengths, the loss options, the checkpoints
-    (made with these settings, unless --restart), writable outputs and room on the disk (for the
-    checkpoints the save policy writes and the exported model, where they will be written)."""
+def check_sft(cfg: DareConfig) -> SFTPlan:
+    """The SFT stage's own checks, before it writes anything or starts DeepSpeed: the data, the
+    tokenizer, the model (its config only), prompt lengths, the loss options (the checkpoints and
+    outputs: the `plan` step of training/stage.py)."""
     scfg = cfg.sft
-    out_dir = cfg.stage_dir("sft")
     data_path = Path(cfg.data.prepared_dir) / "sft.parquet"
     rows = read_rows(data_path, "sft")
     if not rows:
@@ -87,24 +80,9 @@ def check_sft(cfg: DareConfig, save_checkpoints: bool = True, export: bool = Tru
         i = too_long[0]
         raise DataError(f"{table_row(data_path, i)}: prompt of {len(prompts[i])} tokens + sft.pad_to {scfg.pad_to} "
                         f"exceeds the model maximum {spec.max_sequence_length}")
-
-    dtype = resolve_dtype(cfg.model.dtype)
-    weights = model_bytes(spec, dtype)
-    ckpt = CheckpointManager(out_dir / "checkpoints", scfg.keep_last, stage_fingerprint(cfg, "sft", {"data file": data_path}),
-                             "sft", cfg.restart, checkpoint_bytes(spec, dtype), mirror=artifact_root(cfg),
-                             policy=SavePolicy(scfg.save_every, scfg.max_steps, exports=export), weights_bytes=weights)
-    ckpt.check()
-    writes = stage_writes(out_dir) + [Path(cfg.run.metrics_dir) / "sft.json"]
-    saves, existing = ckpt.planned_writes() if save_checkpoints else ([], [])
-    needs = [(out_dir, training_need(saves, existing, scfg.keep_last, weights if export else 0))]
-    if export:
-        writes.append(out_dir / "model")
-    if not cfg.model.path:
-        writes.append(cfg.base_model_dir)
-        needs.append((cfg.base_model_dir, weights))
-    exports = [p for p in (out_dir / "model", cfg.base_model_dir) if p in writes]
-    check_outputs(writes, needs, "the SFT checkpoints and the exported model", exports)
-    return SFTPlan(rows, tokenizer, prompts, responses, algo, ckpt)
+    # trained from scratch, the initial model is written too (the base model folder)
+    checkpoints = CheckpointFacts(spec, {"data file": data_path}, model_folders=() if cfg.model.path else (cfg.base_model_dir,))
+    return SFTPlan(rows, tokenizer, prompts, responses, algo, checkpoints)
 
 
 def run_sft(cfg: DareConfig, progress: bool = True, save_checkpoints: bool = True, export: bool = True,
@@ -120,10 +98,9 @@ class SFTStage(TrainingStage):
 
     name, title, export_stats = "sft", "SFT", True
 
-    def check(self) -> CheckpointManager:
-        self.plan = check_sft(self.cfg, self.save_checkpoints, self.export)
-        self.steps = self.cfg.sft.max_steps
-        return self.plan.ckpt
+    def check(self) -> CheckpointFacts:
+        self.plan = check_sft(self.cfg)
+        return self.plan.checkpoints
 
     def load(self, device: torch.device) -> torch.nn.Module:
         return initial_model(self.cfg, self.plan.tokenizer, device)

@@ -1,10 +1,15 @@
 """The one skeleton of a training stage (SFT, preference, RL): named steps that `TrainingStage.run`
-takes in order, each stage filling them in (the shape of a torchtune recipe's setup / train /
-save / cleanup):
+takes in order, each stage filling them in but `plan`, the skeleton's own (the shape of a torchtune
+recipe's setup / train / save / cleanup):
 
-    check   every check, before anything is written or DeepSpeed starts -> the CheckpointManager
+    check   the stage's own checks (data, tokenizer, model config, objective), before anything is
+            written or DeepSpeed starts -> what its checkpoints depend on (`CheckpointFacts`)
+    plan    the checkpoint half of the checks, the same for every stage: the fingerprint, the
+            checkpoint to resume, writable outputs and room on the disk -> the CheckpointManager
+            (timed with `check` as "checks")
     load    the start model onto the device                     (timed as "load")
-    adopt   what is built from the model before the engine wraps it (reference copy, objective)
+    adopt   what is built from the loaded model before the engine wraps it (a reference copy);
+            the objective `check` built against the weightless model is kept, not built again
     engine  the DeepSpeed engine                                (timed as "engine")
     begin   the step to start from (a resumed checkpoint's), then the metrics log
     train   the steps, from `self.start`, -> the summary
@@ -13,13 +18,15 @@ save / cleanup):
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Mapping, Optional
+from typing import Callable, ClassVar, Mapping, Optional
 
 import torch
 from tqdm.auto import tqdm
 
 from dare_core import devices
+from dare_core.artifacts import artifact_root
 from dare_core.config import DareConfig
 from dare_core.data.lengths import resolve as resolve_lengths
 from dare_core.inputs import tokenizer_folder
@@ -27,18 +34,41 @@ from dare_core.models.hf_folder import save_model
 from dare_core.storage import atomic_write_json
 from dare_core.timing import PhaseTimer, phase_times_requested
 from dare_core.training import engine as eng
-from dare_core.training.checkpoint import CheckpointManager
+from dare_core.training.checkpoint import CheckpointManager, SavePolicy
+from dare_core.training.fingerprint import stage_fingerprint
 from dare_core.training.metrics import MetricsLogger
 from dare_core.training.parallel import layout
+from dare_core.training.preflight import check_outputs, checkpoint_bytes, model_bytes, stage_writes, training_need
+
+
+@dataclass(frozen=True)
+class CheckpointFacts:
+    """What a stage's checks tell the `plan` step its checkpoints depend on, beyond its config
+    section: `spec`, the model it trains (weightless), sizes them; `inputs` (role -> file or
+    folder) are fingerprinted with the settings, less the section's `unrecorded` keys (those that
+    change no trained weight); `model_folders` are the model folders it writes besides its export
+    (each of the spec's weights); `protect` names the checkpoints pruning keeps beyond the last
+    keep_last (CheckpointManager)."""
+
+    spec: torch.nn.Module
+    inputs: Mapping[str, Path]
+    unrecorded: tuple[str, ...] = ()
+    model_folders: tuple[Path, ...] = ()
+    protect: Optional[Callable[[list[str]], set[str]]] = None
 
 
 class TrainingStage:
     """One run of a training stage. A stage sets `name` (its config section, folder and
-    metrics/<name>.json) and `title` (how its log lines name it), and fills in `check`, `load`,
-    `adopt`, `build_engine`, `plots` and `train`; `steps` is the step the run ends at."""
+    metrics/<name>.json), `title` (how its log lines name it), `steps_key` (its section's step
+    count, which the checkpoints' save policy reads too) and `exports_model`, and fills in `check`,
+    `load`, `adopt`, `build_engine`, `plots` and `train`; `steps` is the step the run ends at."""
 
     name: ClassVar[str]
     title: ClassVar[str]
+    steps_key: ClassVar[str] = "max_steps"
+    # the stage ends in a model folder, <stage>/model (unless `export` is off); RL's end is its
+    # last checkpoint, which `convert` reads
+    exports_model: ClassVar[bool] = True
     # the export also logs the writer's own counters (time/export_*) beside its phase times
     export_stats: ClassVar[bool] = False
     # the timer charges phases timed deep inside the step (rollouts, rewards) only while it is the
@@ -48,7 +78,7 @@ class TrainingStage:
     def __init__(self, cfg: DareConfig, progress: bool = True, save_checkpoints: bool = True, export: bool = True,
                  phase_times: Optional[bool] = None):
         self.cfg = resolve_lengths(cfg)  # `auto` lengths, as the prepare stage derived them
-        self.progress, self.save_checkpoints, self.export = progress, save_checkpoints, export
+        self.progress, self.save_checkpoints, self.export = progress, save_checkpoints, export and self.exports_model
         self.timer = PhaseTimer(phase_times_requested(phase_times))
         self.out_dir = self.cfg.stage_dir(self.name)
         self.ckpt: Optional[CheckpointManager] = None
@@ -61,7 +91,8 @@ class TrainingStage:
         self.logger: Optional[MetricsLogger] = None
 
     # ------------------------------------------------------------------ the steps a stage fills in
-    def check(self) -> CheckpointManager:
+    def check(self) -> CheckpointFacts:
+        """The stage's own checks; keeps what the later steps read (`self.plan`)."""
         raise NotImplementedError
 
     def load(self, device: torch.device) -> torch.nn.Module:
@@ -99,7 +130,7 @@ class TrainingStage:
     def run(self) -> dict:
         with self.timer.active() if self.active_timer else contextlib.nullcontext():
             with self.timer.phase("checks"):
-                self.ckpt = self.check()
+                self.ckpt = self.plan_checkpoints(self.check())
             # every check has passed: from here on the stage may write
             with self.timer.phase("load"):
                 model = self.load(devices.device())
@@ -123,6 +154,28 @@ class TrainingStage:
                 raise
             self.logger.close()
             return summary
+
+    def plan_checkpoints(self, facts: CheckpointFacts) -> CheckpointManager:
+        """The `plan` step: the checkpoints of these settings and inputs (the one to resume checked,
+        unless --restart), then writable outputs and room on the disk for what the run writes (the
+        checkpoints its save policy writes, where they are saved, the export and `facts.model_folders`)."""
+        cfg, out_dir, section = self.cfg, self.out_dir, getattr(self.cfg, self.name)
+        self.steps = getattr(section, self.steps_key)
+        dtype = devices.resolve_dtype(cfg.model.dtype)
+        weights = model_bytes(facts.spec, dtype)
+        fingerprint = stage_fingerprint(cfg, self.name, dict(facts.inputs), facts.unrecorded)
+        ckpt = CheckpointManager(out_dir / "checkpoints", section.keep_last, fingerprint, self.name, cfg.restart,
+                                 checkpoint_bytes(facts.spec, dtype), mirror=artifact_root(cfg),
+                                 policy=SavePolicy(section.save_every, self.steps, exports=self.export),
+                                 weights_bytes=weights, protect=facts.protect)
+        ckpt.check()
+        saves, existing = ckpt.planned_writes() if self.save_checkpoints else ([], [])
+        models = ([out_dir / "model"] if self.export else []) + list(facts.model_folders)
+        needs = [(out_dir, training_need(saves, existing, section.keep_last, weights if self.export else 0))]
+        needs += [(folder, weights) for folder in facts.model_folders]
+        what = f"the {self.title} checkpoints" + (" and the exported model" if self.exports_model else "")
+        check_outputs(stage_writes(out_dir) + [Path(cfg.run.metrics_dir) / f"{self.name}.json"] + models, needs, what, models)
+        return ckpt
 
     # ------------------------------------------------------------------ shared parts
     def progress_bar(self, total: int, desc: str) -> tqdm:

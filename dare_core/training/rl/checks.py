@@ -1,16 +1,16 @@
-"""Every check of the RL stage, before it writes anything or starts DeepSpeed (`check_rl`), and
-the plan they leave for the loop (training/rl/loop.py)."""
+"""The RL stage's own checks, before it writes anything or starts DeepSpeed (`check_rl`), and the
+plan they leave for the loop (training/rl/loop.py); its checkpoints and outputs are checked by the
+`plan` step of training/stage.py, from what `check_rl` declares."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
+from dare_core.algorithms.base import RLAlgorithm
 from dare_core.algorithms.registry import build_algorithm
 from dare_core.algorithms.rollout import record_level
-from dare_core.artifacts import artifact_root
 from dare_core.config import ConfigError, DareConfig
 from dare_core.data.schema import DataError, check_ground_truths, read_rows, table_row
-from dare_core.devices import resolve_dtype
 from dare_core.inputs import reward_inputs
 from dare_core.models.hf_folder import inspect_model
 from dare_core.models.lm import DiffusionLM
@@ -19,13 +19,11 @@ from dare_core.rl_schedules import RL_SCHEDULES
 from dare_core.sampling.cache import check_cache_fits
 from dare_core.sampling.engines import check_engine
 from dare_core.training import engine as eng
-from dare_core.training.checkpoint import CheckpointManager, SavePolicy
 from dare_core.training.export_choice import protected_tags
-from dare_core.training.fingerprint import stage_fingerprint
 from dare_core.training.parallel import check_sequence_parallel
-from dare_core.training.preflight import check_outputs, checkpoint_bytes, model_bytes, stage_writes, training_need
 from dare_core.training.rl.validation import RLValidator, check_validation_config, validation_params
 from dare_core.training.setup import prepare_for_training, stage_tokenizer
+from dare_core.training.stage import CheckpointFacts
 
 
 def rl_start_folder(cfg: DareConfig) -> Path:
@@ -47,7 +45,8 @@ class RLPlan:
     rows: list
     validator: RLValidator
     tokenizer: object
-    ckpt: CheckpointManager
+    algo: RLAlgorithm
+    checkpoints: CheckpointFacts
 
 
 def _check_sampler(cfg: DareConfig, spec) -> None:
@@ -80,9 +79,10 @@ def _check_prompt_lengths(path: Path, rows: list[dict], tokenizer, gen_length: i
                             f"exceeds the model maximum {limit}")
 
 
-def check_rl_settings(cfg: DareConfig, spec: DiffusionLM) -> None:
+def check_rl_settings(cfg: DareConfig, spec: DiffusionLM) -> RLAlgorithm:
     """The checks of the RL settings against the model (`spec`, weightless): sampler and engine,
-    the algorithm's options and batch shapes, the ranks, validation; no data read."""
+    the algorithm's options and batch shapes, the ranks, validation; no data read. Returns the
+    algorithm (it keeps the model's token ids and block size only: the loaded model's are the same)."""
     _check_sampler(cfg, spec)
     algo = build_algorithm(cfg.rl, spec)
     _check_engine(cfg, spec, record_level(algo.requires))
@@ -90,21 +90,20 @@ def check_rl_settings(cfg: DareConfig, spec: DiffusionLM) -> None:
     check_rl_ranks(cfg, algo.rows_per_prompt)
     check_sequence_parallel(cfg.launch, spec, algo)
     check_validation_config(cfg.rl)
+    return algo
 
 
-def check_rl(cfg: DareConfig, save_checkpoints: bool = True) -> RLPlan:
-    """Every check of the RL stage, before it writes anything or starts DeepSpeed: the config, the
+def check_rl(cfg: DareConfig) -> RLPlan:
+    """The RL stage's own checks, before it writes anything or starts DeepSpeed: the config, the
     SFT model (its config only) and the sampler's fit to its family, the algorithm's options and
-    batch shapes, the prompts and their ground truths (train and val), the checkpoints (made with
-    these settings, unless --restart), writable outputs and room on the disk (for the checkpoints
-    the save policy writes, if checkpoints will be saved)."""
+    batch shapes, the prompts and their ground truths (train and val)."""
     rl = cfg.rl
     out_dir = cfg.stage_dir("rl")
     start_folder = rl_start_folder(cfg)
     if not (start_folder / "config.json").is_file():
         raise FileNotFoundError(f"{start_folder}: no SFT model to start from (run the sft stage first)")
     spec = prepare_for_training(inspect_model(start_folder), cfg)
-    check_rl_settings(cfg, spec)
+    algo = check_rl_settings(cfg, spec)
 
     data_path = Path(cfg.data.prepared_dir) / "rl.parquet"
     rows = read_rows(data_path, "rl")
@@ -126,17 +125,8 @@ def check_rl(cfg: DareConfig, save_checkpoints: bool = True) -> RLPlan:
         () if RL_SCHEDULES.lookup(rl.schedule).in_fingerprint else ("schedule",))
     # a user reward's sources are inputs: checkpoints trained under another version of it are another run's
     inputs = {"data file": data_path, "start model": start_folder, **reward_inputs(rl.reward)}
-    fingerprint = stage_fingerprint(cfg, "rl", inputs, unrecorded)
-    dtype = resolve_dtype(cfg.model.dtype)
-    # no export: `convert` reads the last checkpoint, of the weights only where no resume point is due
-    ckpt = CheckpointManager(out_dir / "checkpoints", rl.keep_last, fingerprint, "rl", cfg.restart, checkpoint_bytes(spec, dtype),
-                             mirror=artifact_root(cfg), policy=SavePolicy(rl.save_every, rl.num_steps, exports=False),
-                             weights_bytes=model_bytes(spec, dtype), protect=_best_validated(rl, validator))
-    ckpt.check()
-    saves, existing = ckpt.planned_writes() if save_checkpoints else ([], [])
-    check_outputs(stage_writes(out_dir) + [Path(cfg.run.metrics_dir) / "rl.json"],
-                  [(out_dir, training_need(saves, existing, rl.keep_last, 0))], "the RL checkpoints")
-    return RLPlan(rows, validator, tokenizer, ckpt)
+    return RLPlan(rows, validator, tokenizer, algo,
+                  CheckpointFacts(spec, inputs, unrecorded, protect=_best_validated(rl, validator)))
 
 
 def _best_validated(rl, validator: RLValidator):

@@ -10,13 +10,11 @@ from typing import Optional
 
 import torch
 
-from dare_core.algorithms.registry import build_algorithm
 from dare_core.config import DareConfig
 from dare_core.devices import resolve_dtype
 from dare_core.models.hf_folder import load_model
 from dare_core.sampling.engines import build_engine
 from dare_core.training import engine as eng
-from dare_core.training.checkpoint import CheckpointManager
 from dare_core.training.plots import STAGE_PLOTS
 from dare_core.training.reference import frozen_reference, sync_reference
 from dare_core.training.rl.checks import check_rl, rl_start_folder
@@ -25,7 +23,7 @@ from dare_core.training.rl.schedules import SCHEDULES, ahead_files, load_ahead
 from dare_core.training.rl.validation import due
 from dare_core.training.rl.verbs import RLRun, Rollout, Update, ratio_is_trivial
 from dare_core.training.setup import prepare_for_training
-from dare_core.training.stage import TrainingStage
+from dare_core.training.stage import CheckpointFacts, TrainingStage
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +43,11 @@ class RLStage(TrainingStage):
     """RL in the steps of training/stage.py: from the SFT model; no export (`convert` reads the last
     checkpoint). Its steps run in the order of rl.schedule (training/rl/schedules.py)."""
 
-    name, title, active_timer = "rl", "RL", True
+    name, title, active_timer, steps_key, exports_model = "rl", "RL", True, "num_steps", False
 
-    def check(self) -> CheckpointManager:
-        self.plan = check_rl(self.cfg, self.save_checkpoints)
-        self.steps = self.cfg.rl.num_steps
-        return self.plan.ckpt
+    def check(self) -> CheckpointFacts:
+        self.plan = check_rl(self.cfg)
+        return self.plan.checkpoints
 
     def load(self, device: torch.device) -> torch.nn.Module:
         return prepare_for_training(load_model(rl_start_folder(self.cfg), dtype=resolve_dtype(self.cfg.model.dtype), device=device),
@@ -59,7 +56,7 @@ class RLStage(TrainingStage):
     def adopt(self, model: torch.nn.Module) -> None:
         rl = self.cfg.rl
         self.ref = frozen_reference(model, self.cfg.model.lora, needed=rl.kl_beta > 0)
-        self.algo = build_algorithm(rl, model)
+        self.algo = self.plan.algo
 
     def build_engine(self, model: torch.nn.Module):
         rl = self.cfg.rl
