@@ -10,7 +10,8 @@
   counted as one room.
 - **walk** (`--walk`): the RL stage's way from its start to loading the model, traced on a tiny
   project (prepared and SFT-trained through `dare stage`): the rooms its calls enter, and the
-  distinct (caller's room, callee's room) pairs of its calls between two rooms ("crossings").
+  distinct (caller's room, callee's room) pairs of its calls between two rooms ("crossings"); the
+  same for modules.
 - The same numbers with top-level rooms only (a sub-package counted in its package): circles there
   cross the layers; a circle between a package and its own sub-package stays inside one layer."""
 from __future__ import annotations
@@ -164,9 +165,10 @@ def prof(frame, event, arg):
         if frame.f_code.co_name == "load_model" and room(frame) == "dare_core.models":
             raise Loaded
         r = room(frame)
-        caller = room(frame.f_back) if frame.f_back is not None else None
+        caller = frame.f_back
         if r is not None:
-            trail.append((caller, r))
+            trail.append((room(caller) if caller else None, r, caller.f_globals.get("__name__") if caller else None,
+                          frame.f_globals.get("__name__")))
 sys.setprofile(prof)
 try:
     run_rl(load_config("params.yaml"), progress=False)
@@ -180,9 +182,12 @@ print(json.dumps(trail))
         out = subprocess.run([sys.executable, "-c", tracer, json.dumps(rooms)], cwd=repo, check=True, capture_output=True,
                              text=True, env={**__import__("os").environ, "PYTHONPATH": str(repo)})
         trail = json.loads(out.stdout.strip().splitlines()[-1])
-    entered = {r for _, r in trail}
-    crossings = {(a, b) for a, b in trail if a is not None and a != b}
-    return {"rooms entered": len(entered), "crossings": len(crossings)}
+    entered = {r for _, r, _, _ in trail}
+    crossings = {(a, b) for a, b, _, _ in trail if a is not None and a != b}
+    modules = {m for _, _, _, m in trail}
+    module_crossings = {(a, b) for _, _, a, b in trail if a in rooms and a != b}
+    return {"rooms entered": len(entered), "crossings": len(crossings), "modules entered": len(modules),
+            "module crossings": len(module_crossings)}
 
 
 def top_level(rooms: dict[str, str], arrows: dict[str, set[str]]) -> tuple[dict[str, str], dict[str, set[str]]]:

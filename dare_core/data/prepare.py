@@ -318,7 +318,7 @@ class Prepared:
 
 def check_prepare(cfg: DareConfig) -> Prepared:
     """Build (or load) the tokenizer, make the splits and make every check of the stage, writing
-    nothing: the stage, and the inputs stage's dry run of it (training/settings_checks.py)."""
+    nothing: the stage, and the inputs stage's dry run of it (workers/settings_checks.py)."""
     from_scratch = cfg.model.path is None
     outputs = [cfg.data.prepared_dir] + ([cfg.data.tokenizer_dir] if from_scratch else [])
     for output in outputs:

@@ -1,5 +1,5 @@
 """Worker of the `inputs` stage, the first stage of every `dvc repro`: it checks every stage's
-settings (training/settings_checks.py: prepare's dry run, the later stages' settings against the
+settings (workers/settings_checks.py: prepare's dry run, the later stages' settings against the
 model), then writes the identity of every input file to `<run.metrics_dir>/inputs.json` for DVC to
 compare, and the list of project input files that dvc.yaml reads, `data/input_files.yaml`
 (dare_core/inputs.py). DVC runs it every time, so the checks are made only when something they
@@ -46,7 +46,7 @@ def check_when_changed(cfg: DareConfig, found: dict) -> str:
     with contextlib.suppress(OSError):
         if CHECKED.read_text() == digest:
             return "settings and inputs unchanged since their last check"
-    from dare_core.training.settings_checks import check_settings  # (torch: only when something changed)
+    from dare_core.workers.settings_checks import check_settings  # (torch: only when something changed)
 
     check_settings(cfg, found)
     with contextlib.suppress(OSError):  # a project without a writable .cache checks again next time

@@ -200,7 +200,7 @@ def test_dare_stage_in_a_subfolder_writes_in_the_project_root(project: Path) -> 
 def test_settings_a_later_stage_refuses_are_refused_by_the_inputs_stages_checks(
         project: Path, monkeypatch: pytest.MonkeyPatch, override: str, culprit: str) -> None:
     from dare_core.config import load_config
-    from dare_core.training.settings_checks import check_settings
+    from dare_core.workers.settings_checks import check_settings
 
     monkeypatch.chdir(project)
     cfg = load_config("params.yaml", [override])  # the settings file itself reads fine
