@@ -9,9 +9,11 @@ over a window writes that window's keys/values into the cache and attends to the
             reading the prefix before the block from the cache
   dual      at a refresh, the whole canvas; otherwise only the current block, reading the prefix
             and the masked suffix from the cache
-  block_kv  block diffusion: prefill the full prompt blocks once; each step encodes the current
-            block against the cache; a finished block gets one more forward of its clean tokens,
-            whose keys/values are the ones later blocks read
+  block_kv  block diffusion: prefill the full prompt blocks once (in windows of whole blocks, at
+            most `PREFILL_TOKENS` tokens a forward over all rows: a prompt block reads only the
+            blocks before it, so the windows' keys and values are the one window's); each step
+            encodes the current block against the cache; a finished block gets one more forward of
+            its clean tokens, whose keys/values are the ones later blocks read
 
 Refreshes happen at the start of every block and, with `refresh_every = k > 0`, every k steps
 inside it (k = 1 reproduces decoding without a cache). A shifted family (Dream) reads column c's
@@ -26,6 +28,10 @@ from dare_core.registry import Registry
 from dare_core.sampling.params import SamplingParams
 
 CACHE_POLICIES = Registry("cache")
+# tokens (over all rows) one prefill forward encodes at most: the forward's activations, not the
+# cache, are what a long prompt's prefill adds (32 rows of 16k tokens in one forward ran an 8B model
+# out of an H200's memory, bench/results/rollout_context.md), and a window this wide keeps the GPU busy
+PREFILL_TOKENS = 65536
 
 
 @dataclass(frozen=True)
@@ -42,8 +48,9 @@ class CachePolicy:
     def __init__(self, params: SamplingParams, shift: int, block_diffusion: bool):
         self.params, self.shift, self.is_block = params, shift, block_diffusion
 
-    def prefill(self, first_block_start: int) -> Optional[Window]:
-        return None
+    def prefill(self, first_block_start: int, rows: int) -> list[Window]:
+        """The windows that encode the prompt before the first decoded block (none: no prefill)."""
+        return []
 
     def step(self, j: int, lo: int, hi: int, length: int) -> Window:
         raise NotImplementedError
@@ -92,8 +99,11 @@ class DualCache(FastDLLMCache):
 class BlockKVCache(CachePolicy):
     block_diffusion = True
 
-    def prefill(self, first_block_start):
-        return Window(0, first_block_start, first_block_start) if first_block_start > 0 else None
+    def prefill(self, first_block_start, rows):
+        block = self.params.block_length
+        width = max(block, PREFILL_TOKENS // max(rows, 1) // block * block)
+        return [Window(start, min(start + width, first_block_start), min(start + width, first_block_start))
+                for start in range(0, first_block_start, width)]
 
     def step(self, j, lo, hi, length):
         # keys written here come from a partially masked block; the commit forward overwrites them

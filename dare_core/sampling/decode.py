@@ -339,7 +339,7 @@ def _denoise_loop(model, prompts: Sequence[Sequence[int]], params: SamplingParam
             generators = [generators[i] for i in keep.tolist()]
         return not bool(frozen.all())
 
-    if (w := policy.prefill(canvas.origin)) is not None:
+    for w in policy.prefill(canvas.origin, canvas.x.shape[0]):
         forward(w)
     spb = params.steps_per_block
     alive = True

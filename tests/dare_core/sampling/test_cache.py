@@ -56,6 +56,27 @@ def test_block_kv_cache_equals_block_decoding_without_it(family, unmasking):
     assert torch.equal(plain.trajectory.step_map, cached.trajectory.step_map)
 
 
+@pytest.mark.parametrize("family", BLOCK)
+def test_prefill_in_windows_equals_one_prefill(family, monkeypatch):
+    """A long prompt's prefill runs in windows of whole blocks (cache.PREFILL_TOKENS over all rows):
+    a prompt block reads only the blocks before it, so the cache, the tokens and the step map are
+    those of one prefill forward."""
+    from dare_core.sampling import cache as cache_policies
+
+    model = model_of(family)
+    bl = model.block_size
+    long_prompts = [[1 + i % 40 for i in range(2 * bl + 2)], [3 + i % 40 for i in range(2 * bl)], [4, 5, 6]]
+    params = params_for(model, "block_kv", unmasking="dynamic", threshold=0.2)
+    whole = generate(model, long_prompts, params, record="steps")
+    policy = cache_policies.build_cache_policy(params, 0, True)
+    monkeypatch.setattr(cache_policies, "PREFILL_TOKENS", bl * len(long_prompts))  # one block a window
+    assert [(w.start, w.end, w.key_end) for w in policy.prefill(3 * bl, len(long_prompts))] == [
+        (0, bl, bl), (bl, 2 * bl, 2 * bl), (2 * bl, 3 * bl, 3 * bl)]
+    chunked = generate(model, long_prompts, params, record="steps")
+    assert torch.equal(whole.sequences, chunked.sequences)
+    assert torch.equal(whole.trajectory.step_map, chunked.trajectory.step_map)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_batch_equals_each_prompt_alone_in_every_cache_mode(family, temperature):
