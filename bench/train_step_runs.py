@@ -188,7 +188,7 @@ def rl_pass_flops(cfg, folder: str, step: dict) -> dict:
     two-stream layout of block diffusion counts each token twice), from the step's mean sequence
     length: every rollout taken as that long, which undercounts attention by the lengths' spread.
     The passes are the loop's: an old-policy forward per inner iteration but the first where the
-    first iteration's weights rolled out (rl_verbs.first_iteration_is_current), none where the ratio is
+    first iteration's weights rolled out (training/rl/verbs.py first_iteration_is_current), none where the ratio is
     trivially 1; a reference forward per iteration with a KL term; a forward and backward per iteration."""
     from model_throughput import model_flops
 

@@ -398,7 +398,7 @@ class RLConfig:
     def __post_init__(self) -> None:
         _one_of(self, "export", ("best", "last"))
         _one_of(self, "export_metric", ("mean", "best", "maj"))
-        # rl.validate_* are checked with the stage (training/rl_validation.check_validation_config)
+        # rl.validate_* are checked with the stage (training/rl/validation.py check_validation_config)
         _at_least(self, 1, "num_steps", "prompts_per_step", "num_iterations", "mini_batches", "micro_batch_size",
                   "rows_per_forward", "log_every", "save_every", "keep_last")
         _at_least(self, 2, "group_size")  # group advantages need a group

@@ -27,7 +27,7 @@ from dare_core.errors import UserError
 ENV_FILE = "dare.env"
 PROJECT = "${DARE_PROJECT}"
 _LINE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)=(.*)")
-_CODE_CHECKOUT = Path(__file__).resolve().parents[1]  # the checkout this dare_core runs from
+_CODE_CHECKOUT = Path(__file__).resolve().parents[2]  # the checkout this dare_core runs from
 
 
 def project_of(folder: Path) -> Path:
