@@ -7,6 +7,10 @@ dataclass defaults < params.yaml < the recipe < `-S key=value`. It is chosen by 
 `dare stage <name> --recipe d1`, which is the same as `-S recipe=d1`. Sections merge key by key,
 except that a recipe naming another `data.task` than params.yaml drops params.yaml's
 `data.task_args` (they are that other task's).
+
+A preset may build on another with `extends: <name or path>` (a path relative to its own folder
+first): the base is applied first and the preset's own values over it, so a preset that changes
+one setting of another (a longer response) holds that setting and its reason alone.
 """
 from __future__ import annotations
 
@@ -54,11 +58,22 @@ def find_recipe(name: str, params_path: Union[str, Path] = "params.yaml") -> Pat
                       f"recipes: {known})")
 
 
-def read_recipe(path: Path) -> dict:
+def read_recipe(path: Path, params_path: Union[str, Path] = "params.yaml", chain: tuple = ()) -> dict:
+    """The recipe at `path`, over the recipes it `extends` (applied first)."""
     tree = read_yaml_mapping(path, RecipeError, "a mapping of params.yaml sections (a recipe)")
     if "recipe" in tree:
-        raise RecipeError(f"{path}: a recipe cannot name another recipe")
-    return tree
+        raise RecipeError(f"{path}: a recipe cannot name another recipe (`extends: <name>` builds on one)")
+    base_name = tree.pop("extends", None)
+    if base_name is None:
+        return tree
+    if not isinstance(base_name, str) or not base_name:
+        raise RecipeError(f"{path}: extends must name a recipe or a path, got {base_name!r}")
+    beside = path.parent / base_name
+    base_path = beside if names_a_file(base_name) and beside.is_file() else find_recipe(base_name, params_path)
+    seen = chain + (path.resolve(),)
+    if base_path.resolve() in seen:
+        raise RecipeError(f"{path}: extends {base_name}, which extends it back ({' -> '.join(str(p) for p in seen)})")
+    return merged(read_recipe(base_path, params_path, seen), tree)
 
 
 def merged(base: dict, over: dict) -> dict:
@@ -78,7 +93,7 @@ def apply_recipe(raw: dict, name: Optional[Any], params_path: Union[str, Path]) 
         return raw
     if not isinstance(name, str):
         raise RecipeError(f"recipe must be a name or a path, got {name!r}")
-    recipe = read_recipe(find_recipe(name, params_path))
+    recipe = read_recipe(find_recipe(name, params_path), params_path)
     out = merged(raw, recipe)
     data = recipe.get("data") or {}
     if "task" in data and "task_args" not in data and data["task"] != (raw.get("data") or {}).get("task"):

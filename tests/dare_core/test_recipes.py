@@ -72,6 +72,48 @@ def test_errors(project):
         load_config(project / "params.yaml", ["recipe=typo"])
 
 
+def test_a_preset_extends_another(project):
+    """`extends:` applies the base first and the preset over it; a path is read beside the preset
+    first, a name from configs/recipes/; a chain that comes back to itself is refused."""
+    presets = project / "presets"
+    presets.mkdir()
+    (presets / "base.yaml").write_text("rl:\n  num_iterations: 4\n  group_size: 16\n  optim: {lr: 1.0e-5}\n")
+    (presets / "longer.yaml").write_text("extends: base.yaml\nrl:\n  group_size: 4\n")
+    (presets / "on_paper.yaml").write_text("extends: paper\nrl:\n  kl_beta: 0.0\n")
+    (presets / "twice.yaml").write_text("extends: longer.yaml\nrl:\n  num_iterations: 6\n")
+    cfg = load_config(project / "params.yaml", [f"recipe={presets / 'twice.yaml'}"])
+    assert (cfg.rl.num_iterations, cfg.rl.group_size, cfg.rl.optim.lr) == (6, 4, 1.0e-5)
+    cfg = load_config(project / "params.yaml", [f"recipe={presets / 'on_paper.yaml'}"])
+    assert (cfg.rl.num_iterations, cfg.rl.kl_beta, cfg.rl.optim.lr) == (12, 0.0, 3.0e-6)
+    (presets / "a.yaml").write_text("extends: b.yaml\n")
+    (presets / "b.yaml").write_text("extends: a.yaml\n")
+    with pytest.raises(RecipeError, match="extends it back"):
+        load_config(project / "params.yaml", [f"recipe={presets / 'a.yaml'}"])
+    (presets / "bad.yaml").write_text("extends: [base.yaml]\n")
+    with pytest.raises(RecipeError, match="extends must name a recipe or a path"):
+        load_config(project / "params.yaml", [f"recipe={presets / 'bad.yaml'}"])
+
+
+@pytest.mark.parametrize("length", ["8k", "16k"])
+def test_long_generation_presets_change_only_what_the_length_changes(length):
+    """The 8k and 16k presets are the 4k one with their own lengths and batch sizes."""
+    from dataclasses import asdict
+
+    base = asdict(load_config(REPO / "params.yaml", ["recipe=configs/long_generation.yaml"]))
+    longer = asdict(load_config(REPO / "params.yaml", [f"recipe=configs/long_generation_{length}.yaml"]))
+    longer["recipe"] = base["recipe"]
+
+    def differences(a, b, where=""):
+        if isinstance(a, dict):
+            return {d for k in a for d in differences(a[k], b[k], f"{where}.{k}".strip("."))}
+        return set() if a == b else {where}
+
+    allowed = {"rl.prompts_per_step", "rl.micro_batch_size", "rl.sampler.gen_length", "rl.sampler.steps",
+               "rl.sampler.batch_size", "eval.sampler.gen_length", "eval.sampler.steps", "eval.sampler.batch_size"}
+    changed = differences(base, longer)
+    assert {"rl.sampler.gen_length", "rl.sampler.steps", "eval.sampler.gen_length"} <= changed <= allowed
+
+
 @pytest.mark.parametrize("path", sorted(RECIPES.glob("*.yaml")), ids=lambda p: p.stem)
 def test_every_recipe_loads_and_names_its_sources(path):
     cfg = load_config(REPO / "params.yaml", [f"recipe={path}"])
