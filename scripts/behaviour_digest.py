@@ -39,12 +39,13 @@ VOLATILE = re.compile(r"(time|_s$|seconds|per_s|/s$|elapsed|wall|throughput|toke
 
 
 def _tensor_digest(path: Path) -> dict[str, str]:
+    import torch
     from safetensors.torch import load_file
 
     out = {}
     for name, t in sorted(load_file(str(path)).items()):
         h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
-        h.update(t.contiguous().view(-1).view(dtype=__import__("torch").uint8).numpy().tobytes())
+        h.update(t.contiguous().view(-1).view(dtype=torch.uint8).numpy().tobytes())
         out[name] = h.hexdigest()[:16]
     return out
 

@@ -26,49 +26,45 @@ from collections import defaultdict
 from pathlib import Path
 
 
-def rooms_of(pkg: Path) -> dict[str, str]:
-    """Module name -> its room."""
-    out = {}
-    for path in sorted(pkg.rglob("*.py")):
+def modules(root: Path, top: str) -> dict[str, Path]:
+    """Module name -> file of every module under `root / top` (a package is its `__init__.py`)."""
+    found = {}
+    for path in sorted((root / top).rglob("*.py")):
         if "__pycache__" in path.parts:
             continue
-        rel = path.relative_to(pkg.parent).with_suffix("")
-        parts = list(rel.parts)
-        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        folder = path.parent
-        out[module] = ".".join(folder.relative_to(pkg.parent).parts) if folder != pkg else module
+        parts = path.relative_to(root).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """Modules `name` imports anywhere in its body, inside functions and under `TYPE_CHECKING` too
+    (`from a import b` counts a.b when it is a module of `known`)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module
+            out.add(target)
+            out.update(f"{target}.{alias.name}" for alias in node.names if f"{target}.{alias.name}" in known)
     return out
 
 
-def imports_of(path: Path, module: str, is_package: bool) -> set[str]:
-    tree = ast.parse(path.read_text())
-    found = set()
-    base = module.split(".") if is_package else module.split(".")[:-1]
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                prefix = ".".join(base[: len(base) - node.level + 1])
-                name = f"{prefix}.{node.module}" if node.module else prefix
-            else:
-                name = node.module or ""
-            found.add(name)
-            found.update(f"{name}.{a.name}" for a in node.names)
-    return {n for n in found if n == "dare_core" or n.startswith("dare_core.")}
-
-
 def room_graph(repo: Path) -> tuple[dict[str, str], dict[str, set[str]]]:
+    """(module -> its room, room -> the rooms it imports from)."""
     pkg = repo / "dare_core"
-    rooms = rooms_of(pkg)
+    known = modules(repo, "dare_core")
+    # a module of a (sub-)package belongs to it; a top-level module is a room of its own
+    rooms = {m: m if p.parent == pkg else ".".join(p.parent.relative_to(repo).parts) for m, p in known.items()}
     arrows: dict[str, set[str]] = defaultdict(set)
-    for path in sorted(pkg.rglob("*.py")):
-        if "__pycache__" in path.parts:
-            continue
-        parts = list(path.relative_to(repo).with_suffix("").parts)
-        is_package = parts[-1] == "__init__"
-        module = ".".join(parts[:-1] if is_package else parts)
-        for name in imports_of(path, module, is_package):
+    for module, path in known.items():
+        for name in imports(module, path, known):
             while name and name not in rooms:
                 name = name.rpartition(".")[0]
             if name and rooms[name] != rooms[module]:
@@ -77,7 +73,7 @@ def room_graph(repo: Path) -> tuple[dict[str, str], dict[str, set[str]]]:
 
 
 def circles(nodes: list[str], arrows: dict[str, set[str]]) -> list[list[str]]:
-    """Tarjan's strongly connected components of more than one room."""
+    """Tarjan's strongly connected components of more than one node (rooms or modules), each sorted."""
     index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
 
     def visit(v: str) -> None:

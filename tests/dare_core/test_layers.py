@@ -4,14 +4,17 @@ graph has no cycle; dare_core never imports Prefect, DVC, `tasks/` or `flows/`; 
 imports `flows/`."""
 from __future__ import annotations
 
-import ast
 import re
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "dare_core"
+sys.path.insert(0, str(ROOT / "scripts"))  # the import graph is the structure review's (scripts/house_numbers.py)
+
+from house_numbers import circles, imports, modules  # noqa: E402
 
 
 def layer_order() -> list[list[str]]:
@@ -21,57 +24,10 @@ def layer_order() -> list[list[str]]:
     return [line.split() for line in block.group(1).splitlines() if line.strip()]
 
 
-def modules(top: str) -> dict[str, Path]:
-    found = {}
-    for path in (ROOT / top).rglob("*.py"):
-        parts = path.relative_to(ROOT).with_suffix("").parts
-        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    return found
-
-
-def _type_checking_only(tree: ast.AST) -> set[ast.AST]:
-    """Nodes under `if TYPE_CHECKING:`: imports for annotations, which never run."""
-    skipped = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
-            for child in node.body:
-                skipped.update(ast.walk(child))
-    return skipped
-
-
-def imports(name: str, path: Path, known: dict[str, Path], runtime_only: bool = False) -> set[str]:
-    """Modules `name` imports anywhere in its body (`from a import b` counts a.b when it is a module);
-    `runtime_only` leaves out those under `if TYPE_CHECKING:`."""
-    out = set()
-    tree = ast.parse(path.read_text(), str(path))
-    skipped = _type_checking_only(tree) if runtime_only else set()
-    for node in ast.walk(tree):
-        if node in skipped:
-            continue
-        if isinstance(node, ast.Import):
-            out.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
-                base = base[: len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module
-            out.add(target)
-            out.update(f"{target}.{alias.name}" for alias in node.names if f"{target}.{alias.name}" in known)
-    return out
-
-
 @pytest.fixture(scope="module")
 def graph() -> dict[str, set[str]]:
-    known = modules(PACKAGE)
+    known = modules(ROOT, PACKAGE)
     return {name: imports(name, path, known) for name, path in known.items()}
-
-
-@pytest.fixture(scope="module")
-def runtime_graph() -> dict[str, set[str]]:
-    known = modules(PACKAGE)
-    return {name: imports(name, path, known, runtime_only=True) for name, path in known.items()}
 
 
 def layer_of(module: str, order: list[list[str]]) -> int:
@@ -108,32 +64,7 @@ def test_no_import_cycle(graph):
     """No cycle, also through a type named only for annotations (an import that never runs still ties
     the two modules: neither can be read or moved without the other)."""
     inside = {m: {t for t in ts if t in graph and t != m} for m, ts in graph.items()}
-    cycles, index, low, stack, on_stack = [], {}, {}, [], set()
-
-    def visit(v: str) -> None:  # Tarjan's strongly connected components
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in inside[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                cycles.append(sorted(component))
-
-    for v in sorted(inside):
-        if v not in index:
-            visit(v)
+    cycles = circles(sorted(inside), inside)
     assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
 
 
@@ -144,9 +75,14 @@ def test_library_never_imports_the_orchestration(graph):
 
 
 def test_tasks_never_import_flows():
-    known = modules("tasks")
+    known = modules(ROOT, "tasks")
     bad = sorted(f"{m} imports {t}" for m, p in known.items() for t in imports(m, p, known) if t.split(".")[0] == "flows")
     assert not bad, "\n".join(bad)
+
+
+def test_checker_sees_a_cycle():
+    assert circles(["a", "b", "c", "d"], {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles(["a", "b"], {"a": {"b"}}) == []
 
 
 def test_checker_sees_an_upward_import(tmp_path):

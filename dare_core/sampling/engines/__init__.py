@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+
 from dare_core.registry import Registry
 from dare_core.sampling.params import SamplingParams
 from dare_core.sampling.rollout_engine import RolloutEngine

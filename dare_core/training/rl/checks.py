@@ -31,8 +31,6 @@ def rl_start_folder(cfg: DareConfig) -> Path:
     return cfg.stage_dir("sft") / "model"
 
 
-
-
 # rl.validate_*: validation neither draws from the training randomness nor changes the weights, so
 # changing them resumes the run (left out of the fingerprint, like the keys of COSMETIC_KEYS)
 VALIDATION_KEYS = ("validate_every", "validate_k", "validate_prompts", "validate_temperature")

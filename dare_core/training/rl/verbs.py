@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # types only: deepspeed and transformers cost seconds to impo
     from transformers import PreTrainedTokenizerBase
 
     from dare_core.algorithms.base import RLAlgorithm
-    from dare_core.sampling.engines import RolloutEngine
+    from dare_core.sampling.rollout_engine import RolloutEngine
 
 
 @dataclass
