@@ -28,9 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rl_pieces import REWARD  # noqa: E402
 from stamp import REPO, fmt, git_commit, hardware, header, markdown_table, write_atomic  # noqa: E402
-from train_step_runs import RL_PHASES, child_env, metrics_rows, run_rl_on_folder  # noqa: E402
+from train_step_runs import RL_PHASES, child_env, link_start_folder, metrics_rows, run_rl_on_folder  # noqa: E402
 from train_step_setup import Settings, write_data, write_model_folder  # noqa: E402
 
+STOP_BASE = 1000  # --stop-tokens N makes N ids from here stop tokens (ordinary tokens; from vocab / 8 in a smaller vocabulary)
 SHAPE_OF_FAMILY = {"llada": "llada", "sdar": "sdar"}  # the 8B shapes bench/configs holds
 PHASE_NAMES = {"rollout": "rollout", "reward": "reward", "scoring": "old+ref scoring", "forward_backward": "fwd+bwd",
                "optimizer": "optimizer"}
@@ -52,6 +53,10 @@ def child_main(spec_path: Path) -> int:
     from dare_core.config import load_config
 
     spec = json.loads(spec_path.read_text())
+    if spec.get("keep_canvas"):  # the comparison: every rollout scored and trained over its whole canvas
+        from dare_core.algorithms.base import RLAlgorithm
+
+        RLAlgorithm.trims_after_stop = property(lambda self: False)
     run_rl_on_folder(load_config(REPO / "params.yaml", spec["overrides"]), spec["folder"])
     return 0
 
@@ -69,7 +74,7 @@ def describe(cfg) -> str:
 
 def write_results(out: Path, command: str, commit: str, settings: dict, steps: list[dict], status: str) -> None:
     rows = [[m["step"], *(fmt(m.get(f"time/{p}_s"), ".1f") for p in RL_PHASES), fmt(m.get("time/step_s"), ".1f"),
-             fmt(m.get("response_tokens"), ".0f"), fmt(m.get("memory/peak_gib"), ".1f", "n/a (CPU)")] for m in steps]
+             fmt(m.get("response_tokens"), ".0f"), fmt(m.get("sequence_tokens"), ".0f"), fmt(m.get("memory/peak_gib"), ".1f", "n/a (CPU)")] for m in steps]
     startup = next((m.get("time/startup_s") for m in steps if m.get("time/startup_s") is not None), None)
     lines = header("Long-generation RL: memory and time per step", command, hardware(), commit)
     lines += [f"- Preset: `{settings['preset']}`; the stage read: {settings['described']}.",
@@ -77,9 +82,18 @@ def write_results(out: Path, command: str, commit: str, settings: dict, steps: l
               "config.json, synthetic prompts, a hash-of-the-text reward (random weights answer nothing). Phase times "
               "from the loop's metrics (`DARE_PHASE_TIMES`, the GPU synchronised at each phase boundary); step 1 "
               "captures the CUDA graphs and compiles.",
+              *([f"- Responses of different lengths: {settings['stop_tokens']} token ids made stop tokens "
+                 f"(`rl.sampler.stop_token_ids`, ids {settings['first_stop']}-{settings['first_stop'] + settings['stop_tokens'] - 1}), so that random "
+                 "weights end a response after about vocab / N tokens. A finished rollout decodes no further block; "
+                 + ("here (`--keep-canvas`) every rollout is still scored and trained over its whole canvas, the tokens "
+                    "after its stop included." if settings.get("keep_canvas") else
+                    "scoring and training leave out the canvas after its stop token's block where the objective allows "
+                    "it (d1 on block diffusion).")] if settings.get("stop_tokens") else []),
+              *([f"- {settings['ranks']} ranks (one a GPU, started by torchrun), each decoding and training its share of the "
+                 "prompts; phase times and peak memory are rank 0's."] if settings.get("ranks", 1) > 1 else []),
               f"- Stage start-up (checks, load, engine) before step 1: {fmt(startup, '.1f', 'n/a')} s.",
               f"- Status: {status}.", ""]
-    lines += markdown_table(["step", *(f"{PHASE_NAMES[p]} s" for p in RL_PHASES), "step s", "response tokens (mean)",
+    lines += markdown_table(["step", *(f"{PHASE_NAMES[p]} s" for p in RL_PHASES), "step s", "response tokens (mean)", "tokens scored a rollout (mean)",
                              "peak GPU memory (GiB)"], rows)
     write_atomic(out, "\n".join(lines) + "\n")
     write_atomic(out.with_suffix(".json"), json.dumps({"commit": commit, "command": command, "settings": settings,
@@ -93,6 +107,12 @@ def main() -> int:
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/long_generation"))
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "long_generation.md")
     ap.add_argument("--budget", type=float, default=0, help="seconds the stage may run (0: no limit); its finished steps are kept")
+    ap.add_argument("--stop-tokens", type=int, default=0, metavar="N",
+                    help="N token ids made stop tokens (rl.sampler.stop_token_ids): random weights then end each response "
+                         "after about vocab/N tokens, so that responses of one batch differ in length")
+    ap.add_argument("--keep-canvas", action="store_true",
+                    help="score and train every rollout over its whole canvas, the tokens after its stop included "
+                         "(what the stage did before it left them out), to compare in one run")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: the model's two-layer, narrow version")
     ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -100,11 +120,11 @@ def main() -> int:
         return child_main(args.child)
 
     from dare_core.config import load_config
-    from dare_core.storage import read_yaml_mapping
 
     commit = git_commit()
     command = "python3 bench/long_generation.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    family = read_yaml_mapping(args.preset)["model"]["family"]
+    # the family as the stage will read it (the preset, what it extends, --set), before any folder exists
+    family = load_config(REPO / "params.yaml", [f"recipe={args.preset.resolve()}", *args.set]).model.family
     if family not in SHAPE_OF_FAMILY:
         raise SystemExit(f"{args.preset}: no bench shape of family {family} (known: {sorted(SHAPE_OF_FAMILY)})")
     shape = SHAPE_OF_FAMILY[family]
@@ -112,20 +132,25 @@ def main() -> int:
     if not (folder / "config.json").exists():
         print(f"[long_generation] writing a random {shape} folder to {folder} ...", flush=True)
         write_model_folder(shape, folder, args.tiny)
-    overrides = stage_overrides(args.workdir, folder, args.preset.resolve(), args.set)
+    first_stop = min(STOP_BASE, json.loads((folder / "config.json").read_text())["vocab_size"] // 8)
+    stops = [f"rl.sampler.stop_token_ids={json.dumps(list(range(first_stop, first_stop + args.stop_tokens)))}"] if args.stop_tokens else []
+    overrides = stage_overrides(args.workdir, folder, args.preset.resolve(), [*stops, *args.set])
     cfg = load_config(REPO / "params.yaml", overrides)
+    ranks = cfg.launch.nproc
     write_data(args.workdir / "data", Settings(rl_prompts=cfg.rl.prompts_per_step))
     settings = {"preset": str(args.preset.resolve().relative_to(REPO)) if args.preset.resolve().is_relative_to(REPO)
-                else str(args.preset), "set": args.set, "described": describe(cfg)}
+                else str(args.preset), "set": args.set, "described": describe(cfg), "ranks": ranks,
+                "stop_tokens": args.stop_tokens, "first_stop": first_stop, "keep_canvas": args.keep_canvas}
     stage_dir = cfg.stage_dir("rl")
     (stage_dir / "metrics.jsonl").unlink(missing_ok=True)
+    link_start_folder(cfg, str(folder))
     spec = args.workdir / "spec.json"
-    spec.write_text(json.dumps({"overrides": overrides, "folder": str(folder)}))
+    spec.write_text(json.dumps({"overrides": overrides, "folder": str(folder), "keep_canvas": args.keep_canvas}))
     log = args.workdir / "stage.log"
     print(f"[long_generation] {settings['described']}\n[long_generation] stage log: {log}", flush=True)
     t0 = time.monotonic()
     with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, __file__, "--child", str(spec)], env=child_env(), cwd=REPO,
+        proc = subprocess.Popen([*rank_launcher(ranks), __file__, "--child", str(spec)], env=rank_env(ranks), cwd=REPO,
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         seen, status = 0, "running"
         while True:
@@ -154,6 +179,23 @@ def main() -> int:
     write_results(args.out, command, commit, settings, steps, status)
     print(f"[long_generation] {status}; wrote {args.out}", flush=True)
     return 0 if status == "finished" else 1
+
+
+def rank_launcher(ranks: int) -> list[str]:
+    """One process, or torchrun's `ranks` (one a GPU), each running the stage loop as `dare stage` does."""
+    if ranks == 1:
+        return [sys.executable]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+
+
+def rank_env(ranks: int) -> dict:
+    """The child's environment; torchrun's ranks get the CPU thread counts `dare stage` gives them."""
+    if ranks == 1:
+        return child_env()
+    from dare_core.config import LaunchConfig
+    from dare_core.process.threads import launcher_env
+
+    return launcher_env(LaunchConfig().threads, ranks, child_env())
 
 
 def _tail(log: Path) -> str:

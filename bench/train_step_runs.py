@@ -105,14 +105,24 @@ def run_rl_on_folder(cfg, folder: str, stage: Optional[Callable[..., object]] = 
     from dare_core.training.rl.loop import run_rl
 
     register_rl_pieces()
+    link_start_folder(cfg, folder)
+    if stage is not None:
+        return stage(cfg, progress=False, save_checkpoints=False, export=False, phase_times=False).run()
+    return run_rl(cfg, progress=False, save_checkpoints=False, phase_times=True)
+
+
+def link_start_folder(cfg, folder: str) -> None:
+    """The RL stage's start folder as a link to `folder`; left alone when it already is one (the
+    ranks of one run all call this, after their parent made it)."""
+    from dare_core.training.rl.checks import rl_start_folder
+
     start = rl_start_folder(cfg)
+    if start.is_symlink() and start.resolve() == Path(folder).resolve():
+        return
     start.parent.mkdir(parents=True, exist_ok=True)
     if start.is_symlink():  # (an earlier run's)
         start.unlink()
     start.symlink_to(folder, target_is_directory=True)
-    if stage is not None:
-        return stage(cfg, progress=False, save_checkpoints=False, export=False, phase_times=False).run()
-    return run_rl(cfg, progress=False, save_checkpoints=False, phase_times=True)
 
 
 def sft_step_work(cfg, world: int = 1) -> list[dict]:

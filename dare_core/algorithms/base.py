@@ -48,6 +48,10 @@ class RLAlgorithm(Algorithm):
     #: every score goes through diffusion/likelihood.py `token_logprobs`, which runs sequence-parallel
     #: (launch.sequence_parallel); one that reads the model's logits another way cannot
     sequence_parallel: ClassVar[bool] = True
+    #: the objective scores only valid response positions (up to each rollout's stop token) and
+    #: corrupts each of them independently of what follows: on block diffusion the canvas after the
+    #: stop token's block is then left out of scoring and training (diffusion/block.py through_stop_block)
+    scores_within_stop: ClassVar[bool] = False
 
     def __init__(self, options, rl_cfg, model):
         super().__init__(options)
@@ -74,7 +78,13 @@ class RLAlgorithm(Algorithm):
     def rollout(self, engine, tokenizer, rows: list, spec: RolloutSpec) -> tuple[Batch, dict]:
         """Rollouts of `rows` (G per prompt) from the rollout `engine`, rewarded, as a training batch
         with advantages. Another order (JustGRPO) or shape (d-TreeRPO's tree) overrides it."""
-        return rollout(engine, tokenizer, rows, spec, self.rl.adv_estimator, self.requires)
+        return rollout(engine, tokenizer, rows, spec, self.rl.adv_estimator, self.requires, self.trims_after_stop)
+
+    @property
+    def trims_after_stop(self) -> bool:
+        """Whether its rollouts' canvas after the stop token's block is dropped: exact only where no
+        earlier position sees it (block diffusion); masked diffusion attends over the whole canvas."""
+        return self.scores_within_stop and self.block_size is not None
 
     def prepare(self, batch: Batch, context) -> dict:
         """After the rollout is rewarded: e.g. per-step rewards and advantages (MDPO). Metrics."""

@@ -21,6 +21,8 @@ class D1(RLAlgorithm):
     """Masked families as in the paper; on block diffusion the same estimator is the per-block
     mean field (every noisy block fully masked, given the clean earlier blocks)."""
 
+    scores_within_stop = True  # V only, each position MASK whatever follows it
+
     @dataclass
     class Options:
         p_mask_prompt: float = 0.15

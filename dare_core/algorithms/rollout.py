@@ -11,6 +11,7 @@ import torch
 from dare_core.algorithms.common import group_advantages
 from dare_core.batch import Batch
 from dare_core.config import RLConfig, SamplerConfig
+from dare_core.diffusion.block import through_stop_block
 from dare_core.rewards.grading import grade
 from dare_core.sampling.completions import Completions, DecodeShare, generate
 from dare_core.sampling.decode import response_texts
@@ -46,20 +47,22 @@ def record_level(requires: frozenset) -> str:
 
 
 def rollout(engine: RolloutEngine, tokenizer, rows: list[dict], spec: RolloutSpec, adv_estimator: str,
-            requires: frozenset = frozenset()) -> tuple[Batch, dict]:
-    """G samples per prompt, rewarded and turned into a training batch with group advantages."""
+            requires: frozenset = frozenset(), trim_after_stop: bool = False) -> tuple[Batch, dict]:
+    """G samples per prompt, rewarded and turned into a training batch with group advantages.
+    `trim_after_stop` (block diffusion, an objective that scores only up to the stop): the canvas
+    after the stop token's block is left out of the batch's attention mask."""
     expanded = prompt_rows_expanded(rows, spec.group_size)
     uids = [f"{r['uid']}/{g}" for r in rows for g in range(spec.group_size)]
     prompts = [tokenizer.encode(r["prompt_text"]) for r in expanded]
     seeds = [(spec.seed, "rollout", spec.step, uid) for uid in uids]
     done = generate(engine, tokenizer, prompts, spec.params, seeds, spec.params.batch_size, record_level(requires), spec.share)
     with phase("reward"):
-        batch, metrics = _rewarded_batch(done, expanded, uids, engine.model, spec, adv_estimator, requires)
+        batch, metrics = _rewarded_batch(done, expanded, uids, engine.model, spec, adv_estimator, requires, trim_after_stop)
     return batch, metrics
 
 
 def _rewarded_batch(done: Completions, expanded: list[dict], uids: list, model, spec: RolloutSpec, adv_estimator: str,
-                    requires: frozenset) -> tuple[Batch, dict]:
+                    requires: frozenset, trim_after_stop: bool) -> tuple[Batch, dict]:
     """The rollout chunks as one training batch: rewarded, with group advantages."""
     outs = done.outputs
     # one common prompt width so that all rollouts form one batch
@@ -76,11 +79,14 @@ def _rewarded_batch(done: Completions, expanded: list[dict], uids: list, model, 
     # V: up to and including the first stop token (EOS or any of stop_token_ids), as the engine reports
     lengths = torch.cat([o.lengths.cpu() for o in outs]).to(response.device)
     valid = (torch.arange(response.shape[1], device=response.device) < lengths[:, None]) & attention_mask[:, width:].bool()
+    canvas_tokens = attention_mask[:, width:].sum().item()
+    if trim_after_stop:
+        attention_mask = through_stop_block(attention_mask, width, lengths, model.block_size)
     batch = Batch(input_ids, attention_mask, width, valid, uids, adv, _records(outs, requires, model.block_size))
     steps = torch.cat([o.steps.float().cpu() for o in outs])
     metrics = {
         "rollout_steps": steps.mean().item(),
-        "rollout_tokens_per_s": attention_mask[:, width:].sum().item() / max(done.seconds, 1e-9),
+        "rollout_tokens_per_s": canvas_tokens / max(done.seconds, 1e-9),
         **graded.metrics,
         "response_tokens": valid.sum(-1).float().mean().item(),
         # what scoring and the update read per rollout (prompt + response), for their tokens/s and MFU

@@ -42,6 +42,18 @@ def two_stream_mask(position_ids: torch.Tensor, block_size: int, attention_mask:
     return mask[:, None]
 
 
+def through_stop_block(attention_mask: torch.Tensor, prompt_len: int, lengths: torch.Tensor, block_size: int) -> torch.Tensor:
+    """`attention_mask` [B, P+L] without the response canvas after the block of each row's last
+    valid token (`lengths` [B]: valid response tokens, the stop token included). Under the rules
+    above no position in or before that block sees a later block, so an objective that scores only
+    valid positions reads the same logits without them; packed, they cost nothing."""
+    pos = default_position_ids(attention_mask, attention_mask)
+    last = pos.gather(1, (prompt_len + lengths.to(pos.device) - 1)[:, None])
+    keep = pos // block_size <= last // block_size
+    keep[:, :prompt_len] = True
+    return attention_mask * keep.to(attention_mask.dtype)
+
+
 def two_stream_context(doc: torch.Tensor, block: torch.Tensor, clean: torch.Tensor, backend: str) -> AttentionContext:
     """The four rules over a packed stream: per token its document, block index and stream (clean or
     noisy); no token attends across documents."""

@@ -33,3 +33,42 @@ def test_tiny_run_writes_a_row_per_step(tmp_path):
         assert float(row[7]) > 0
     saved = json.loads(out.with_suffix(".json").read_text())
     assert [m["step"] for m in saved["steps"]] == [1, 2] and saved["settings"]["set"] == sets
+
+
+def test_tiny_llada_preset_on_two_ranks(tmp_path):
+    """The masked-diffusion preset picks the LLaDA shape from the config it resolves (the family is
+    the preset's, over the 4k one it extends), and launch.nproc=2 starts two ranks with torchrun."""
+    out = tmp_path / "long_generation_llada.md"
+    sets = ["launch.nproc=2", "rl.num_steps=1", "rl.prompts_per_step=2", "rl.group_size=4", "rl.sampler.gen_length=64",
+            "rl.sampler.steps=32", "rl.micro_batch_size=2", "rl.sampler.batch_size=4", "model.logits_chunk=32"]
+    cmd = [sys.executable, str(REPO / "bench" / "long_generation.py"), "--tiny", "--preset",
+           str(REPO / "configs" / "long_generation_llada.yaml"), "--workdir", str(tmp_path / "work"), "--out", str(out),
+           "--set", *sets]
+    r = subprocess.run(cmd, env=worker_env(), cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    text = out.read_text()
+    assert (tmp_path / "work" / "models" / "llada-tiny" / "config.json").exists()
+    assert "gen 64 (block 32" in text and "cache dual" in text and "2 rank(s)" in text
+    assert "2 ranks (one a GPU, started by torchrun)" in text and "Status: finished." in text
+    rows = [line.strip("|").split("|") for line in text.splitlines() if re.match(r"\| \d+ \|", line)]
+    assert [int(row[0]) for row in rows] == [1] and float(rows[0][1]) > 0
+
+
+def test_stopped_responses_are_scored_without_the_canvas_after_their_stop(tmp_path):
+    """--stop-tokens ends random-weight responses early: the same rollouts (same seeds) are scored
+    over fewer tokens than with --keep-canvas, the whole canvas."""
+    sets = ["rl.num_steps=1", "rl.prompts_per_step=2", "rl.group_size=4", "rl.sampler.gen_length=64", "rl.sampler.steps=64",
+            "rl.micro_batch_size=4", "rl.sampler.batch_size=8", "model.logits_chunk=32"]
+    rows = {}
+    for keep in (False, True):
+        out = tmp_path / f"keep{keep}.md"
+        cmd = [sys.executable, str(REPO / "bench" / "long_generation.py"), "--tiny", "--workdir", str(tmp_path / "work"),
+               "--out", str(out), "--stop-tokens", "12", *(["--keep-canvas"] if keep else []), "--set", *sets]
+        r = subprocess.run(cmd, env=worker_env(), cwd=REPO, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        text = out.read_text()
+        assert "12 token ids made stop tokens" in text and ("--keep-canvas" in text) == keep
+        rows[keep] = [line.strip("|").split("|") for line in text.splitlines() if re.match(r"\| \d+ \|", line)][0]
+    response, scored = (float(rows[False][7]), float(rows[True][7])), (float(rows[False][8]), float(rows[True][8]))
+    assert response[0] == response[1] < 60, (response, scored)  # the same rollouts, ended early
+    assert scored[0] < scored[1] - 4, (response, scored)

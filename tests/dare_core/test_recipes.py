@@ -142,3 +142,17 @@ def test_algorithm_defaults_are_the_recipes(path):
     written = ((tree["rl"].get("algorithm_args") or {}).get(name)) or {}
     differ = {k: (v, defaults[k]) for k, v in written.items() if defaults[k] not in (None, "auto") and v != defaults[k]}
     assert not differ, f"{name}: recipe value vs Options default: {differ}"
+
+
+def test_llada_long_generation_preset_fits_the_models_positions():
+    """The masked-diffusion preset: the 4k one on LLaDA, its longest prompt plus response within
+    LLaDA-8B's 4,096 positions, decoded with the dual cache at d1's two tokens a step."""
+    import json
+
+    cfg = load_config(REPO / "params.yaml", ["recipe=configs/long_generation_llada.yaml"])
+    positions = json.loads((REPO / "bench" / "configs" / "LLaDA-8B-Instruct.json").read_text())["max_sequence_length"]
+    s = cfg.rl.sampler
+    assert cfg.model.family == "llada" and s.cache == "dual" and cfg.eval.sampler.cache == "dual"
+    assert s.gen_length + 256 == positions and s.gen_length % s.block_length == 0
+    assert s.steps * 2 == s.gen_length
+    assert cfg.model.lora and cfg.model.logits_chunk  # the rest comes from the 4k preset
