@@ -72,10 +72,14 @@ def describe(cfg) -> str:
             f"logits_chunk {m.logits_chunk}, {cfg.launch.nproc} rank(s), sequence_parallel {cfg.launch.sequence_parallel}")
 
 
-def write_results(out: Path, command: str, commit: str, settings: dict, steps: list[dict], status: str) -> None:
-    rows = [[m["step"], *(fmt(m.get(f"time/{p}_s"), ".1f") for p in RL_PHASES), fmt(m.get("time/step_s"), ".1f"),
-             fmt(m.get("response_tokens"), ".0f"), fmt(m.get("sequence_tokens"), ".0f"), fmt(m.get("memory/peak_gib"), ".1f", "n/a (CPU)")] for m in steps]
-    startup = next((m.get("time/startup_s") for m in steps if m.get("time/startup_s") is not None), None)
+CANVAS = {"trim": "scoring and training leave out the canvas after each rollout's stop-token block where the objective "
+                  "allows it (d1 on block diffusion)",
+          "keep": "every rollout scored and trained over its whole canvas, the tokens after its stop included (the stage "
+                  "before it left them out)"}
+
+
+def write_results(out: Path, command: str, commit: str, settings: dict, runs: list[dict]) -> None:
+    """One table per run (`--canvas both`: trimmed, then the whole canvas, back to back on one machine)."""
     lines = header("Long-generation RL: memory and time per step", command, hardware(), commit)
     lines += [f"- Preset: `{settings['preset']}`; the stage read: {settings['described']}.",
               "- The real RL stage loop with the preset applied as `recipe=`; random bf16 weights of the model's real "
@@ -83,21 +87,25 @@ def write_results(out: Path, command: str, commit: str, settings: dict, steps: l
               "from the loop's metrics (`DARE_PHASE_TIMES`, the GPU synchronised at each phase boundary); step 1 "
               "captures the CUDA graphs and compiles.",
               *([f"- Responses of different lengths: {settings['stop_tokens']} token ids made stop tokens "
-                 f"(`rl.sampler.stop_token_ids`, ids {settings['first_stop']}-{settings['first_stop'] + settings['stop_tokens'] - 1}), so that random "
-                 "weights end a response after about vocab / N tokens. A finished rollout decodes no further block; "
-                 + ("here (`--keep-canvas`) every rollout is still scored and trained over its whole canvas, the tokens "
-                    "after its stop included." if settings.get("keep_canvas") else
-                    "scoring and training leave out the canvas after its stop token's block where the objective allows "
-                    "it (d1 on block diffusion).")] if settings.get("stop_tokens") else []),
+                 f"(`rl.sampler.stop_token_ids`, ids {settings['first_stop']}-{settings['first_stop'] + settings['stop_tokens'] - 1}), "
+                 "so that random weights end a response after about vocab / N tokens; a finished rollout decodes no "
+                 "further block."] if settings.get("stop_tokens") else []),
               *([f"- {settings['ranks']} ranks (one a GPU, started by torchrun), each decoding and training its share of the "
-                 "prompts; phase times and peak memory are rank 0's."] if settings.get("ranks", 1) > 1 else []),
-              f"- Stage start-up (checks, load, engine) before step 1: {fmt(startup, '.1f', 'n/a')} s.",
-              f"- Status: {status}.", ""]
-    lines += markdown_table(["step", *(f"{PHASE_NAMES[p]} s" for p in RL_PHASES), "step s", "response tokens (mean)", "tokens scored a rollout (mean)",
-                             "peak GPU memory (GiB)"], rows)
+                 "prompts; phase times and peak memory are rank 0's."] if settings.get("ranks", 1) > 1 else [])]
+    for run in runs:
+        steps = run["steps"]
+        startup = next((m.get("time/startup_s") for m in steps if m.get("time/startup_s") is not None), None)
+        rows = [[m["step"], *(fmt(m.get(f"time/{p}_s"), ".1f") for p in RL_PHASES), fmt(m.get("time/step_s"), ".1f"),
+                 fmt(m.get("response_tokens"), ".0f"), fmt(m.get("sequence_tokens"), ".0f"),
+                 fmt(m.get("memory/peak_gib"), ".1f", "n/a (CPU)")] for m in steps]
+        lines += ["", f"## Canvas: {run['canvas']}", "", f"- {CANVAS[run['canvas']].capitalize()}.",
+                  f"- Stage start-up (checks, load, engine) before step 1: {fmt(startup, '.1f', 'n/a')} s.",
+                  f"- Status: {run['status']}.", ""]
+        lines += markdown_table(["step", *(f"{PHASE_NAMES[p]} s" for p in RL_PHASES), "step s", "response tokens (mean)",
+                                 "tokens scored a rollout, prompt included (mean)", "peak GPU memory (GiB)"], rows)
     write_atomic(out, "\n".join(lines) + "\n")
     write_atomic(out.with_suffix(".json"), json.dumps({"commit": commit, "command": command, "settings": settings,
-                                                       "status": status, "steps": steps}, indent=1) + "\n")
+                                                       "runs": runs}, indent=1) + "\n")
 
 
 def main() -> int:
@@ -106,13 +114,14 @@ def main() -> int:
     ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="settings over the preset, as -S takes them")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/long_generation"))
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "long_generation.md")
-    ap.add_argument("--budget", type=float, default=0, help="seconds the stage may run (0: no limit); its finished steps are kept")
+    ap.add_argument("--budget", type=float, default=0,
+                    help="seconds each run of the stage may take (0: no limit); its finished steps are kept")
     ap.add_argument("--stop-tokens", type=int, default=0, metavar="N",
                     help="N token ids made stop tokens (rl.sampler.stop_token_ids): random weights then end each response "
                          "after about vocab/N tokens, so that responses of one batch differ in length")
-    ap.add_argument("--keep-canvas", action="store_true",
-                    help="score and train every rollout over its whole canvas, the tokens after its stop included "
-                         "(what the stage did before it left them out), to compare in one run")
+    ap.add_argument("--canvas", choices=["trim", "keep", "both"], default="trim",
+                    help="keep: score and train every rollout over its whole canvas, the tokens after its stop included "
+                         "(what the stage did before it left them out); both: trim, then keep, one table each")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: the model's two-layer, narrow version")
     ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -140,29 +149,41 @@ def main() -> int:
     write_data(args.workdir / "data", Settings(rl_prompts=cfg.rl.prompts_per_step))
     settings = {"preset": str(args.preset.resolve().relative_to(REPO)) if args.preset.resolve().is_relative_to(REPO)
                 else str(args.preset), "set": args.set, "described": describe(cfg), "ranks": ranks,
-                "stop_tokens": args.stop_tokens, "first_stop": first_stop, "keep_canvas": args.keep_canvas}
+                "stop_tokens": args.stop_tokens, "first_stop": first_stop}
+    print(f"[long_generation] {settings['described']}", flush=True)
+    runs: list[dict] = []
+    for canvas in (["trim", "keep"] if args.canvas == "both" else [args.canvas]):
+        runs.append({"canvas": canvas, "status": "running", "steps": []})
+        run_stage(cfg, args, folder, overrides, canvas, lambda: write_results(args.out, command, commit, settings, runs), runs[-1])
+    write_results(args.out, command, commit, settings, runs)
+    print(f"[long_generation] {'; '.join(r['status'] for r in runs)}; wrote {args.out}", flush=True)
+    return 0 if all(r["status"] == "finished" for r in runs) else 1
+
+
+def run_stage(cfg, args, folder: Path, overrides: list[str], canvas: str, write, run: dict) -> None:
+    """One run of the stage in a child (torchrun's ranks for launch.nproc > 1); `run` gets its logged
+    steps and status as they come, and `write()` rewrites the results file after each poll."""
+    ranks = cfg.launch.nproc
     stage_dir = cfg.stage_dir("rl")
     (stage_dir / "metrics.jsonl").unlink(missing_ok=True)
     link_start_folder(cfg, str(folder))
     spec = args.workdir / "spec.json"
-    spec.write_text(json.dumps({"overrides": overrides, "folder": str(folder), "keep_canvas": args.keep_canvas}))
-    log = args.workdir / "stage.log"
-    print(f"[long_generation] {settings['described']}\n[long_generation] stage log: {log}", flush=True)
+    spec.write_text(json.dumps({"overrides": overrides, "folder": str(folder), "keep_canvas": canvas == "keep"}))
+    log = args.workdir / f"stage_{canvas}.log"
+    print(f"[long_generation] canvas {canvas}: stage log {log}", flush=True)
     t0 = time.monotonic()
     with log.open("w") as out:
         proc = subprocess.Popen([*rank_launcher(ranks), __file__, "--child", str(spec)], env=rank_env(ranks), cwd=REPO,
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        seen, status = 0, "running"
         while True:
             code = proc.poll()
             steps = [m for m in metrics_rows(stage_dir) if "time/step_s" in m]
-            if len(steps) > seen:
-                seen = len(steps)
-                for m in steps[-1:]:
-                    print(f"[long_generation] step {m['step']}: {m['time/step_s']:.1f} s, peak "
-                          f"{fmt(m.get('memory/peak_gib'), '.1f', 'n/a')} GiB", flush=True)
+            for m in steps[len(run["steps"]):]:
+                print(f"[long_generation] step {m['step']}: {m['time/step_s']:.1f} s, peak "
+                      f"{fmt(m.get('memory/peak_gib'), '.1f', 'n/a')} GiB", flush=True)
+            run["steps"] = steps
             if code is not None:
-                status = "finished" if code == 0 else f"the stage failed (exit {code}): " + _tail(log)
+                run["status"] = "finished" if code == 0 else f"the stage failed (exit {code}): " + _tail(log)
                 break
             if args.budget and time.monotonic() - t0 > args.budget:
                 os.killpg(proc.pid, signal.SIGTERM)
@@ -171,14 +192,11 @@ def main() -> int:
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
-                status = f"stopped by --budget {args.budget:g} s after {len(steps)} step(s)"
+                run["status"] = f"stopped by --budget {args.budget:g} s after {len(steps)} step(s)"
                 break
-            write_results(args.out, command, commit, settings, steps, status)
+            write()
             time.sleep(2)
-    steps = [m for m in metrics_rows(stage_dir) if "time/step_s" in m]
-    write_results(args.out, command, commit, settings, steps, status)
-    print(f"[long_generation] {status}; wrote {args.out}", flush=True)
-    return 0 if status == "finished" else 1
+    run["steps"] = [m for m in metrics_rows(stage_dir) if "time/step_s" in m]
 
 
 def rank_launcher(ranks: int) -> list[str]:

@@ -32,7 +32,7 @@ def test_tiny_run_writes_a_row_per_step(tmp_path):
         assert phases[0] > 0 and phases[3] > 0 and sum(phases) <= step_s + 0.15  # (cells rounded to 0.1 s)
         assert float(row[7]) > 0
     saved = json.loads(out.with_suffix(".json").read_text())
-    assert [m["step"] for m in saved["steps"]] == [1, 2] and saved["settings"]["set"] == sets
+    assert [m["step"] for m in saved["runs"][0]["steps"]] == [1, 2] and saved["settings"]["set"] == sets
 
 
 def test_tiny_llada_preset_on_two_ranks(tmp_path):
@@ -55,20 +55,18 @@ def test_tiny_llada_preset_on_two_ranks(tmp_path):
 
 
 def test_stopped_responses_are_scored_without_the_canvas_after_their_stop(tmp_path):
-    """--stop-tokens ends random-weight responses early: the same rollouts (same seeds) are scored
-    over fewer tokens than with --keep-canvas, the whole canvas."""
+    """--stop-tokens ends random-weight responses early; --canvas both runs the stage twice: the same
+    rollouts (same seeds) are scored over fewer tokens than over the whole canvas."""
     sets = ["rl.num_steps=1", "rl.prompts_per_step=2", "rl.group_size=4", "rl.sampler.gen_length=64", "rl.sampler.steps=64",
             "rl.micro_batch_size=4", "rl.sampler.batch_size=8", "model.logits_chunk=32"]
-    rows = {}
-    for keep in (False, True):
-        out = tmp_path / f"keep{keep}.md"
-        cmd = [sys.executable, str(REPO / "bench" / "long_generation.py"), "--tiny", "--workdir", str(tmp_path / "work"),
-               "--out", str(out), "--stop-tokens", "12", *(["--keep-canvas"] if keep else []), "--set", *sets]
-        r = subprocess.run(cmd, env=worker_env(), cwd=REPO, capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        text = out.read_text()
-        assert "12 token ids made stop tokens" in text and ("--keep-canvas" in text) == keep
-        rows[keep] = [line.strip("|").split("|") for line in text.splitlines() if re.match(r"\| \d+ \|", line)][0]
-    response, scored = (float(rows[False][7]), float(rows[True][7])), (float(rows[False][8]), float(rows[True][8]))
+    out = tmp_path / "stops.md"
+    cmd = [sys.executable, str(REPO / "bench" / "long_generation.py"), "--tiny", "--workdir", str(tmp_path / "work"),
+           "--out", str(out), "--stop-tokens", "12", "--canvas", "both", "--set", *sets]
+    r = subprocess.run(cmd, env=worker_env(), cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    text = out.read_text()
+    assert "12 token ids made stop tokens" in text and "## Canvas: trim" in text and "## Canvas: keep" in text
+    trim, keep = [line.strip("|").split("|") for line in text.splitlines() if re.match(r"\| \d+ \|", line)]
+    response, scored = (float(trim[7]), float(keep[7])), (float(trim[8]), float(keep[8]))
     assert response[0] == response[1] < 60, (response, scored)  # the same rollouts, ended early
     assert scored[0] < scored[1] - 4, (response, scored)
