@@ -125,6 +125,7 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: the model's two-layer, narrow version")
     ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    args.workdir = args.workdir.resolve()  # the stage's start folder is a link to a folder in it
     if args.child:
         return child_main(args.child)
 
