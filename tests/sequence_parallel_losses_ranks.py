@@ -23,6 +23,7 @@ from dare_core.algorithms.preference import build_preference
 from dare_core.algorithms.registry import build_options, get_sft_objective
 from dare_core.config import PreferenceConfig, RLConfig
 from dare_core.data.batching import pair_batch, sft_batch
+from dare_core.diffusion.block import through_stop_block
 from dare_core.diffusion.likelihood import token_logprobs
 from dare_core.diffusion.seeding import generator, sample_generators
 from dare_core.models.lora import LoraSettings, apply_lora
@@ -72,15 +73,27 @@ def sft_case(model):
     return loss
 
 
-def rl_case(model, name: str, **opts):
+def rl_case(model, name: str, stops: tuple = (), **opts):
     """One update of RL algorithm `name` on 4 real rollouts, with old and reference scores where it
-    reads them (the reference: the policy's own scores, as at a sync)."""
+    reads them (the reference: the policy's own scores, as at a sync). `stops`: each rollout made to
+    stop there (None: as decoded), and the canvas after its stop's block left out, as the RL
+    rollout does for an objective that scores only up to the stop."""
     rl = RLConfig(kl_beta=0.05, entropy_coeff=0.01 if name == "d1" else 0.0, rows_per_forward=2)
     sampler = sampler_for(model, temperature=1.0)
     rl.sampler = sampler
     algo = make_algo(name, model, rl, **opts)
     algo.check_sampler(sampler)
     batch, _ = rollout_batch(model, sampler, n=4, prompt_len=5)
+    if stops:
+        P, L = batch.prompt_len, batch.response_mask.shape[1]
+        for i, s in enumerate(stops):
+            if s is not None:
+                batch.input_ids[i, P + s:] = model.eos_token_id
+        lengths = torch.tensor([L if s is None else s + 1 for s in stops])
+        batch.response_mask = torch.arange(L)[None] < lengths[:, None]
+        trimmed = through_stop_block(batch.attention_mask, P, lengths, model.block_size)
+        assert trimmed.sum() < batch.attention_mask.sum(), "nothing left out"
+        batch.attention_mask = trimmed
     corruption = algo.corrupt(batch, (0, 0, 0))
 
     def loss():
@@ -169,6 +182,7 @@ CASES = {
     # LoRA leaves the head frozen: the chunks' gradients are formed in the forward (head_scores)
     "sdar/chunked/d1+lora": ("sdar", "on", 5, lambda m: rl_case(m, "d1"), True),
     "sdar/packed/d1": ("sdar", "on", 0, lambda m: rl_case(m, "d1")),
+    "sdar/packed/d1+after_stop": ("sdar", "on", 0, lambda m: rl_case(m, "d1", stops=(0, None, 2, 5))),
     "llada/packed/cj_grpo": ("llada", "on", 0, lambda m: rl_case(m, "cj_grpo")),
     "sdar/packed/cj_grpo": ("sdar", "on", 0, lambda m: rl_case(m, "cj_grpo")),
     "llada/packed/espo": ("llada", "on", 0, lambda m: rl_case(m, "espo", mc_num=2)),

@@ -2,7 +2,7 @@
 sequence-parallel group, each running half of every scoring stream, give the losses and gradients
 one rank gives, for SFT, d1, CJ-GRPO (trajectory replay), ESPO (proxy-gradient replay) and VRPO
 with a LoRA adapter on the tiny LLaDA and SDAR (packed; SFT also padded; d1 also with chunked head
-scores), and Dream's shifted scores across the ranks' edge. Started through torchrun like tests/sequence_parallel_ranks.py."""
+scores; SDAR's d1 also on rollouts that stop early, their canvas after the stop left out), and Dream's shifted scores across the ranks' edge. Started through torchrun like tests/sequence_parallel_ranks.py."""
 import json
 
 import pytest
@@ -25,7 +25,7 @@ LOSS_RTOL = 1e-6
 GRADS_RTOL = 4e-6
 SCORES_RTOL = 1e-6
 CASES = ("llada/packed/sft", "llada/padded/sft", "sdar/packed/sft", "sdar/padded/sft", "llada/packed/d1",
-         "llada/chunked/d1", "sdar/chunked/d1+lora", "sdar/packed/d1", "llada/packed/cj_grpo", "sdar/packed/cj_grpo", "llada/packed/espo",
+         "llada/chunked/d1", "sdar/chunked/d1+lora", "sdar/packed/d1", "sdar/packed/d1+after_stop", "llada/packed/cj_grpo", "sdar/packed/cj_grpo", "llada/packed/espo",
          "sdar/packed/espo", "llada/packed/vrpo+lora", "sdar/packed/vrpo+lora")
 
 
