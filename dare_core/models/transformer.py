@@ -6,7 +6,7 @@ maps its weight names onto this module tree, and chooses the attention pattern.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -136,14 +136,17 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, d_model: int, hidden: int):
+    """Gated MLP: down(act(gate(x)) * up(x)); SiLU unless `act` says otherwise (Gemma's tanh GELU)."""
+
+    def __init__(self, d_model: int, hidden: int, act: Callable[[torch.Tensor], torch.Tensor] = F.silu):
         super().__init__()
+        self.act = act
         self.gate_proj = nn.Linear(d_model, hidden, bias=False)
         self.up_proj = nn.Linear(d_model, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class MoE(nn.Module):

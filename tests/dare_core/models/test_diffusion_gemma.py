@@ -1,0 +1,105 @@
+"""DiffusionGemma's network (dare_core/models/diffusion_gemma.py over gemma4.py) against the
+reference modeling code in transformers, on a tiny random MoE config in float32: the same weights
+loaded from the folder the reference saves, the same canvas logits from one pass of the stack as
+from the reference's encoder (prompt into a KV cache) and decoder (canvas over the cache), with and
+without self-conditioning, with a prompt longer than the sliding window, and for a second block
+after a committed first one. Every 1-D weight and every layer scalar is drawn away from its init,
+so that a weight or a scalar read from the wrong place shows."""
+import json
+
+import pytest
+import torch
+
+from dare_core.diffusion.seeding import generator
+from dare_core.models.diffusion_gemma import DiffusionGemmaNet, config_from_hf, load_state, stream_masks, tiny_config
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+TOL = dict(atol=1e-5, rtol=1e-4)
+# the reference builds a vision tower next to the text model; a small one keeps the test quick
+VISION = {"model_type": "gemma4_vision", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+          "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8}
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """(reference model, our net loaded from the folder the reference saved)."""
+    cfg = tiny_config(64, eos_token_id=1, canvas_length=8)
+    hf_cfg = transformers.DiffusionGemmaConfig(text_config=cfg["text_config"], vision_config=VISION, canvas_length=8)
+    hf_cfg.text_config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    ref = transformers.DiffusionGemmaForBlockDiffusion(hf_cfg).eval()
+    g = generator(1, "diffusion-gemma-weights")
+    with torch.no_grad():
+        for _, p in ref.named_parameters():
+            if p.dim() == 1:  # norms, router scales: all ones at init
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+        for name, b in ref.named_buffers():
+            if name.endswith("layer_scalar"):  # the encoder's and the decoder's drawn apart
+                b.copy_(1 + 0.3 * torch.randn(b.shape, generator=g))
+    folder = tmp_path_factory.mktemp("diffusion_gemma")
+    ref.save_pretrained(folder)
+    net = DiffusionGemmaNet(config_from_hf(json.loads((folder / "config.json").read_text()))).eval()
+    load_state(net, safetensors_torch.load_file(folder / "model.safetensors"))
+    return ref, net
+
+
+def _tokens(shape, seed):
+    return torch.randint(0, 64, shape, generator=generator(seed, "diffusion-gemma-tokens"))
+
+
+def test_the_config_names_each_layers_attention():
+    cfg = config_from_hf(tiny_config(64, eos_token_id=1))
+    sliding, full = cfg.layers[0], cfg.layers[2]
+    assert sliding.sliding and not sliding.keys_are_values and sliding.head_dim == 16 and sliding.rope_fraction == 1.0
+    assert not full.sliding and full.keys_are_values and full.head_dim == 32 and full.rope_fraction == 0.25
+
+
+@pytest.mark.parametrize("self_conditioning", [False, True])
+def test_canvas_logits_equal_the_reference_encoder_and_decoder(pair, self_conditioning):
+    ref, net = pair
+    prompt, canvas = _tokens((2, 11), 0), _tokens((2, 8), 1)  # 11 prompt tokens > the sliding window of 6
+    previous = 3 * torch.randn(2, 8, 64, generator=generator(2, "diffusion-gemma-logits")) if self_conditioning else None
+    with torch.no_grad():
+        expected = ref(input_ids=prompt, decoder_input_ids=canvas, self_conditioning_logits=previous).logits
+        got = net.canvas_logits(prompt, canvas, previous)
+        unconditioned = net.canvas_logits(prompt, canvas)
+    torch.testing.assert_close(got, expected, **TOL)
+    if self_conditioning:
+        assert (got - unconditioned).abs().max() > 0.05  # the previous logits were read
+
+
+def test_a_second_block_after_a_committed_one(pair):
+    """The encoder appends a committed block to its cache (causally, its sliding layers keeping the
+    last window - 1 tokens); the next canvas reads the cache. One pass: prompt and first block clean,
+    the second canvas noisy, its block starting after them."""
+    ref, net = pair
+    prompt, block, canvas = _tokens((2, 9), 3), _tokens((2, 8), 4), _tokens((2, 8), 5)
+    with torch.no_grad():
+        first = ref(input_ids=prompt, decoder_input_ids=block)
+        expected = ref(input_ids=block, past_key_values=first.past_key_values, decoder_input_ids=canvas).logits
+        ids = torch.cat([prompt, block, canvas], dim=1)
+        clean = torch.arange(ids.shape[1]) < 17
+        clean = clean.expand(2, -1)
+        pos = torch.arange(ids.shape[1]).expand(2, -1)
+        got = net.logits(net(ids, clean, pos, torch.full_like(ids, 17))[:, 17:])
+    torch.testing.assert_close(got, expected, **TOL)
+
+
+def test_stream_masks_by_hand():
+    # 3 clean tokens (positions 0-2), a block of 2 noisy tokens starting at 3; window 2
+    pos = torch.tensor([[0, 1, 2, 3, 4]])
+    clean = torch.tensor([[True, True, True, False, False]])
+    start = torch.tensor([[0, 0, 0, 3, 3]])
+    full = stream_masks(pos, clean, start, None)[0, 0].int().tolist()
+    assert full == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 1, 1, 1, 1]]
+    sliding = stream_masks(pos, clean, start, 2)[0, 0].int().tolist()
+    assert sliding == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 1, 1, 0, 0], [0, 0, 1, 1, 1], [0, 0, 1, 1, 1]]
+
+
+def test_a_checkpoint_missing_a_weight_is_refused(pair):
+    _, net = pair
+    state = {k: v for k, v in ((name, t.detach()) for name, t in net.named_parameters())}
+    with pytest.raises(KeyError, match="DiffusionGemma: no checkpoint tensor"):
+        load_state(DiffusionGemmaNet(net.cfg), state)  # our names are not the checkpoint's
