@@ -135,16 +135,18 @@ class DiffusionGemmaNet(nn.Module):
         return torch.tanh(logits / cap) * cap if cap else logits
 
     def forward(self, ids: torch.Tensor, clean: torch.Tensor, position_ids: torch.Tensor, block_start: torch.Tensor,
-                previous_logits: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                previous_logits: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None,
+                use_previous: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Final hidden states [B, S, d] of a sequence of clean tokens (clean [B, S] True) and noisy
-        ones, each noisy token denoised within the block starting at its `block_start` position;
-        `previous_logits` [B, N, V] the self-conditioning logits of the N noisy tokens (row-major)."""
+        ones (as many in every row), each denoised within the block starting at its `block_start`
+        position; `previous_logits` [B, N, V] the self-conditioning logits of the N noisy tokens of
+        each row (in order), `use_previous` [B] the rows that take them."""
         x = self.token_embeddings(ids)
         noisy = ~clean
         if noisy.any():
             b = ids.shape[0]
             prev = None if previous_logits is None else previous_logits.reshape(b, -1, previous_logits.shape[-1])
-            canvas = self.canvas_embeddings(ids[noisy].view(b, -1), prev)
+            canvas = self.canvas_embeddings(ids[noisy].view(b, -1), prev, use_previous)
             x = x.masked_scatter(noisy[..., None], canvas)
         masks = {sliding: stream_masks(position_ids, clean, block_start, self.cfg.sliding_window if sliding else None,
                                        attention_mask) for sliding in {s.sliding for s in self.cfg.layers}}

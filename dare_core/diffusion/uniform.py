@@ -1,0 +1,121 @@
+"""Uniform-noise training (DiffusionGemma): the corruption and the SFT loss the model is fine-tuned
+with (docs/diffusion.md#uniform-noise-sft).
+
+Per example: one time t ~ U[eps, 1 - eps]; every response token is kept with probability 1 - t and
+otherwise replaced by a token drawn uniformly from the whole vocabulary (which may be the token
+itself); one canvas of the response, drawn uniformly among those holding a real token, is denoised
+given the prompt and the clean canvases before it. The loss is the cross-entropy of that canvas's
+clean tokens at all its valid positions, corrupted or not, with no weight in t, averaged per
+example, plus the encoder's next-token cross-entropy over the clean prompt and response.
+Self-conditioning as trained: a first pass without it, its logits detached, fed to a second pass in
+each example with probability `self_conditioning`; only the second pass is scored.
+
+The canvas layout: a response is cut into canvases of `canvas_length`; the last one is filled with
+EOS to its end and supervised (the model learns to stop), and canvases past it are padding.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from dare_core.models.transformer import default_position_ids
+
+
+@dataclass
+class CanvasBatch:
+    """Left-padded prompts, then responses cut into canvases (EOS-filled; padding canvases after)."""
+
+    ids: torch.Tensor  # [B, P + R]
+    attention_mask: torch.Tensor  # [B, P + R]: 0 on prompt padding and on padding canvases
+    prompt_len: int  # P
+    canvas_length: int  # C; R = n_canvases * C
+
+    @property
+    def n_canvases(self) -> int:
+        return (self.ids.shape[1] - self.prompt_len) // self.canvas_length
+
+
+def canvas_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], canvas_length: int, eos_id: int,
+                 pad_id: int) -> CanvasBatch:
+    """The batch of (prompt, response) token lists: each response followed by EOS up to the end of
+    its last canvas (at least one EOS), then padding canvases to the longest."""
+    n = max(len(r) // canvas_length + 1 for r in responses)
+    p = max(len(x) for x in prompts)
+    rows, masks = [], []
+    for prompt, response in zip(prompts, responses):
+        filled = len(response) // canvas_length * canvas_length + canvas_length
+        resp = list(response) + [eos_id] * (filled - len(response)) + [pad_id] * (n * canvas_length - filled)
+        rows.append([pad_id] * (p - len(prompt)) + list(prompt) + resp)
+        masks.append([0] * (p - len(prompt)) + [1] * (len(prompt) + filled) + [0] * (n * canvas_length - filled))
+    return CanvasBatch(torch.tensor(rows), torch.tensor(masks), p, canvas_length)
+
+
+def uniform_corrupt(x0: torch.Tensor, t: torch.Tensor, vocab_size: int, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """x0 [B, N] with each token replaced, with probability t[b], by a uniformly random id."""
+    out = x0.clone()
+    for b, g in enumerate(generators):
+        replace = torch.rand(x0.shape[1], generator=g) < float(t[b])
+        random = torch.randint(0, vocab_size, (x0.shape[1],), generator=g)
+        out[b] = torch.where(replace.to(x0.device), random.to(x0.device), x0[b])
+    return out
+
+
+@dataclass
+class UniformDraws:
+    """What one example's loss draws: its time, its canvas, its corrupted canvas, the self-conditioning coin."""
+
+    t: torch.Tensor  # [B]
+    canvas: torch.Tensor  # [B] index of the scored canvas
+    noisy: torch.Tensor  # [B, C]
+    use_previous: torch.Tensor  # [B] bool
+
+
+def draw(batch: CanvasBatch, vocab_size: int, generators: Sequence[torch.Generator], self_conditioning: float,
+         eps: float = 1e-4) -> UniformDraws:
+    """Each example's draws from its own generator, in a fixed order (time, canvas, corruption, coin)."""
+    c, p = batch.canvas_length, batch.prompt_len
+    real = batch.attention_mask[:, p:].view(len(generators), -1, c).any(-1)  # [B, n] canvases holding tokens
+    t, chosen, coins = [], [], []
+    for b, g in enumerate(generators):
+        t.append(eps + (1 - 2 * eps) * float(torch.rand((), generator=g)))
+        options = real[b].nonzero().squeeze(-1)
+        chosen.append(int(options[int(torch.randint(len(options), (), generator=g))]))
+    t = torch.tensor(t)
+    chosen = torch.tensor(chosen)
+    x0 = torch.stack([batch.ids[b, p + k * c:p + (k + 1) * c] for b, k in enumerate(chosen.tolist())])
+    noisy = uniform_corrupt(x0, t, vocab_size, generators)
+    coins = torch.tensor([float(torch.rand((), generator=g)) < self_conditioning for g in generators])
+    return UniformDraws(t, chosen, noisy, coins)
+
+
+def canvas_sft_loss(net, batch: CanvasBatch, draws: UniformDraws) -> tuple[torch.Tensor, dict]:
+    """mean over examples of (decoder CE over the scored canvas + encoder next-token CE); metrics."""
+    c, p = batch.canvas_length, batch.prompt_len
+    b, s = batch.ids.shape
+    clean_pos = default_position_ids(batch.ids, batch.attention_mask)
+    prompt_real = batch.attention_mask[:, :p].sum(-1)
+    start = prompt_real + draws.canvas * c  # the scored canvas's first position
+    canvas_pos = start[:, None] + torch.arange(c)
+    ids = torch.cat([batch.ids, draws.noisy], dim=1)
+    clean = torch.cat([torch.ones(b, s, dtype=torch.bool), torch.zeros(b, c, dtype=torch.bool)], dim=1)
+    pos = torch.cat([clean_pos, canvas_pos], dim=1)
+    block_start = torch.cat([torch.zeros_like(clean_pos), start[:, None].expand(-1, c)], dim=1)
+    attn = torch.cat([batch.attention_mask, torch.ones(b, c, dtype=batch.attention_mask.dtype)], dim=1)
+    with torch.no_grad():  # the first pass: no self-conditioning; its logits only feed the second
+        first = net.logits(net(ids, clean, pos, block_start, attention_mask=attn)[:, s:])
+    hidden = net(ids, clean, pos, block_start, previous_logits=first, attention_mask=attn, use_previous=draws.use_previous)
+    x0 = torch.stack([batch.ids[i, p + k * c:p + (k + 1) * c] for i, k in enumerate(draws.canvas.tolist())])
+    valid = torch.stack([batch.attention_mask[i, p + k * c:p + (k + 1) * c] for i, k in enumerate(draws.canvas.tolist())]).bool()
+    dec = F.cross_entropy(net.logits(hidden[:, s:]).transpose(1, 2), x0, reduction="none")
+    dec = (dec * valid).sum(-1) / valid.sum(-1)
+    # the encoder: each clean token predicts the next one, over the real prompt and response
+    targets = batch.attention_mask[:, 1:].bool() & batch.attention_mask[:, :-1].bool()
+    enc = F.cross_entropy(net.logits(hidden[:, :s - 1]).transpose(1, 2), batch.ids[:, 1:], reduction="none")
+    enc = (enc * targets).sum(-1) / targets.sum(-1).clamp_min(1)
+    loss = (dec + enc).mean()
+    replaced = (draws.noisy != x0) & valid
+    return loss, {"loss/decoder": float(dec.detach().mean()), "loss/encoder": float(enc.detach().mean()),
+                  "noise/replaced": float(replaced.sum() / valid.sum())}

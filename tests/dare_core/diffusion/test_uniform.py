@@ -1,0 +1,119 @@
+"""DiffusionGemma's SFT loss (dare_core/diffusion/uniform.py) on a tiny random net: the canvas
+layout, the corruption's law, the draws, and the loss and its gradient equal to a hand computation
+from the reference-checked canvas logits (the decoder over prompt + clean earlier canvases, with
+the first pass's detached logits as self-conditioning where the coin says so) plus the encoder's
+next-token cross-entropy."""
+import copy
+
+import torch
+import torch.nn.functional as F
+
+from dare_core.diffusion.seeding import generator, sample_generators
+from dare_core.diffusion.uniform import canvas_batch, canvas_sft_loss, draw, uniform_corrupt
+from dare_core.models.diffusion_gemma import DiffusionGemmaNet, config_from_hf, tiny_config
+
+V, C, EOS, PAD = 64, 4, 1, 0
+
+
+def _net(seed: int = 0) -> DiffusionGemmaNet:
+    torch.manual_seed(seed)
+    net = DiffusionGemmaNet(config_from_hf(tiny_config(V, eos_token_id=EOS, canvas_length=C))).double()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(0.3 * torch.randn(p.shape, dtype=p.dtype) + (1.0 if p.dim() == 1 else 0.0))
+        for layer in net.stack.layers:
+            layer.clean_scalar.fill_(0.9)
+            layer.noisy_scalar.fill_(1.1)
+    return net
+
+
+def test_responses_fill_their_last_canvas_with_eos_and_pad_after():
+    batch = canvas_batch([[5, 6], [7]], [[10, 11, 12, 13, 14], [20]], C, EOS, PAD)
+    assert batch.prompt_len == 2 and batch.n_canvases == 2
+    assert batch.ids.tolist() == [[5, 6, 10, 11, 12, 13, 14, EOS, EOS, EOS], [PAD, 7, 20, EOS, EOS, EOS, PAD, PAD, PAD, PAD]]
+    assert batch.attention_mask.tolist() == [[1] * 10, [0, 1, 1, 1, 1, 1, 0, 0, 0, 0]]
+    # a response of exactly one canvas still ends with a canvas of EOS: the model learns to stop
+    assert canvas_batch([[5]], [[10, 11, 12, 13]], C, EOS, PAD).ids[0, 5:].tolist() == [EOS] * 4
+
+
+def test_the_corruption_replaces_each_token_with_probability_t_by_a_uniform_id():
+    x0 = torch.full((2, 20000), 3)
+    t = torch.tensor([0.25, 0.8])
+    out = uniform_corrupt(x0, t, V, sample_generators((0, "law"), ["a", "b"]))
+    changed = (out != x0).float().mean(-1)
+    expected = t * (1 - 1 / V)  # a replacement may draw the token itself
+    assert torch.allclose(changed, expected, atol=0.012), changed
+    counts = torch.bincount(out[1][out[1] != 3], minlength=V).float()
+    assert counts[3] == 0 and (counts.sum() - counts[3]) > 0
+    assert counts[counts > 0].std() / counts[counts > 0].mean() < 0.15  # the other ids about equally often
+    again = uniform_corrupt(x0, t, V, sample_generators((0, "law"), ["a", "b"]))
+    assert torch.equal(out, again)
+
+
+def test_draws_score_only_canvases_that_hold_tokens():
+    batch = canvas_batch([[5, 6], [7, 8]], [[10] * 9, [20]], C, EOS, PAD)  # 3 canvases; row 1 has one
+    for seed in range(20):
+        d = draw(batch, V, sample_generators((seed, "draw"), ["a", "b"]), 0.5)
+        assert 0 <= int(d.canvas[0]) < 3 and int(d.canvas[1]) == 0
+        assert ((1e-4 <= d.t) & (d.t <= 1 - 1e-4)).all()
+
+
+def _hand_loss(net, batch, d):
+    """The decoder over prompt + the clean canvases before the scored one (the reference-checked
+    path), the first pass detached, plus the encoder's causal next-token loss."""
+    p, total = batch.prompt_len, []
+    for b in range(batch.ids.shape[0]):
+        k = int(d.canvas[b])
+        real = batch.attention_mask[b].bool()
+        context = batch.ids[b, :p + k * C][real[:p + k * C]][None]
+        x0 = batch.ids[b, p + k * C:p + (k + 1) * C]
+        valid = batch.attention_mask[b, p + k * C:p + (k + 1) * C].bool()
+        noisy = d.noisy[b][None]
+        with torch.no_grad():
+            first = net.canvas_logits(context, noisy)
+        logits = net.canvas_logits(context, noisy, first if bool(d.use_previous[b]) else None)[0]
+        dec = F.cross_entropy(logits[valid], x0[valid])
+        seq = batch.ids[b][real][None]
+        n = seq.shape[1]
+        clean_logits = net.logits(net(seq, torch.ones_like(seq, dtype=torch.bool), torch.arange(n)[None],
+                                      torch.zeros_like(seq)))[0]
+        enc = F.cross_entropy(clean_logits[:-1], seq[0, 1:])
+        total.append(dec + enc)
+    return torch.stack(total).mean()
+
+
+def test_the_loss_and_its_gradient_by_hand():
+    batch = canvas_batch([[5, 6, 7], [8]], [[10, 11, 12, 13, 14, 15], [20, 21]], C, EOS, PAD)
+    net, twin = _net(), None
+    twin = copy.deepcopy(net)
+    found = set()
+    for seed in range(6):  # until both coins and more than one canvas have come up
+        d = draw(batch, V, sample_generators((seed, "sft"), ["a", "b"]), 0.5)
+        found |= {(bool(c), int(k)) for c, k in zip(d.use_previous, d.canvas)}
+        net.zero_grad()
+        twin.zero_grad()
+        loss, metrics = canvas_sft_loss(net, batch, d)
+        hand = _hand_loss(twin, batch, d)
+        torch.testing.assert_close(loss, hand, rtol=1e-6, atol=0)
+        loss.backward()
+        hand.backward()
+        for (name, a), b in zip(net.named_parameters(), twin.parameters()):
+            ga = a.grad if a.grad is not None else torch.zeros_like(a)
+            gb = b.grad if b.grad is not None else torch.zeros_like(b)
+            # (norms and the router compute in float32 inside the float64 net, in other shapes in the two)
+            torch.testing.assert_close(ga, gb, rtol=0, atol=1e-5 * max(float(gb.abs().max()), 1e-3), msg=name)
+        assert 0 <= metrics["noise/replaced"] <= 1
+    assert {c for c, _ in found} == {True, False} and len({k for _, k in found}) > 1
+
+
+def test_later_canvases_do_not_reach_the_decoder_loss():
+    batch = canvas_batch([[5, 6]], [[10, 11, 12, 13, 14, 15, 16, 17, 18]], C, EOS, PAD)  # canvases 0-2
+    g = generator(3, "later")
+    d = draw(batch, V, [g], 1.0)
+    d.canvas[0] = 0
+    net = _net()
+    changed = canvas_batch([[5, 6]], [[10, 11, 12, 13, 40, 41, 42, 43, 44]], C, EOS, PAD)
+    with torch.no_grad():
+        a = canvas_sft_loss(net, batch, d)[1]
+        b = canvas_sft_loss(net, changed, d)[1]
+    assert a["loss/decoder"] == b["loss/decoder"] and a["loss/encoder"] != b["loss/encoder"]
