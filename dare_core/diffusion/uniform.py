@@ -119,3 +119,62 @@ def canvas_sft_loss(net, batch: CanvasBatch, draws: UniformDraws) -> tuple[torch
     replaced = (draws.noisy != x0) & valid
     return loss, {"loss/decoder": float(dec.detach().mean()), "loss/encoder": float(enc.detach().mean()),
                   "noise/replaced": float(replaced.sum() / valid.sum())}
+
+
+def uniform_nelbo_rate(logits: torch.Tensor, noisy: torch.Tensor, clean: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The continuous-time negative-ELBO integrand of uniform-state diffusion at time t, per token
+    (docs/diffusion.md#uniform-noise-elbo): logits [N, K] of the clean token given the noisy
+    sequence, the noisy and clean ids [N], t [N], under the schedule alpha(t) = 1 - t. It is the
+    limit of KL(q(z_s | z_t, x) || q(z_s | z_t, p_theta)) / (t - s) as s -> t: zero when the model
+    puts all its mass on the clean token, positive otherwise."""
+    k = logits.shape[-1]
+    alpha = (1 - t.double())[:, None]
+    p = logits.double().softmax(-1)
+    model_bar = k * alpha * p + (1 - alpha)  # K * (alpha p + (1 - alpha) / K)
+    true_bar = (1 - alpha).expand_as(p).clone()
+    true_bar.scatter_add_(1, clean[:, None], k * alpha)
+    i = noisy[:, None]
+    ti, mi = true_bar.gather(1, i), model_bar.gather(1, i)
+    # sum over j of (x_j / x_i) * log((m_i x_j) / (m_j x_i)); the j = i term is zero
+    ratio_terms = (true_bar / ti) * (mi.log() - model_bar.log() + true_bar.log() - ti.log())
+    bracket = k / ti - k / mi - ratio_terms.sum(-1, keepdim=True)
+    return (-1 / (k * alpha) * bracket).squeeze(-1)  # alpha'(t) = -1
+
+
+def uniform_nelbo(predict, clean: torch.Tensor, valid: torch.Tensor, vocab_size: int, generators: Sequence[torch.Generator],
+                  samples: int, eps: float = 1e-4) -> torch.Tensor:
+    """[B] unbiased Monte-Carlo estimate of each sequence's negative ELBO over its valid tokens:
+    the integral over t in [eps, 1 - eps] of E_{z_t ~ q(. | x)} of the summed `uniform_nelbo_rate`,
+    from `samples` stratified times per sequence (one uniform offset each), each with its own
+    corrupted copy. `predict(noisy [B, N]) -> logits [B, N, K]`: the model's clean-token prediction."""
+    b, n = clean.shape
+    offsets = torch.stack([torch.rand((), generator=g) for g in generators])
+    total = torch.zeros(b, dtype=torch.float64, device=clean.device)
+    for m in range(samples):
+        t = eps + (1 - 2 * eps) * (m + offsets) / samples
+        noisy = uniform_corrupt(clean, t, vocab_size, generators)
+        rate = uniform_nelbo_rate(predict(noisy).reshape(b * n, -1), noisy.reshape(-1), clean.reshape(-1),
+                                  t.repeat_interleave(n).to(clean.device)).view(b, n)
+        total = total + (rate * valid).sum(-1)
+    return total * (1 - 2 * eps) / samples
+
+
+def canvas_predictor(net, batch: CanvasBatch):
+    """`predict` for `uniform_nelbo` over a batch's whole response: every canvas noisy at once, each
+    given the prompt and the clean canvases before it (the encoder's cache), self-conditioning off."""
+    c, p = batch.canvas_length, batch.prompt_len
+    b, s = batch.ids.shape
+    clean_pos = default_position_ids(batch.ids, batch.attention_mask)
+    resp_pos = clean_pos[:, p:]
+    first = batch.attention_mask[:, :p].sum(-1)
+    starts = first[:, None] + (torch.arange(s - p) // c * c)[None]
+    clean = torch.cat([torch.ones(b, s, dtype=torch.bool), torch.zeros(b, s - p, dtype=torch.bool)], dim=1)
+    pos = torch.cat([clean_pos, resp_pos], dim=1)
+    block_start = torch.cat([torch.zeros_like(clean_pos), starts], dim=1)
+    attn = torch.cat([batch.attention_mask, batch.attention_mask[:, p:]], dim=1)
+
+    def predict(noisy: torch.Tensor) -> torch.Tensor:
+        ids = torch.cat([batch.ids, noisy], dim=1)
+        return net.logits(net(ids, clean, pos, block_start, attention_mask=attn)[:, s:])
+
+    return predict
