@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dare_core.models.gemma4 import AttentionSpec, Gemma4Config, Gemma4Stack, GemmaRMSNorm, gelu_tanh
+from dare_core.models.gemma4 import AttentionSpec, EncoderCache, Gemma4Config, Gemma4Stack, GemmaRMSNorm, gelu_tanh
 from dare_core.models.transformer import SwiGLU
 
 DEFAULT_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
@@ -152,6 +152,35 @@ class DiffusionGemmaNet(nn.Module):
                                        attention_mask) for sliding in {s.sliding for s in self.cfg.layers}}
         return self.stack(x, position_ids, masks, clean)
 
+    def encode(self, cache: EncoderCache, ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        """Append clean tokens [B, W] (the prompt, then each committed block) to the encoder's cache."""
+        clean = torch.ones_like(ids, dtype=torch.bool)
+        self._window(cache, ids, clean, position_ids, torch.zeros_like(ids), attention_mask, None, None, write=True)
+        cache.append_tokens(position_ids, attention_mask)
+
+    def decode(self, cache: EncoderCache, canvas: torch.Tensor, position_ids: torch.Tensor,
+               previous_logits: Optional[torch.Tensor] = None, use_previous: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits [B, C, V] of the decoder over a canvas [B, C] at `position_ids` after the cache."""
+        noisy = torch.zeros_like(canvas, dtype=torch.bool)
+        start = position_ids[:, :1].expand_as(position_ids)
+        hidden = self._window(cache, canvas, noisy, position_ids, start, torch.ones_like(canvas), previous_logits,
+                              use_previous, write=False)
+        return self.logits(hidden)
+
+    def _window(self, cache, ids, clean, position_ids, block_start, attention_mask, previous_logits, use_previous, write):
+        x = self.canvas_embeddings(ids, previous_logits, use_previous) if not bool(clean.any()) else self.token_embeddings(ids)
+        if cache.positions is None:
+            keys = (position_ids, clean, block_start)
+            key_mask = attention_mask
+        else:
+            ones = torch.ones_like(cache.positions, dtype=torch.bool)
+            keys = (torch.cat([cache.positions, position_ids], 1), torch.cat([ones, clean], 1),
+                    torch.cat([torch.zeros_like(cache.positions), block_start], 1))
+            key_mask = torch.cat([cache.attention_mask, attention_mask], 1)
+        masks = {sliding: stream_masks(position_ids, clean, block_start, self.cfg.sliding_window if sliding else None,
+                                       key_mask, keys) for sliding in {s.sliding for s in self.cfg.layers}}
+        return self.stack(x, position_ids, masks, clean, cache, write)
+
     def canvas_logits(self, prompt: torch.Tensor, canvas: torch.Tensor, previous_logits: Optional[torch.Tensor] = None) -> torch.Tensor:
         """[B, C, V] logits of the decoder over `canvas` [B, C] after the prompt [B, P] (no padding):
         what the reference's forward(input_ids=prompt, decoder_input_ids=canvas) returns."""
@@ -166,14 +195,16 @@ class DiffusionGemmaNet(nn.Module):
 
 
 def stream_masks(pos: torch.Tensor, clean: torch.Tensor, block_start: torch.Tensor, window: Optional[int],
-                 attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 attention_mask: Optional[torch.Tensor] = None, keys: Optional[tuple] = None) -> torch.Tensor:
     """[B, 1, S, S] boolean: what each token sees, as encoder and decoder see it in the reference.
     A clean token: clean tokens at its position or before (the last `window` of them on a sliding
     layer). A noisy token: clean tokens before its block (the last window - 1 of them on a sliding
-    layer: the encoder cache keeps no more) and the noisy tokens of its own block."""
-    pq, pk = pos[:, :, None], pos[:, None, :]
-    cq, ck = clean[:, :, None], clean[:, None, :]
-    sq, sk = block_start[:, :, None], block_start[:, None, :]
+    layer: the encoder cache keeps no more) and the noisy tokens of its own block. `keys`: (pos,
+    clean, block_start) of other keys than the queries (a window over an `EncoderCache`: [B, 1, S, K])."""
+    kpos, kclean, kstart = keys if keys is not None else (pos, clean, block_start)
+    pq, pk = pos[:, :, None], kpos[:, None, :]
+    cq, ck = clean[:, :, None], kclean[:, None, :]
+    sq, sk = block_start[:, :, None], kstart[:, None, :]
     clean_sees = ck & (pk <= pq)
     noisy_sees = (ck & (pk < sq)) | (~ck & (sk == sq))
     if window is not None:

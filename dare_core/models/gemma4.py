@@ -105,7 +105,8 @@ class Gemma4Attention(nn.Module):
         self.k_norm = GemmaRMSNorm(spec.head_dim, cfg.rms_norm_eps)
         self.eps = cfg.rms_norm_eps
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                cached: Optional["CachedKeys"] = None) -> torch.Tensor:
         b, s, _ = x.shape
         d, kv = self.spec.head_dim, self.spec.n_kv_heads
         q = self.q_norm(self.q_proj(x).view(b, s, self.n_heads, d)).transpose(1, 2)
@@ -114,6 +115,8 @@ class Gemma4Attention(nn.Module):
         k = self.k_norm(k_raw).transpose(1, 2)
         v = rms_normalize(v, self.eps).transpose(1, 2)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if cached is not None:  # the encoder's keys and values before this window's
+            k, v = cached.extend(k, v)
         # Gemma 4 normalises q and k and does not scale their product; every attention backend divides by sqrt(d)
         out = attend(q * d**0.5, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
@@ -179,8 +182,8 @@ class Gemma4Layer(nn.Module):
         self.register_buffer("noisy_scalar", torch.ones(1))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-                clean: torch.Tensor) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask))
+                clean: torch.Tensor, cached: Optional["CachedKeys"] = None) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask, cached))
         dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(x)))
         flat = x.reshape(-1, x.shape[-1])
         idx, weights = self.router(flat)
@@ -199,13 +202,52 @@ class Gemma4Stack(nn.Module):
         self.layers = nn.ModuleList(Gemma4Layer(cfg, spec) for spec in cfg.layers)
         self.norm = GemmaRMSNorm(cfg.d_model, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, masks: dict, clean: torch.Tensor) -> torch.Tensor:
-        """x [B, S, d] embeddings; masks {True: sliding layers' [B, 1, S, S], False: full layers'};
-        clean [B, S] which tokens are the encoder's. Final-norm hidden states."""
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, masks: dict, clean: torch.Tensor,
+                cache: Optional["EncoderCache"] = None, write: bool = False) -> torch.Tensor:
+        """x [B, S, d] embeddings; masks {True: sliding layers' [B, 1, S, keys], False: full layers'};
+        clean [B, S] which tokens are the encoder's. With `cache` the keys are the cached tokens' and
+        then this window's, and `write` appends the window's to the cache. Final-norm hidden states."""
         tables = {}
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             spec = layer.self_attn.spec
             if spec not in tables:
                 tables[spec] = rope_tables(position_ids, spec, x.dtype)
-            x = layer(x, *tables[spec], masks[spec.sliding], clean)
+            cached = CachedKeys(cache, i, write) if cache is not None else None
+            x = layer(x, *tables[spec], masks[spec.sliding], clean, cached)
         return self.norm(x)
+
+
+class EncoderCache:
+    """The encoder's keys and values of every clean token so far, per layer, with those tokens'
+    positions and padding: what the decoder reads and the next block's encoding appends to."""
+
+    def __init__(self, n_layers: int):
+        self.k: list = [None] * n_layers
+        self.v: list = [None] * n_layers
+        self.positions: Optional[torch.Tensor] = None  # [B, L]
+        self.attention_mask: Optional[torch.Tensor] = None  # [B, L]
+
+    def append_tokens(self, positions: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        cat = lambda old, new: new if old is None else torch.cat([old, new], dim=1)  # noqa: E731
+        self.positions, self.attention_mask = cat(self.positions, positions), cat(self.attention_mask, attention_mask)
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only these rows (finished sequences leave the batch)."""
+        self.k = [k[rows] if k is not None else None for k in self.k]
+        self.v = [v[rows] if v is not None else None for v in self.v]
+        self.positions, self.attention_mask = self.positions[rows], self.attention_mask[rows]
+
+
+class CachedKeys:
+    """One layer's view of an `EncoderCache` during a forward."""
+
+    def __init__(self, cache: EncoderCache, layer: int, write: bool):
+        self.cache, self.layer, self.write = cache, layer, write
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        old_k, old_v = self.cache.k[self.layer], self.cache.v[self.layer]
+        full_k = k if old_k is None else torch.cat([old_k, k], dim=2)
+        full_v = v if old_v is None else torch.cat([old_v, v], dim=2)
+        if self.write:
+            self.cache.k[self.layer], self.cache.v[self.layer] = full_k, full_v
+        return full_k, full_v

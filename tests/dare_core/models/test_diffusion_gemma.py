@@ -103,3 +103,32 @@ def test_a_checkpoint_missing_a_weight_is_refused(pair):
     state = {k: v for k, v in ((name, t.detach()) for name, t in net.named_parameters())}
     with pytest.raises(KeyError, match="DiffusionGemma: no checkpoint tensor"):
         load_state(DiffusionGemmaNet(net.cfg), state)  # our names are not the checkpoint's
+
+
+def test_decoding_over_the_encoder_cache_equals_one_pass(pair):
+    """The prompt encoded into an `EncoderCache`, then a canvas decoded over it, a block committed
+    (encoded) and the next canvas decoded: the same logits as one pass of everything, also for a
+    batch whose prompts differ in length (left padding, positions from each prompt's first token)."""
+    from dare_core.models.gemma4 import EncoderCache
+    from dare_core.models.transformer import default_position_ids
+
+    _, net = pair
+    prompts = [_tokens((1, 11), 6)[0], _tokens((1, 7), 7)[0]]
+    canvas1, block1, canvas2 = _tokens((2, 8), 8), _tokens((2, 8), 9), _tokens((2, 8), 10)
+    previous = 3 * torch.randn(2, 8, 64, generator=generator(11, "diffusion-gemma-logits"))
+    ids = torch.zeros(2, 11, dtype=torch.long)
+    attn = torch.zeros(2, 11, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, 11 - len(p):], attn[i, 11 - len(p):] = p, 1
+    pos = default_position_ids(ids, attn)
+    lens = attn.sum(-1, keepdim=True)
+    with torch.no_grad():
+        cache = EncoderCache(len(net.stack.layers))
+        net.encode(cache, ids, pos, attn)
+        first = net.decode(cache, canvas1, lens + torch.arange(8), previous)
+        net.encode(cache, block1, lens + torch.arange(8), torch.ones_like(block1))
+        second = net.decode(cache, canvas2, lens + 8 + torch.arange(8))
+        for i, p in enumerate(prompts):
+            torch.testing.assert_close(first[i], net.canvas_logits(p[None], canvas1[i:i + 1], previous[i:i + 1])[0], **TOL)
+            context = torch.cat([p, block1[i]])[None]
+            torch.testing.assert_close(second[i], net.canvas_logits(context, canvas2[i:i + 1])[0], **TOL)
