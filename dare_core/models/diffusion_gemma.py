@@ -69,14 +69,15 @@ def config_from_hf(cfg: dict) -> Gemma4Config:
 # layer scalars its own; lm_head is the decoder's embedding (tied).
 NAME_MAP = [
     ("embed.weight", "model.decoder.embed_tokens.weight"),
-    ("stack.norm.weight", "model.decoder.norm.weight"),
-    ("stack.layers.{i}.noisy_scalar", "model.decoder.layers.{i}.layer_scalar"),
-    ("stack.layers.{i}.clean_scalar", "model.encoder.language_model.layers.{i}.layer_scalar"),
+    ("norm.weight", "model.decoder.norm.weight"),
+    ("layers.{i}.noisy_scalar", "model.decoder.layers.{i}.layer_scalar"),
+    ("layers.{i}.clean_scalar", "model.encoder.language_model.layers.{i}.layer_scalar"),
     ("self_conditioning.pre_norm.weight", "model.decoder.self_conditioning.pre_norm.weight"),
     *((f"self_conditioning.mlp.{n}", f"model.decoder.self_conditioning.{n}") for n in ("gate_proj.weight", "up_proj.weight", "down_proj.weight")),
-    *((f"stack.layers.{{i}}.{n}", f"model.decoder.layers.{{i}}.{n}") for n in (
-        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-        "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+    *((f"layers.{{i}}.attn.{n}", f"model.decoder.layers.{{i}}.self_attn.{n}") for n in (
+        "q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "q_norm.weight", "k_norm.weight")),
+    *((f"layers.{{i}}.{n}", f"model.decoder.layers.{{i}}.{n}") for n in (
+        "mlp.gate_proj.weight", "mlp.up_proj.weight",
         "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
         "pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight", "post_feedforward_layernorm_1.weight",
         "post_feedforward_layernorm_2.weight", "pre_feedforward_layernorm_2.weight", "router.proj.weight",
@@ -99,12 +100,13 @@ class SelfConditioning(nn.Module):
         return self.post_norm(embeds + self.mlp(self.pre_norm(soft)))
 
 
-class DiffusionGemmaNet(nn.Module):
+class DiffusionGemmaNet(Gemma4Stack):
+    """The Gemma 4 layers with the token embeddings (also the tied, soft-capped head) and the
+    decoder's self-conditioning."""
+
     def __init__(self, cfg: Gemma4Config):
-        super().__init__()
-        self.cfg = cfg
+        super().__init__(cfg)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.stack = Gemma4Stack(cfg)
         self.self_conditioning = SelfConditioning(cfg)
 
     def embed_scale(self) -> torch.Tensor:
@@ -150,7 +152,7 @@ class DiffusionGemmaNet(nn.Module):
             x = x.masked_scatter(noisy[..., None], canvas)
         masks = {sliding: stream_masks(position_ids, clean, block_start, self.cfg.sliding_window if sliding else None,
                                        attention_mask) for sliding in {s.sliding for s in self.cfg.layers}}
-        return self.stack(x, position_ids, masks, clean)
+        return self.run_layers(x, position_ids, masks, clean)
 
     def encode(self, cache: EncoderCache, ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
         """Append clean tokens [B, W] (the prompt, then each committed block) to the encoder's cache."""
@@ -179,7 +181,7 @@ class DiffusionGemmaNet(nn.Module):
             key_mask = torch.cat([cache.attention_mask, attention_mask], 1)
         masks = {sliding: stream_masks(position_ids, clean, block_start, self.cfg.sliding_window if sliding else None,
                                        key_mask, keys) for sliding in {s.sliding for s in self.cfg.layers}}
-        return self.stack(x, position_ids, masks, clean, cache, write)
+        return self.run_layers(x, position_ids, masks, clean, cache, write)
 
     def canvas_logits(self, prompt: torch.Tensor, canvas: torch.Tensor, previous_logits: Optional[torch.Tensor] = None) -> torch.Tensor:
         """[B, C, V] logits of the decoder over `canvas` [B, C] after the prompt [B, P] (no padding):

@@ -169,7 +169,7 @@ class Gemma4Layer(nn.Module):
     def __init__(self, cfg: Gemma4Config, spec: AttentionSpec):
         super().__init__()
         norm = lambda: GemmaRMSNorm(cfg.d_model, cfg.rms_norm_eps)  # noqa: E731
-        self.self_attn = Gemma4Attention(cfg, spec)
+        self.attn = Gemma4Attention(cfg, spec)
         self.input_layernorm, self.post_attention_layernorm = norm(), norm()
         self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
         self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden_size, act=gelu_tanh)
@@ -183,7 +183,7 @@ class Gemma4Layer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                 clean: torch.Tensor, cached: Optional["CachedKeys"] = None) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask, cached))
+        x = x + self.post_attention_layernorm(self.attn(self.input_layernorm(x), cos, sin, mask, cached))
         dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(x)))
         flat = x.reshape(-1, x.shape[-1])
         idx, weights = self.router(flat)
@@ -194,7 +194,8 @@ class Gemma4Layer(nn.Module):
 
 
 class Gemma4Stack(nn.Module):
-    """The layers; `forward` takes embeddings and one boolean mask per attention kind."""
+    """The layers and the final norm (`layers.{i}`, `norm`: the generic module tree LoRA targets
+    match); `run_layers` takes embeddings and one boolean mask per attention kind."""
 
     def __init__(self, cfg: Gemma4Config):
         super().__init__()
@@ -202,14 +203,14 @@ class Gemma4Stack(nn.Module):
         self.layers = nn.ModuleList(Gemma4Layer(cfg, spec) for spec in cfg.layers)
         self.norm = GemmaRMSNorm(cfg.d_model, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, masks: dict, clean: torch.Tensor,
-                cache: Optional["EncoderCache"] = None, write: bool = False) -> torch.Tensor:
+    def run_layers(self, x: torch.Tensor, position_ids: torch.Tensor, masks: dict, clean: torch.Tensor,
+                   cache: Optional["EncoderCache"] = None, write: bool = False) -> torch.Tensor:
         """x [B, S, d] embeddings; masks {True: sliding layers' [B, 1, S, keys], False: full layers'};
         clean [B, S] which tokens are the encoder's. With `cache` the keys are the cached tokens' and
         then this window's, and `write` appends the window's to the cache. Final-norm hidden states."""
         tables = {}
         for i, layer in enumerate(self.layers):
-            spec = layer.self_attn.spec
+            spec = layer.attn.spec
             if spec not in tables:
                 tables[spec] = rope_tables(position_ids, spec, x.dtype)
             cached = CachedKeys(cache, i, write) if cache is not None else None

@@ -8,12 +8,16 @@ The reference policy is the same module with the adapter disabled: no second cop
 from __future__ import annotations
 
 import contextlib
+import re
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import torch
 
 ALL_LINEAR = r"layers\.\d+\.(attn\.(q_proj|k_proj|v_proj|qkv_proj|o_proj)|mlp\.((experts\.\d+|shared)\.)?(gate_proj|up_proj|down_proj))"
+# experts stored as stacked tensors (DiffusionGemma's [E, out, in]) are adapted per expert through
+# peft's parameter targets; "all-linear" includes them wherever a model has them
+FUSED_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
 ATTENTION = r"layers\.\d+\.attn\.(q_proj|k_proj|v_proj|qkv_proj|o_proj)"
 TARGETS = {"all-linear": ALL_LINEAR, "attention": ATTENTION}
 
@@ -33,7 +37,9 @@ def apply_lora(model, settings: LoraSettings, generator: Optional[torch.Generato
     from peft import LoraConfig, inject_adapter_in_model
 
     pattern = TARGETS.get(settings.targets, settings.targets)
-    config = LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout, target_modules=pattern, bias="none")
+    fused = [p for p in FUSED_EXPERTS if any(n.endswith(p) for n, _ in model.net.named_parameters())]
+    config = LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout, target_modules=pattern, bias="none",
+                        target_parameters=fused if settings.targets == "all-linear" and fused else None)
     # the adapter is made where the weights are: drawing it on the host and copying it over cost an
     # 8B model's stage start-up seconds at r = 128 (and on the meta device it costs nothing)
     with torch.device(next(model.net.parameters()).device):
@@ -78,7 +84,8 @@ def adapters_merged(model) -> Iterator[bool]:
     add. On exit each base weight is copied back from a copy taken before (subtracting the delta again
     would not give W back in bf16), so training sees its weights bit for bit; the copy costs the
     adapted weights' memory once more while the block runs."""
-    layers = [m for m in lora_layers(model.net) if not m.merged and "default" in m.lora_A]
+    # (a stacked-experts adapter, peft's ParamWrapper, adds its delta inside the forward already)
+    layers = [m for m in lora_layers(model.net) if not m.merged and "default" in m.lora_A and hasattr(m.get_base_layer(), "weight")]
     saved = []
     try:
         with torch.no_grad():
@@ -102,14 +109,26 @@ def base_tensors(net: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, Opti
     """(generic name, base tensor, the LoRA layer that adapts it or None) for every tensor of `net`'s
     state dict but the adapters' own, in state-dict order; wrapper names are cleaned
     ("q_proj.base_layer.weight" -> "q_proj.weight"). Nothing is computed or copied."""
-    adapted = {name: m for name, m in net.named_modules() if "lora_A" in dict(m.named_children())}
+    adapted, params = {}, {}
+    for name, m in net.named_modules():
+        if "lora_A" in dict(m.named_children()):
+            if hasattr(m, "parameter_name"):  # peft's ParamWrapper: it adapts one parameter of its base
+                params[f"{_unwrapped(name)}.{m.parameter_name}"] = m
+            else:
+                adapted[_unwrapped(name)] = m
     for name, tensor in net.state_dict().items():
         if "lora_" in name:
             continue
-        clean = name.replace(".base_layer.", ".")
+        clean = _unwrapped(name)
         owner = clean.rsplit(".", 1)[0]
-        layer = adapted.get(owner) if clean.endswith(".weight") else None
+        layer = params.get(clean) or (adapted.get(owner) if clean.endswith(".weight") else None)
         yield clean, tensor, layer
+
+
+def _unwrapped(name: str) -> str:
+    """A module or tensor path without peft's wrappers ("q_proj.base_layer.weight" -> "q_proj.weight";
+    wrappers nest where one module has several adapted parameters)."""
+    return re.sub(r"(\.base_layer)+(?=\.|$)", "", name)
 
 
 def fold(weight: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:

@@ -21,7 +21,7 @@ def _net(seed: int = 0) -> DiffusionGemmaNet:
     with torch.no_grad():
         for p in net.parameters():
             p.copy_(0.3 * torch.randn(p.shape, dtype=p.dtype) + (1.0 if p.dim() == 1 else 0.0))
-        for layer in net.stack.layers:
+        for layer in net.layers:
             layer.clean_scalar.fill_(0.9)
             layer.noisy_scalar.fill_(1.1)
     return net

@@ -123,7 +123,7 @@ def test_decoding_over_the_encoder_cache_equals_one_pass(pair):
     pos = default_position_ids(ids, attn)
     lens = attn.sum(-1, keepdim=True)
     with torch.no_grad():
-        cache = EncoderCache(len(net.stack.layers))
+        cache = EncoderCache(len(net.layers))
         net.encode(cache, ids, pos, attn)
         first = net.decode(cache, canvas1, lens + torch.arange(8), previous)
         net.encode(cache, block1, lens + torch.arange(8), torch.ones_like(block1))
@@ -132,3 +132,41 @@ def test_decoding_over_the_encoder_cache_equals_one_pass(pair):
             torch.testing.assert_close(first[i], net.canvas_logits(p[None], canvas1[i:i + 1], previous[i:i + 1])[0], **TOL)
             context = torch.cat([p, block1[i]])[None]
             torch.testing.assert_close(second[i], net.canvas_logits(context, canvas2[i:i + 1])[0], **TOL)
+
+
+def test_lora_all_linear_adapts_attention_the_mlp_and_every_expert():
+    """LoRA "all-linear" reaches the stacked experts too (per expert, through peft's parameter
+    targets): unchanged logits at init, gradients on the adapters only, and the merged export
+    (`merged_tensors`) loaded into a plain net gives the adapted net's logits."""
+    import types
+
+    from dare_core.models.lora import LoraSettings, apply_lora, merged_tensors
+
+    cfg = config_from_hf(tiny_config(64, eos_token_id=1))
+    torch.manual_seed(3)
+    net = DiffusionGemmaNet(cfg).double().eval()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.normal_(std=0.2)
+    prompt, canvas = _tokens((2, 5), 12), _tokens((2, 8), 13)
+    before = net.canvas_logits(prompt, canvas).detach()
+    apply_lora(types.SimpleNamespace(net=net), LoraSettings(r=2, alpha=4), generator(5, "lora"))
+    trainable = {n for n, p in net.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    for part in ("attn.q_proj", "attn.o_proj", "mlp.down_proj", "experts"):
+        assert any(f"layers.2.{part}" in n for n in trainable), part
+    torch.testing.assert_close(net.canvas_logits(prompt, canvas), before, rtol=0, atol=0)
+    with torch.no_grad():
+        for n, p in net.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.3, generator=generator(6, n))
+    adapted = net.canvas_logits(prompt, canvas)
+    assert (adapted - before).abs().max() > 1e-3
+    adapted.sum().backward()
+    assert all(p.grad is None for n, p in net.named_parameters() if "lora_" not in n)
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in net.named_parameters() if "experts" in n and "lora_" in n)
+    merged = dict(merged_tensors(net))
+    plain = DiffusionGemmaNet(cfg).double().eval()
+    assert set(merged) == set(plain.state_dict())
+    plain.load_state_dict(merged)
+    torch.testing.assert_close(plain.canvas_logits(prompt, canvas), adapted.detach(), rtol=1e-9, atol=1e-9)
