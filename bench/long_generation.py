@@ -96,13 +96,14 @@ def write_results(out: Path, command: str, commit: str, settings: dict, runs: li
         steps = run["steps"]
         startup = next((m.get("time/startup_s") for m in steps if m.get("time/startup_s") is not None), None)
         rows = [[m["step"], *(fmt(m.get(f"time/{p}_s"), ".1f") for p in RL_PHASES), fmt(m.get("time/step_s"), ".1f"),
-                 fmt(m.get("response_tokens"), ".0f"), fmt(m.get("sequence_tokens"), ".0f"),
+                 fmt(m.get("response_tokens"), ".0f"), fmt(m.get("rollout_steps"), ".0f"), fmt(m.get("sequence_tokens"), ".0f"),
                  fmt(m.get("memory/peak_gib"), ".1f", "n/a (CPU)")] for m in steps]
         lines += ["", f"## Canvas: {run['canvas']}", "", f"- {CANVAS[run['canvas']].capitalize()}.",
                   f"- Stage start-up (checks, load, engine) before step 1: {fmt(startup, '.1f', 'n/a')} s.",
                   f"- Status: {run['status']}.", ""]
         lines += markdown_table(["step", *(f"{PHASE_NAMES[p]} s" for p in RL_PHASES), "step s", "response tokens (mean)",
-                                 "tokens scored a rollout, prompt included (mean)", "peak GPU memory (GiB)"], rows)
+                                 "denoising steps a rollout (mean)", "tokens scored a rollout, prompt included (mean)",
+                                 "peak GPU memory (GiB)"], rows)
     write_atomic(out, "\n".join(lines) + "\n")
     write_atomic(out.with_suffix(".json"), json.dumps({"commit": commit, "command": command, "settings": settings,
                                                        "runs": runs}, indent=1) + "\n")

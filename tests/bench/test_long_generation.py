@@ -67,6 +67,7 @@ def test_stopped_responses_are_scored_without_the_canvas_after_their_stop(tmp_pa
     text = out.read_text()
     assert "12 token ids made stop tokens" in text and "## Canvas: trim" in text and "## Canvas: keep" in text
     trim, keep = [line.strip("|").split("|") for line in text.splitlines() if re.match(r"\| \d+ \|", line)]
-    response, scored = (float(trim[7]), float(keep[7])), (float(trim[8]), float(keep[8]))
+    response, scored = (float(trim[7]), float(keep[7])), (float(trim[9]), float(keep[9]))
+    assert float(trim[8]) == float(keep[8]) > 0  # the same rollouts took the same denoising steps
     assert response[0] == response[1] < 60, (response, scored)  # the same rollouts, ended early
     assert scored[0] < scored[1] - 4, (response, scored)
