@@ -12,12 +12,15 @@ Only the text model is served: the checkpoint's vision tower is not loaded.
 """
 from __future__ import annotations
 
-from typing import Optional
+import re
+from pathlib import Path
+from typing import Optional, Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from dare_core.errors import ModelLoadError
 from dare_core.models.gemma4 import AttentionSpec, EncoderCache, Gemma4Config, Gemma4Stack, GemmaRMSNorm, gelu_tanh
 from dare_core.models.transformer import SwiGLU
 
@@ -218,26 +221,66 @@ def stream_masks(pos: torch.Tensor, clean: torch.Tensor, block_start: torch.Tens
     return mask[:, None]
 
 
-def load_state(net: DiffusionGemmaNet, state: dict) -> None:
-    """Load checkpoint tensors (names as the reference saves them) into `net`; the vision tower's
-    are left out, and every parameter and buffer of `net` must be found."""
-    import re
+# checkpoint tensors DARE does not load: the vision tower and its embedder (DARE serves the text
+# model), and the encoder's copies of the decoder's weights (tied; its layer scalars are its own)
+IGNORED = re.compile(r"model\.encoder\.(vision_tower|embed_vision)\.|model\.encoder\.language_model\.(?!layers\.\d+\.layer_scalar$)")
 
-    ours = dict(net.named_parameters()) | dict(net.named_buffers())
-    loaded = set()
-    for ours_t, theirs_t in NAME_MAP:
-        pattern = re.compile(re.escape(theirs_t).replace(r"\{i\}", r"(?P<i>\d+)") + "$")
-        for name, tensor in state.items():
-            m = pattern.match(name)
-            if m:
-                target = ours_t.format(**m.groupdict())
-                if target in ours:
-                    with torch.no_grad():
-                        ours[target].copy_(tensor)
-                    loaded.add(target)
-    missing = sorted(set(ours) - loaded)
+
+def our_name(checkpoint_name: str) -> Optional[str]:
+    """Our parameter or buffer name of a checkpoint tensor; None for one that is not loaded."""
+    if IGNORED.match(checkpoint_name):
+        return None
+    for ours, theirs in NAME_MAP:
+        m = re.fullmatch(re.escape(theirs).replace(r"\{i\}", r"(?P<i>\d+)"), checkpoint_name)
+        if m:
+            return ours.format(**m.groupdict())
+    raise ModelLoadError(f"DiffusionGemma: unexpected checkpoint tensor '{checkpoint_name}'")
+
+
+def load_state(net: DiffusionGemmaNet, state: dict) -> None:
+    """Load checkpoint tensors (names as the reference saves them) into `net`; every parameter and
+    buffer of `net` must be among them."""
+    ours = {name: t for name, t in ((our_name(k), v) for k, v in state.items()) if name is not None}
+    missing = sorted(set(net.state_dict()) - set(ours))
     if missing:
-        raise KeyError(f"DiffusionGemma: no checkpoint tensor for {missing[:5]}")
+        raise ModelLoadError(f"DiffusionGemma: no checkpoint tensor for {missing[:5]}")
+    net.load_state_dict(ours, strict=True)
+
+
+def load_diffusion_gemma(folder: Union[str, Path], dtype: Optional[torch.dtype] = None,
+                         device: Union[str, torch.device] = "cpu") -> DiffusionGemmaNet:
+    """The network of a DiffusionGemma checkpoint folder as it is downloaded (config.json,
+    model.safetensors or shards with their index): built on the meta device, each tensor read onto
+    `device` (floating ones cast to `dtype`) and assigned, no random init first."""
+    from dare_core.models.hf_folder import _open_shard, _read_config, _weight_files
+
+    folder = Path(folder)
+    cfg = _read_config(folder)
+    try:
+        config = config_from_hf(cfg)
+    except (KeyError, ValueError) as exc:
+        raise ModelLoadError(f"{folder / 'config.json'}: {exc}") from exc
+    with torch.device("meta"):
+        net = DiffusionGemmaNet(config)
+    weight_map = _weight_files(folder)
+    wanted = {k: our_name(k) for k in weight_map}
+    state = {}
+    for shard in sorted(set(weight_map.values())):
+        with _open_shard(folder / shard, device) as f:
+            for name in f.keys():
+                ours = wanted.get(name)
+                if ours is None:
+                    continue
+                t = f.get_tensor(name)
+                state[ours] = t.to(dtype) if dtype is not None and t.is_floating_point() else t.clone()
+    missing = sorted(set(net.state_dict()) - set(state))
+    if missing:
+        raise ModelLoadError(f"{folder}: checkpoint lacks tensors for {missing[:5]} ({len(missing)} missing)")
+    try:
+        net.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as exc:  # a shape the config does not imply
+        raise ModelLoadError(f"{folder}: {exc}") from exc
+    return net
 
 
 def tiny_config(vocab_size: int, eos_token_id: int, pad_token_id: int = 0, canvas_length: int = 8, **sizes) -> dict:

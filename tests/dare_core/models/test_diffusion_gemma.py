@@ -98,11 +98,37 @@ def test_stream_masks_by_hand():
     assert sliding == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 1, 1, 0, 0], [0, 0, 1, 1, 1], [0, 0, 1, 1, 1]]
 
 
-def test_a_checkpoint_missing_a_weight_is_refused(pair):
+def test_a_checkpoint_with_an_unknown_or_a_missing_tensor_is_refused(pair):
+    from dare_core.errors import ModelLoadError
+
     _, net = pair
     state = {k: v for k, v in ((name, t.detach()) for name, t in net.named_parameters())}
-    with pytest.raises(KeyError, match="DiffusionGemma: no checkpoint tensor"):
+    with pytest.raises(ModelLoadError, match="unexpected checkpoint tensor 'layers.0.attn.q_proj.weight'"):
         load_state(DiffusionGemmaNet(net.cfg), state)  # our names are not the checkpoint's
+    with pytest.raises(ModelLoadError, match="no checkpoint tensor for"):
+        load_state(DiffusionGemmaNet(net.cfg), {"model.decoder.norm.weight": net.norm.weight.detach()})
+
+
+def test_a_sharded_folder_loads_as_it_is_downloaded(pair, tmp_path):
+    """The reference's own sharded save (an index and several files, the vision tower among them):
+    built on the meta device and assigned; the same logits as the reference, in bf16 when asked."""
+    from dare_core.errors import ModelLoadError
+    from dare_core.models.diffusion_gemma import load_diffusion_gemma
+
+    ref, _ = pair
+    ref.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 3
+    net = load_diffusion_gemma(tmp_path / "sharded").eval()
+    assert not any(t.is_meta for t in net.state_dict().values())
+    prompt, canvas = _tokens((2, 9), 14), _tokens((2, 8), 15)
+    with torch.no_grad():
+        torch.testing.assert_close(net.canvas_logits(prompt, canvas), ref(input_ids=prompt, decoder_input_ids=canvas).logits, **TOL)
+    assert load_diffusion_gemma(tmp_path / "sharded", dtype=torch.bfloat16).embed.weight.dtype == torch.bfloat16
+    shard = tmp_path / "sharded" / index["weight_map"]["model.decoder.norm.weight"]
+    shard.unlink()
+    with pytest.raises(ModelLoadError, match="is missing"):
+        load_diffusion_gemma(tmp_path / "sharded")
 
 
 def test_decoding_over_the_encoder_cache_equals_one_pass(pair):
