@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rl_pieces import REWARD  # noqa: E402
 from stamp import REPO, fmt, git_commit, hardware, header, markdown_table, write_atomic  # noqa: E402
-from train_step_runs import RL_PHASES, child_env, link_start_folder, metrics_rows, run_rl_on_folder  # noqa: E402
+from train_step_runs import RL_PHASES, child_env, link_start_folder, metrics_rows, rank_env, run_rl_on_folder, torchrun  # noqa: E402
 from train_step_setup import Settings, write_data, write_model_folder  # noqa: E402
 
 STOP_BASE = 1000  # --stop-tokens N makes N ids from here stop tokens (ordinary tokens; from vocab / 8 in a smaller vocabulary)
@@ -175,7 +175,8 @@ def run_stage(cfg, args, folder: Path, overrides: list[str], canvas: str, write,
     print(f"[long_generation] canvas {canvas}: stage log {log}", flush=True)
     t0 = time.monotonic()
     with log.open("w") as out:
-        proc = subprocess.Popen([*rank_launcher(ranks), __file__, "--child", str(spec)], env=rank_env(ranks), cwd=REPO,
+        launcher = torchrun(ranks) if ranks > 1 else [sys.executable]
+        proc = subprocess.Popen([*launcher, __file__, "--child", str(spec)], env=rank_env(ranks) if ranks > 1 else child_env(), cwd=REPO,
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         while True:
             code = proc.poll()
@@ -199,23 +200,6 @@ def run_stage(cfg, args, folder: Path, overrides: list[str], canvas: str, write,
             write()
             time.sleep(2)
     run["steps"] = [m for m in metrics_rows(stage_dir) if "time/step_s" in m]
-
-
-def rank_launcher(ranks: int) -> list[str]:
-    """One process, or torchrun's `ranks` (one a GPU), each running the stage loop as `dare stage` does."""
-    if ranks == 1:
-        return [sys.executable]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
-
-
-def rank_env(ranks: int) -> dict:
-    """The child's environment; torchrun's ranks get the CPU thread counts `dare stage` gives them."""
-    if ranks == 1:
-        return child_env()
-    from dare_core.config import LaunchConfig
-    from dare_core.process.threads import launcher_env
-
-    return launcher_env(LaunchConfig().threads, ranks, child_env())
 
 
 def _tail(log: Path) -> str:

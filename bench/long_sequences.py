@@ -39,6 +39,7 @@ sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
 import torch  # noqa: E402
 from stamp import fmt, git_commit, hardware, header, library_versions, markdown_table, utc_now, write_atomic  # noqa: E402
+from train_step_runs import torchrun  # noqa: E402
 
 MODES = {"logits": 1, "logits-free": 1, "sp2": 2, "sp4": 4}  # mode: GPUs
 LENGTHS = (2048, 4096, 8192, 12288, 16384, 24576, 32768, 49152, 65536, 98304, 131072)
@@ -158,8 +159,7 @@ class ModeRun:
         self.spec = workdir / f"{task.shape}-{task.mode}.json"
         Path(task.out).unlink(missing_ok=True)
         self.spec.write_text(json.dumps(dataclasses.asdict(task)))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={len(gpus)}", __file__,
-               "--task", str(self.spec)]
+        cmd = [*torchrun(len(gpus)), __file__, "--task", str(self.spec)]
         env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
         if torch.cuda.is_available():

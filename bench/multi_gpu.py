@@ -107,15 +107,6 @@ def split_batch(s: ts.Settings, gpus: int) -> dict:
     return {"sft.micro_batch_size": micro, "sft.grad_accum": per_rank // micro}
 
 
-def rank_env(gpus: int) -> dict:
-    """The ranks' environment, with the CPU thread counts `dare stage` exports (torchrun alone would
-    give each rank OMP_NUM_THREADS=1, and the offloaded optimizer steps on the CPU)."""
-    from dare_core.config import LaunchConfig
-    from dare_core.process.threads import launcher_env
-
-    return launcher_env(LaunchConfig().threads, gpus, ts.child_env())
-
-
 def launch(runner_dir: Path, name: str, spec: dict, gpus: int, timeout: Optional[float], verbose: bool) -> dict:
     """Run one measurement on `gpus` ranks; its rank-0 result with the ranks' peak memory, or an error."""
     spec_path = runner_dir / f"{name}.json"
@@ -123,12 +114,12 @@ def launch(runner_dir: Path, name: str, spec: dict, gpus: int, timeout: Optional
         old.unlink()
     spec_path.write_text(json.dumps({**spec, "stacks_after": timeout - 20 if timeout and timeout > 60 else None}))
     log_path = spec_path.with_suffix(".log")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}", __file__, "--task", str(spec_path)]
+    cmd = [*ts.torchrun(gpus), __file__, "--task", str(spec_path)]
     print(f"[multi_gpu] {name} on {gpus} GPU(s) ...", flush=True)
     t0 = time.perf_counter()
     with log_path.open("w") as log:
         try:
-            code = subprocess.run(cmd, env=rank_env(gpus), cwd=REPO, stdout=None if verbose else log, stderr=subprocess.STDOUT,
+            code = subprocess.run(cmd, env=ts.rank_env(gpus), cwd=REPO, stdout=None if verbose else log, stderr=subprocess.STDOUT,
                                   timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             code = None

@@ -72,7 +72,7 @@ from train_step_setup import PARTS, SHAPES, Settings  # noqa: E402
 from model_throughput import peak_bf16  # noqa: E402,F401
 from rl_pieces import register_rl_pieces  # noqa: E402,F401
 from stamp import hardware, mean  # noqa: E402,F401
-from train_step_runs import (RL_PHASES, child_env, metrics_rows, rl_overrides, sft_overrides,  # noqa: E402,F401
+from train_step_runs import (RL_PHASES, child_env, metrics_rows, rank_env, torchrun, rl_overrides, sft_overrides,  # noqa: E402,F401
                              sft_step_work, stage_config)
 from train_step_setup import write_data, write_model_folder  # noqa: E402,F401
 

@@ -323,6 +323,20 @@ def child_env() -> dict:
     return env
 
 
+def torchrun(ranks: int) -> list[str]:
+    """The command prefix that starts `ranks` processes of one host (one a GPU), as `dare stage` does."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+
+
+def rank_env(ranks: int) -> dict:
+    """`child_env` with the CPU thread counts `dare stage` gives each of `ranks` ranks (torchrun alone
+    would give each OMP_NUM_THREADS=1, and an offloaded optimizer steps on the CPU)."""
+    from dare_core.config import LaunchConfig
+    from dare_core.process.threads import launcher_env
+
+    return launcher_env(LaunchConfig().threads, ranks, child_env())
+
+
 class Runner:
     """Runs tasks in child processes (`entry --task SPEC`: train_step.py, or another bench built on
     its tasks), logs each to the work folder, returns their results."""

@@ -78,37 +78,50 @@ def draw(batch: CanvasBatch, vocab_size: int, generators: Sequence[torch.Generat
     """Each example's draws from its own generator, in a fixed order (time, canvas, corruption, coin)."""
     c, p = batch.canvas_length, batch.prompt_len
     real = batch.attention_mask[:, p:].view(len(generators), -1, c).any(-1)  # [B, n] canvases holding tokens
-    t, chosen, coins = [], [], []
+    t, chosen = [], []
     for b, g in enumerate(generators):
         t.append(eps + (1 - 2 * eps) * float(torch.rand((), generator=g)))
         options = real[b].nonzero().squeeze(-1)
         chosen.append(int(options[int(torch.randint(len(options), (), generator=g))]))
     t = torch.tensor(t)
     chosen = torch.tensor(chosen)
-    x0 = torch.stack([batch.ids[b, p + k * c:p + (k + 1) * c] for b, k in enumerate(chosen.tolist())])
-    noisy = uniform_corrupt(x0, t, vocab_size, generators)
+    noisy = uniform_corrupt(batch.ids[:, p:].gather(1, canvas_columns(chosen, c)), t, vocab_size, generators)
     coins = torch.tensor([float(torch.rand((), generator=g)) < self_conditioning for g in generators])
     return UniformDraws(t, chosen, noisy, coins)
 
 
-def canvas_sft_loss(net, batch: CanvasBatch, draws: UniformDraws) -> tuple[torch.Tensor, dict]:
-    """mean over examples of (decoder CE over the scored canvas + encoder next-token CE); metrics."""
-    c, p = batch.canvas_length, batch.prompt_len
+def canvas_columns(canvas: torch.Tensor, canvas_length: int) -> torch.Tensor:
+    """[B, C] the response columns of canvas `canvas[b]` of each example."""
+    return canvas[:, None] * canvas_length + torch.arange(canvas_length)
+
+
+def noisy_stream(batch: CanvasBatch, columns: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(clean, positions, block starts, attention mask) of one forward over the clean batch followed
+    by noisy copies of its response columns `columns` [B, N]: each noisy token at its clean
+    counterpart's position, denoised within the canvas holding that column, so that it sees the
+    prompt and the clean canvases before it (`DiffusionGemmaNet.forward`)."""
+    p, c = batch.prompt_len, batch.canvas_length
     b, s = batch.ids.shape
     clean_pos = default_position_ids(batch.ids, batch.attention_mask)
-    prompt_real = batch.attention_mask[:, :p].sum(-1)
-    start = prompt_real + draws.canvas * c  # the scored canvas's first position
-    canvas_pos = start[:, None] + torch.arange(c)
+    first = batch.attention_mask[:, :p].sum(-1, keepdim=True)  # each prompt's real tokens: the response's first position
+    clean = torch.cat([torch.ones(b, s, dtype=torch.bool), torch.zeros(columns.shape, dtype=torch.bool)], dim=1)
+    pos = torch.cat([clean_pos, first + columns], dim=1)
+    block_start = torch.cat([torch.zeros_like(clean_pos), first + columns // c * c], dim=1)
+    attn = torch.cat([batch.attention_mask, batch.attention_mask[:, p:].gather(1, columns)], dim=1)
+    return clean, pos, block_start, attn
+
+
+def canvas_sft_loss(net, batch: CanvasBatch, draws: UniformDraws) -> tuple[torch.Tensor, dict]:
+    """mean over examples of (decoder CE over the scored canvas + encoder next-token CE); metrics."""
+    p, s = batch.prompt_len, batch.ids.shape[1]
+    columns = canvas_columns(draws.canvas, batch.canvas_length)
     ids = torch.cat([batch.ids, draws.noisy], dim=1)
-    clean = torch.cat([torch.ones(b, s, dtype=torch.bool), torch.zeros(b, c, dtype=torch.bool)], dim=1)
-    pos = torch.cat([clean_pos, canvas_pos], dim=1)
-    block_start = torch.cat([torch.zeros_like(clean_pos), start[:, None].expand(-1, c)], dim=1)
-    attn = torch.cat([batch.attention_mask, torch.ones(b, c, dtype=batch.attention_mask.dtype)], dim=1)
+    clean, pos, block_start, attn = noisy_stream(batch, columns)
     with torch.no_grad():  # the first pass: no self-conditioning; its logits only feed the second
         first = net.logits(net(ids, clean, pos, block_start, attention_mask=attn)[:, s:])
     hidden = net(ids, clean, pos, block_start, previous_logits=first, attention_mask=attn, use_previous=draws.use_previous)
-    x0 = torch.stack([batch.ids[i, p + k * c:p + (k + 1) * c] for i, k in enumerate(draws.canvas.tolist())])
-    valid = torch.stack([batch.attention_mask[i, p + k * c:p + (k + 1) * c] for i, k in enumerate(draws.canvas.tolist())]).bool()
+    x0 = batch.ids[:, p:].gather(1, columns)
+    valid = batch.attention_mask[:, p:].gather(1, columns).bool()
     dec = F.cross_entropy(net.logits(hidden[:, s:]).transpose(1, 2), x0, reduction="none")
     dec = (dec * valid).sum(-1) / valid.sum(-1)
     # the encoder: each clean token predicts the next one, over the real prompt and response
@@ -162,16 +175,8 @@ def uniform_nelbo(predict, clean: torch.Tensor, valid: torch.Tensor, vocab_size:
 def canvas_predictor(net, batch: CanvasBatch):
     """`predict` for `uniform_nelbo` over a batch's whole response: every canvas noisy at once, each
     given the prompt and the clean canvases before it (the encoder's cache), self-conditioning off."""
-    c, p = batch.canvas_length, batch.prompt_len
     b, s = batch.ids.shape
-    clean_pos = default_position_ids(batch.ids, batch.attention_mask)
-    resp_pos = clean_pos[:, p:]
-    first = batch.attention_mask[:, :p].sum(-1)
-    starts = first[:, None] + (torch.arange(s - p) // c * c)[None]
-    clean = torch.cat([torch.ones(b, s, dtype=torch.bool), torch.zeros(b, s - p, dtype=torch.bool)], dim=1)
-    pos = torch.cat([clean_pos, resp_pos], dim=1)
-    block_start = torch.cat([torch.zeros_like(clean_pos), starts], dim=1)
-    attn = torch.cat([batch.attention_mask, batch.attention_mask[:, p:]], dim=1)
+    clean, pos, block_start, attn = noisy_stream(batch, torch.arange(s - batch.prompt_len).expand(b, -1))
 
     def predict(noisy: torch.Tensor) -> torch.Tensor:
         ids = torch.cat([batch.ids, noisy], dim=1)

@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dare_core.errors import ModelLoadError
+from dare_core.models.family import translate_name
 from dare_core.models.gemma4 import AttentionSpec, EncoderCache, Gemma4Config, Gemma4Stack, GemmaRMSNorm, gelu_tanh
 from dare_core.models.transformer import SwiGLU
 
@@ -141,11 +142,13 @@ class DiffusionGemmaNet(Gemma4Stack):
 
     def forward(self, ids: torch.Tensor, clean: torch.Tensor, position_ids: torch.Tensor, block_start: torch.Tensor,
                 previous_logits: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None,
-                use_previous: Optional[torch.Tensor] = None) -> torch.Tensor:
+                use_previous: Optional[torch.Tensor] = None, cache: Optional[EncoderCache] = None,
+                write: bool = False) -> torch.Tensor:
         """Final hidden states [B, S, d] of a sequence of clean tokens (clean [B, S] True) and noisy
         ones (as many in every row), each denoised within the block starting at its `block_start`
         position; `previous_logits` [B, N, V] the self-conditioning logits of the N noisy tokens of
-        each row (in order), `use_previous` [B] the rows that take them."""
+        each row (in order), `use_previous` [B] the rows that take them. With `cache`, the keys are
+        the cached clean tokens' and then these; `write` appends these (all clean) to the cache."""
         x = self.token_embeddings(ids)
         noisy = ~clean
         if noisy.any():
@@ -153,14 +156,21 @@ class DiffusionGemmaNet(Gemma4Stack):
             prev = None if previous_logits is None else previous_logits.reshape(b, -1, previous_logits.shape[-1])
             canvas = self.canvas_embeddings(ids[noisy].view(b, -1), prev, use_previous)
             x = x.masked_scatter(noisy[..., None], canvas)
+        keys, key_mask = None, attention_mask
+        if cache is not None and cache.positions is not None:
+            ones = torch.ones_like(cache.positions, dtype=torch.bool)
+            keys = (torch.cat([cache.positions, position_ids], 1), torch.cat([ones, clean], 1),
+                    torch.cat([torch.zeros_like(cache.positions), block_start], 1))
+            own = attention_mask if attention_mask is not None else torch.ones_like(ids)
+            key_mask = torch.cat([cache.attention_mask, own], 1)
         masks = {sliding: stream_masks(position_ids, clean, block_start, self.cfg.sliding_window if sliding else None,
-                                       attention_mask) for sliding in {s.sliding for s in self.cfg.layers}}
-        return self.run_layers(x, position_ids, masks, clean)
+                                       key_mask, keys) for sliding in {s.sliding for s in self.cfg.layers}}
+        return self.run_layers(x, position_ids, masks, clean, cache, write)
 
     def encode(self, cache: EncoderCache, ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
         """Append clean tokens [B, W] (the prompt, then each committed block) to the encoder's cache."""
         clean = torch.ones_like(ids, dtype=torch.bool)
-        self._window(cache, ids, clean, position_ids, torch.zeros_like(ids), attention_mask, None, None, write=True)
+        self(ids, clean, position_ids, torch.zeros_like(ids), attention_mask=attention_mask, cache=cache, write=True)
         cache.append_tokens(position_ids, attention_mask)
 
     def decode(self, cache: EncoderCache, canvas: torch.Tensor, position_ids: torch.Tensor,
@@ -168,23 +178,7 @@ class DiffusionGemmaNet(Gemma4Stack):
         """Logits [B, C, V] of the decoder over a canvas [B, C] at `position_ids` after the cache."""
         noisy = torch.zeros_like(canvas, dtype=torch.bool)
         start = position_ids[:, :1].expand_as(position_ids)
-        hidden = self._window(cache, canvas, noisy, position_ids, start, torch.ones_like(canvas), previous_logits,
-                              use_previous, write=False)
-        return self.logits(hidden)
-
-    def _window(self, cache, ids, clean, position_ids, block_start, attention_mask, previous_logits, use_previous, write):
-        x = self.canvas_embeddings(ids, previous_logits, use_previous) if not bool(clean.any()) else self.token_embeddings(ids)
-        if cache.positions is None:
-            keys = (position_ids, clean, block_start)
-            key_mask = attention_mask
-        else:
-            ones = torch.ones_like(cache.positions, dtype=torch.bool)
-            keys = (torch.cat([cache.positions, position_ids], 1), torch.cat([ones, clean], 1),
-                    torch.cat([torch.zeros_like(cache.positions), block_start], 1))
-            key_mask = torch.cat([cache.attention_mask, attention_mask], 1)
-        masks = {sliding: stream_masks(position_ids, clean, block_start, self.cfg.sliding_window if sliding else None,
-                                       key_mask, keys) for sliding in {s.sliding for s in self.cfg.layers}}
-        return self.run_layers(x, position_ids, masks, clean, cache, write)
+        return self.logits(self(canvas, noisy, position_ids, start, previous_logits, use_previous=use_previous, cache=cache))
 
     def canvas_logits(self, prompt: torch.Tensor, canvas: torch.Tensor, previous_logits: Optional[torch.Tensor] = None) -> torch.Tensor:
         """[B, C, V] logits of the decoder over `canvas` [B, C] after the prompt [B, P] (no padding):
@@ -230,11 +224,10 @@ def our_name(checkpoint_name: str) -> Optional[str]:
     """Our parameter or buffer name of a checkpoint tensor; None for one that is not loaded."""
     if IGNORED.match(checkpoint_name):
         return None
-    for ours, theirs in NAME_MAP:
-        m = re.fullmatch(re.escape(theirs).replace(r"\{i\}", r"(?P<i>\d+)"), checkpoint_name)
-        if m:
-            return ours.format(**m.groupdict())
-    raise ModelLoadError(f"DiffusionGemma: unexpected checkpoint tensor '{checkpoint_name}'")
+    try:
+        return translate_name(checkpoint_name, NAME_MAP, 1, 0, "diffusion_gemma")
+    except KeyError:
+        raise ModelLoadError(f"DiffusionGemma: unexpected checkpoint tensor '{checkpoint_name}'") from None
 
 
 def load_state(net: DiffusionGemmaNet, state: dict) -> None:

@@ -75,10 +75,10 @@ class Family:
                 raise ConfigError(f"unknown setting model.init.{key}{hint}")
 
     def to_hf_name(self, name: str) -> str:
-        return _translate(name, self.name_map, 0, 1, self.model_type)
+        return translate_name(name, self.name_map, 0, 1, self.model_type)
 
     def from_hf_name(self, name: str) -> str:
-        return _translate(name, self.name_map, 1, 0, self.model_type)
+        return translate_name(name, self.name_map, 1, 0, self.model_type)
 
 
 def _template_regex(template: str) -> re.Pattern:
@@ -86,7 +86,8 @@ def _template_regex(template: str) -> re.Pattern:
     return re.compile(re.sub(r"\\\{(\w+)\\\}", r"(?P<\1>\\d+)", re.escape(template)))
 
 
-def _translate(name: str, name_map: list[tuple[str, str]], src: int, dst: int, model_type: str) -> str:
+def translate_name(name: str, name_map: list[tuple[str, str]], src: int, dst: int, model_type: str) -> str:
+    """`name` by the pair of `name_map` whose side `src` matches it, written as its side `dst`; KeyError if none does."""
     for pair in name_map:
         m = _template_regex(pair[src]).fullmatch(name)
         if m:

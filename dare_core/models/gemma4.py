@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dare_core.models.attention import attend
-from dare_core.models.transformer import SwiGLU
+from dare_core.models.transformer import SwiGLU, apply_rope
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,8 @@ class Gemma4Config:
 
 
 def rms_normalize(x: torch.Tensor, eps: float, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x * (mean(x^2) + eps)^-1/2 in float32, times the weight in float32 when there is one, cast back."""
+    """x * (mean(x^2) + eps)^-1/2 in float32, times the weight in float32 when there is one, cast back
+    (the shared RMSNorm casts back before its weight, as Llama and Qwen do: other bf16 roundings)."""
     x32 = x.float()
     out = x32 * torch.pow(x32.pow(2).mean(-1, keepdim=True) + eps, -0.5)
     if weight is not None:
@@ -88,11 +89,6 @@ def rope_tables(position_ids: torch.Tensor, spec: AttentionSpec, dtype: torch.dt
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
-
-
 class Gemma4Attention(nn.Module):
     def __init__(self, cfg: Gemma4Config, spec: AttentionSpec):
         super().__init__()
@@ -114,7 +110,7 @@ class Gemma4Attention(nn.Module):
         v = k_raw if self.v_proj is None else self.v_proj(x).view(b, s, kv, d)
         k = self.k_norm(k_raw).transpose(1, 2)
         v = rms_normalize(v, self.eps).transpose(1, 2)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = apply_rope(q, cos, sin, in_fp32=False), apply_rope(k, cos, sin, in_fp32=False)
         if cached is not None:  # the encoder's keys and values before this window's
             k, v = cached.extend(k, v)
         # Gemma 4 normalises q and k and does not scale their product; every attention backend divides by sqrt(d)

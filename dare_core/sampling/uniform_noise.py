@@ -32,7 +32,8 @@ class UniformNoiseRule:
 
 
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) over the last dimension, as torch.distributions computes it."""
+    """Entropy of softmax(logits) over the last dimension, as torch.distributions computes it (the
+    reference's arithmetic: the acceptance compares sums of these with a bound, so ties follow it)."""
     return torch.distributions.Categorical(logits=logits).entropy()
 
 
