@@ -35,12 +35,6 @@ PREFECT = [sys.executable, "-m", "prefect"]
 DARE = [sys.executable, "-m", "dare_core.cli"]  # `dare`, as the tests' subprocesses run it
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class OutboundRecorder:
     """A TCP listener on 127.0.0.1 that records the first line each connection sends (`CONNECT
     host:443 HTTP/1.1` from a client that goes through it to an HTTPS address) and refuses it."""

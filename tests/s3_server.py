@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,8 @@ import urllib.request
 import uuid
 from pathlib import Path
 from typing import Callable, Iterator, Optional
+
+from ports import unused_port
 
 import pytest
 
@@ -42,12 +43,6 @@ class Endpoint(str):
         """The logged requests with this HTTP method whose path starts with `path` ("/bucket/key")."""
         text = self.log.read_text(errors="replace") if self.log.exists() else ""
         return [m.group(0) for m in re.finditer(rf'"{method} (\S+) HTTP', text) if m.group(1).startswith(path)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def aws_env(endpoint: str) -> dict[str, str]:
@@ -72,7 +67,7 @@ def start_moto(port: Optional[int] = None, auth: bool = False,
     """Start moto's S3 server on 127.0.0.1 (`port`, or a free one); return (endpoint, stop).
     `auth`: the server checks credentials (any key is unknown to it, so every request is refused:
     the case of bad credentials). `log`: where its request log goes (default: a temporary file)."""
-    port = port or free_port()
+    port = port or unused_port()
     own_log = log is None
     if own_log:
         fd, name = tempfile.mkstemp(prefix="moto-", suffix=".log")

@@ -25,7 +25,8 @@ import pytest
 import yaml
 
 from pipeline_helpers import REPO, make_project, tiny_params, worker_env
-from prefect_server import PrefectServer, api_get, api_post, flow_runs, free_port, wait_for
+from ports import unused_port
+from prefect_server import PrefectServer, api_get, api_post, flow_runs, wait_for
 from s3_server import REGION, s3_bucket, s3_server  # noqa: F401  (fixtures)
 from ui_browser import browser_missing, browser_page, screenshot
 
@@ -85,7 +86,7 @@ def final_state(server: PrefectServer, run_id: str, timeout: float) -> dict:
 @pytest.fixture(scope="module")
 def deployed(tmp_path_factory):
     base = tmp_path_factory.mktemp("deployments")
-    server = PrefectServer(base / "prefect", free_port()).start()
+    server = PrefectServer(base / "prefect", unused_port()).start()
     try:
         project = committed_project(base / "project")
         server.cli("work-pool", "create", POOL, "--type", "process")

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from prefect_server import PrefectServer, api_post, free_port
+from ports import unused_port
+from prefect_server import PrefectServer, api_post
 from ui_browser import DOCS_IMAGES, UI_TIMEOUT_MS, browser_missing, browser_page, find_text, settle
 
 REPO = Path(__file__).resolve().parents[2]
@@ -100,7 +101,7 @@ def _make_repo(root: Path) -> None:
 
 @pytest.fixture
 def server(tmp_path):
-    srv = PrefectServer(tmp_path / "prefect_home", free_port())
+    srv = PrefectServer(tmp_path / "prefect_home", unused_port())
     try:
         yield srv.start()
     finally:

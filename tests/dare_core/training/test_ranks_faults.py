@@ -11,7 +11,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,18 +24,12 @@ from safetensors.torch import load_file
 from dare_core.cli import launch_command
 from dare_core.config import ConfigError, LaunchConfig, load_config
 from dare_core.data.prepare import prepare
+from ports import unused_port
 from pipeline_helpers import assert_no_native_noise, dare, tiny_params, worker_env, write_params
 
 RUN_S = 240  # any one stage run here takes seconds; past this it hangs
 # the runs here find the launchers without the venv on PATH (`.venv/bin/dare` not activated)
 ENV = worker_env(venv_on_path=False)
-
-
-def _free_port() -> int:
-    # the deepspeed launcher's default port (29500) may be taken by another run on this machine
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _project(root: Path, **over) -> Path:
@@ -48,7 +41,7 @@ def _project(root: Path, **over) -> Path:
 
 def _two_ranks(launcher: str, zero: int = 0) -> dict:
     return {"launch__launcher": launcher, "launch__nproc": 2, "launch__zero_stage": zero, "launch__threads": 1,
-            **({"launch__master_port": _free_port()} if launcher == "deepspeed" else {})}
+            **({"launch__master_port": unused_port()} if launcher == "deepspeed" else {})}
 
 
 def _stage(name: str, params: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -374,7 +367,7 @@ def test_every_group_waits_launch_timeout_s(tmp_path):
              "init_distributed()\n"
              "print(groups._clone_world_group()._get_backend(torch.device('cpu')).options._timeout.total_seconds())\n"
              "shutdown_distributed(clean=True)\n")
-    env = {**worker_env(), "DARE_DIST_TIMEOUT_S": "7", "MASTER_PORT": str(_free_port())}
+    env = {**worker_env(), "DARE_DIST_TIMEOUT_S": "7", "MASTER_PORT": str(unused_port())}
     r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=RUN_S)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.splitlines()[-1] == "7.0"

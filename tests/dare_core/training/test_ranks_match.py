@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ from dare_core.config import load_config
 from dare_core.data.prepare import prepare
 from dare_core.models.hf_folder import load_model
 from dare_core.training.checkpoint import checkpoint_state_dict
+from ports import unused_port
 from pipeline_helpers import assert_no_native_noise, dare, tiny_params, worker_env, write_params
 
 STEPS = 3
@@ -131,12 +131,6 @@ def _run(params: Path, stage: str, nodes: int = 1) -> None:
     assert not left, f"shared memory left behind: {left}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
     """Prepared data and a short SFT run's model, the start of the RL and preference runs."""
@@ -160,7 +154,7 @@ def _train(base: Path, dest: Path, stage: str, ranks: int, zero: int = 0, launch
     if sequence_parallel > 1:
         launch.update(launch__sequence_parallel=sequence_parallel, model__packing="on")
     if launcher == "deepspeed" or nodes > 1:  # the default port, 29500, may be taken by another run on this machine
-        launch["launch__master_port"] = _free_port()
+        launch["launch__master_port"] = unused_port()
     if nodes > 1:  # as README "Several nodes" has it, with this machine as every node
         # (each node's ranks would take all the cores of "their" machine: the same one here)
         launch.update(launch__master_addr="127.0.0.1", launch__threads=1)
