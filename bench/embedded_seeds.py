@@ -21,9 +21,9 @@ from stamp import REPO, hardware, header, markdown_table
 STAGES = ["prepare", "sft", "rl", "convert", "eval"]
 
 
-def run_seed(seed: int, params: str) -> dict:
-    name = f"seed{seed}"
-    sets = [f"run.seed={seed}", f"run.name={name}", f"run.metrics_dir=runs/{name}/metrics"]
+def run_seed(seed: int, params: str, extra: list[str], prefix: str = "seed") -> dict:
+    name = f"{prefix}{seed}"
+    sets = [*extra, f"run.seed={seed}", f"run.name={name}", f"run.metrics_dir=runs/{name}/metrics"]
     timings = {}
     for stage in STAGES:
         t0 = time.time()
@@ -48,14 +48,20 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--params", default="params.yaml")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "embedded_seeds.md"))
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="a setting over the params file for every stage, e.g. recipe=configs/embedded_diffusion_gemma.yaml")
+    p.add_argument("--title", default="Embedded default: held-out accuracy over run seeds")
     args = p.parse_args()
     rows = []
+    # (runs of other settings get their own run names: a stage must not resume another's outputs)
+    prefix = "seed" if not args.sets else f"{Path(args.out).stem}-seed"
     for seed in args.seeds:
-        rows.append(run_seed(seed, args.params))
+        rows.append(run_seed(seed, args.params, args.sets, prefix))
         print(table(rows), flush=True)
     command = "python3 bench/embedded_seeds.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    text = "\n".join(header("Embedded default: held-out accuracy over run seeds", command, hardware(gpu=False, cpu_detail=True))) + (
-        f"\nConfig: {args.params} at that commit (data seed fixed, so every run sees the same held-out problems; the run "
+    over = f", with {' '.join(args.sets)}" if args.sets else ""
+    text = "\n".join(header(args.title, command, hardware(gpu=False, cpu_detail=True))) + (
+        f"\nConfig: {args.params}{over} at that commit (data seed fixed, so every run sees the same held-out problems; the run "
         "seed changes model init, data order, masks and rollouts). Accuracy: the eval stage's OpenCompass score of the "
         "task benchmark (exact answer), divided by 100, with the eval sampler of the params file.\n\n" + table(rows) + "\n"
     )

@@ -6,7 +6,8 @@ dataclass defaults < params.yaml < the recipe < `-S key=value`. It is chosen by 
 `recipe:` key (so `dvc exp run -S recipe=d1` works and DVC tracks the choice) or by
 `dare stage <name> --recipe d1`, which is the same as `-S recipe=d1`. Sections merge key by key,
 except that a recipe naming another `data.task` than params.yaml drops params.yaml's
-`data.task_args` (they are that other task's).
+`data.task_args` (they are that other task's), and one naming another `model.family` drops
+params.yaml's `model.init` (that other family's sizes) for its own.
 
 A preset may build on another with `extends: <name or path>` (a path relative to its own folder
 first): the base is applied first and the preset's own values over it, so a preset that changes
@@ -99,6 +100,10 @@ def apply_recipe(raw: dict, name: Optional[Any], params_path: Union[str, Path]) 
     if "task" in data and "task_args" not in data and data["task"] != (raw.get("data") or {}).get("task"):
         # params.yaml's task_args belong to its own task (arithmetic digits, say), not the recipe's
         out["data"] = {**out["data"], "task_args": {}}
+    model = recipe.get("model") or {}
+    if "family" in model and model["family"] != (raw.get("model") or {}).get("family"):
+        # params.yaml's model.init sizes another family's config.json: the recipe's (or none) replaces it whole
+        out["model"] = {**out["model"], "init": model.get("init") or {}}
     return out
 
 

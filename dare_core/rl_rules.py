@@ -22,14 +22,24 @@ if TYPE_CHECKING:
     from dare_core.config import DareConfig, RLConfig
 
 
-def check_algorithm_fits(algorithm: type, rl: RLConfig, block_size: Optional[int], registry: Mapping[str, type]) -> None:
-    """ValueError unless RL algorithm class `algorithm` is defined for the model (masked or block
-    diffusion, by `block_size`) and for rl's KL and entropy settings; `registry` (the RL algorithms
-    by name) names the alternatives."""
-    kind = "block" if block_size is not None else "masked"
+KIND_NAMES = {"masked": "masked-diffusion", "block": "block-diffusion", "uniform": "uniform-noise"}
+
+
+def model_kind(model) -> str:
+    """What an estimator must be defined for: "masked" (LLaDA, Dream), "block" (SDAR, LLaDA2) or
+    "uniform" (uniform noise, no mask token: DiffusionGemma)."""
+    if getattr(getattr(model, "family", None), "noise", "masked") == "uniform":  # (a test double has no family)
+        return "uniform"
+    return "block" if model.block_size is not None else "masked"
+
+
+def check_algorithm_fits(algorithm: type, rl: RLConfig, kind: str, registry: Mapping[str, type]) -> None:
+    """ValueError unless RL algorithm class `algorithm` is defined for the model's kind (`model_kind`)
+    and for rl's KL and entropy settings; `registry` (the RL algorithms by name) names the alternatives."""
     if kind not in algorithm.families:
-        raise ValueError(f"rl.algorithm '{algorithm.name}' is not defined for {kind}-diffusion models "
-                         f"(it supports: {', '.join(sorted(algorithm.families))})")
+        fits = sorted(n for n, c in registry.items() if kind in c.families)
+        raise ValueError(f"rl.algorithm '{algorithm.name}' is not defined for {KIND_NAMES[kind]} models "
+                         f"(it supports: {', '.join(sorted(algorithm.families))}; algorithms for this model: {', '.join(fits)})")
     if rl.kl_beta > 0 and not algorithm.allows_kl:
         raise ValueError(f"rl.algorithm '{algorithm.name}' has no KL term: set rl.kl_beta: 0")
     if getattr(rl, "entropy_coeff", 0.0) > 0 and not algorithm.token_level:

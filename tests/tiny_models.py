@@ -7,6 +7,8 @@ from dare_core.models.lm import build_model
 
 VOCAB, MASK, EOS = 64, 63, 62
 FAMILIES = ["llada", "llada_moe", "Dream", "sdar", "sdar_moe", "llada2_moe"]
+# families without a mask token (uniform noise): their own tests, not the masked ones' loops over FAMILIES
+UNIFORM_FAMILIES = ["diffusion_gemma"]
 SMALL = {
     # head width 16: FlexAttention's compiled kernels need at least 16 (the GPU backend tests use these too)
     "llada": {"d_model": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "mlp_hidden_size": 64, "max_sequence_length": 64},
@@ -18,6 +20,8 @@ SMALL = {
                  "intermediate_size": 64, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16},
     "llada2_moe": {"hidden_size": 32, "head_dim": 16, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 3,
                    "intermediate_size": 64, "moe_intermediate_size": 16, "num_experts": 16, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2},
+    # three layers (one full), four experts, canvases of 8 (diffusion_gemma.tiny_config)
+    "diffusion_gemma": {},
 }
 
 

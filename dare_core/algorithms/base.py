@@ -15,7 +15,7 @@ from dare_core.algorithms.common import LossOutput
 from dare_core.algorithms.registry import RL_ALGORITHMS
 from dare_core.algorithms.rollout import RolloutSpec, rollout
 from dare_core.batch import Batch
-from dare_core.rl_rules import check_algorithm_fits
+from dare_core.rl_rules import check_algorithm_fits, model_kind
 
 
 class Algorithm(ABC):
@@ -39,7 +39,8 @@ class RLAlgorithm(Algorithm):
     #: rollout records the algorithm needs beyond token ids: "step_map" and "decoded" (CJ-GRPO), or
     #: "x0_hat" / "confidence" (MDPO), which make the sampler record every step in full
     requires: ClassVar[frozenset] = frozenset()
-    #: model kinds the estimator is defined for: "masked" (LLaDA, Dream), "block" (SDAR, LLaDA2)
+    #: model kinds the estimator is defined for: "masked" (LLaDA, Dream), "block" (SDAR, LLaDA2),
+    #: "uniform" (uniform noise, no mask token: DiffusionGemma; rl_rules.model_kind)
     families: ClassVar[frozenset] = frozenset({"masked", "block"})
     #: token-level estimators have an entropy and a token count; sequence-level ones do not
     token_level: ClassVar[bool] = True
@@ -59,7 +60,9 @@ class RLAlgorithm(Algorithm):
         self.mask_id = model.mask_token_id
         self.eos_id = model.eos_token_id
         self.block_size = model.block_size
-        check_algorithm_fits(type(self), rl_cfg, model.block_size, RL_ALGORITHMS)
+        self.kind = model_kind(model)
+        self.vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)  # (uniform noise draws from it)
+        check_algorithm_fits(type(self), rl_cfg, self.kind, RL_ALGORITHMS)
         self.check_sampler(rl_cfg.sampler)
 
     def check_sampler(self, sampler) -> None:
@@ -83,8 +86,9 @@ class RLAlgorithm(Algorithm):
     @property
     def trims_after_stop(self) -> bool:
         """Whether its rollouts' canvas after the stop token's block is dropped: exact only where no
-        earlier position sees it (block diffusion); masked diffusion attends over the whole canvas."""
-        return self.scores_within_stop and self.block_size is not None
+        earlier position sees it (block diffusion on blocks of absolute positions); masked diffusion
+        attends over the whole canvas. (DiffusionGemma's canvases start at each response: not yet.)"""
+        return self.scores_within_stop and self.kind == "block"
 
     def prepare(self, batch: Batch, context) -> dict:
         """After the rollout is rewarded: e.g. per-step rewards and advantages (MDPO). Metrics."""

@@ -22,6 +22,8 @@ class D1(RLAlgorithm):
     mean field (every noisy block fully masked, given the clean earlier blocks)."""
 
     scores_within_stop = True  # V only, each position MASK whatever follows it
+    # under uniform noise the response is all random tokens (t = 1 of that process) instead of all MASK
+    families = frozenset({"masked", "block", "uniform"})
 
     @dataclass
     class Options:
@@ -31,7 +33,7 @@ class D1(RLAlgorithm):
         gens = sample_generators((*seed_base, "d1_prompt_mask"), batch.uids)
         # every response position MASK, V scored (the batch's V: up to the engine's stop token)
         return full_response_corruption(batch.input_ids, batch.attention_mask, batch.prompt_len, batch.response_mask,
-                                        self.mask_id, self.options.p_mask_prompt, gens)
+                                        self.mask_id, self.options.p_mask_prompt, gens, self.vocab_size)
 
     def score(self, model, batch: Batch, corruption: Corruption) -> torch.Tensor:
         return token_logprobs(model, corruption, batch.input_ids, batch.attention_mask)

@@ -13,6 +13,8 @@ from dare_core.registry import Registry
 SFT_OBJECTIVES = Registry("SFT objective")  # built from (options, mask id)
 PREFERENCE_OBJECTIVES = Registry("preference algorithm")  # built from (options, model, pad_to)
 RL_ALGORITHMS = Registry("algorithm")  # built from (options, rl section, model)
+# the SFT objective of each kind of noise (`Family.noise`): masked diffusion's ELBO needs a mask token
+SFT_OBJECTIVE_OF_NOISE = {"masked": "sft", "uniform": "uniform_sft"}
 
 
 def register_sft(name: str) -> Callable[[type], type]:

@@ -19,7 +19,9 @@ from torch.utils.checkpoint import checkpoint
 
 from dare_core.diffusion.block import two_stream_logits, two_stream_scored_hidden, two_stream_scored_stream
 from dare_core.diffusion.masking import Corruption, CorruptionSet
+from dare_core.diffusion.uniform import CanvasBatch, noisy_stream
 from dare_core.metric_keys import add_chunk_metrics
+from dare_core.models.family import noise_of
 from dare_core.models.packing import packed_backend
 from dare_core.models.sequence_parallel import pad_for_shards, shard_stream_hidden
 from dare_core.models.ulysses import sum_over_group
@@ -188,6 +190,8 @@ def token_logprobs(model, corruption: Corruption, targets: torch.Tensor, attenti
     states a chunk of tokens at a time (`head_scores`), never from the whole [N, V] logits."""
     if corruption.targets is not None:
         targets = corruption.targets
+    if noise_of(model) == "uniform":
+        return canvas_token_logprobs(model, corruption, targets, attention_mask, temperature, exclude, entropy)
     if getattr(model, "sequence_shards", None) is not None:
         return _sharded_token_logprobs(model, corruption.noisy_ids, targets, attention_mask, corruption.scored, temperature,
                                        exclude, entropy)
@@ -201,6 +205,34 @@ def token_logprobs(model, corruption: Corruption, targets: torch.Tensor, attenti
         logits = (two_stream_logits(model, corruption.noisy_ids, targets, attention_mask, rows) if block
                   else model.scored_logits(corruption.noisy_ids, attention_mask, rows))
         logp, ent = logits_scores(logits, targets[rows], temperature, exclude, entropy)
+    zeros = torch.zeros(rows.shape, dtype=torch.float32, device=logp.device)
+    if not entropy:
+        return zeros.masked_scatter(rows, logp)
+    return zeros.masked_scatter(rows, logp), zeros.masked_scatter(rows, ent)
+
+
+def canvas_token_logprobs(model, corruption, targets: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,
+                          exclude: Sequence[int] = (), entropy: bool = False):
+    """`likelihood.token_logprobs` of a uniform-noise model: log softmax(f(z)/temperature)[target]
+    at each scored response position (float32 [B, S], 0 elsewhere), where every canvas of the
+    response is denoised from the corruption's tokens given the prompt (as the corruption has it)
+    and the clean canvases before it, in one forward, self-conditioning off. `entropy`: also each
+    scored position's entropy."""
+    if getattr(model, "sequence_shards", None) is not None or model.logits_chunk > 0 or model.packing == "on":
+        raise ValueError("a uniform-noise model scores on one rank, with whole logits and padded batches "
+                         "(launch.sequence_parallel 1, model.logits_chunk 0, model.packing auto or off)")
+    p = corruption.prompt_len
+    if p is None:
+        raise ValueError("a uniform-noise corruption must carry its batch's prompt width (Corruption.prompt_len)")
+    s = targets.shape[1]
+    clean = torch.cat([corruption.noisy_ids[:, :p], targets[:, p:]], dim=1)  # (the prompt as noised, the response clean)
+    batch = CanvasBatch(clean, attention_mask, p, model.block_size)
+    columns = torch.arange(s - p, device=clean.device).expand(clean.shape[0], -1)
+    stream_clean, pos, block_start, attn = noisy_stream(batch, columns)
+    ids = torch.cat([clean, corruption.noisy_ids[:, p:]], dim=1)
+    hidden = model.net(ids, stream_clean, pos, block_start, attention_mask=attn)[:, s:]
+    rows = corruption.scored
+    logp, ent = logits_scores(model.net.logits(hidden[rows[:, p:]]), targets[:, p:][rows[:, p:]], temperature, exclude, entropy)
     zeros = torch.zeros(rows.shape, dtype=torch.float32, device=logp.device)
     if not entropy:
         return zeros.masked_scatter(rows, logp)

@@ -25,6 +25,8 @@ class Corruption:
                per-block p or coupled-GRPO's 1/t and 1/(1-t)); None means 1/p of the row.
     targets:   [B, S] optional clean tokens to score instead of the batch's (trajectory replay of
                tokens that the batch's layout overwrote, e.g. block diffusion's post-EOS latents).
+    prompt_len: the batch's prompt width, where the family's scoring needs it (uniform noise: its
+               canvases start at the response, not at multiples of the block size).
     """
 
     noisy_ids: torch.Tensor
@@ -32,10 +34,12 @@ class Corruption:
     p: torch.Tensor
     weight: Optional[torch.Tensor] = None
     targets: Optional[torch.Tensor] = None
+    prompt_len: Optional[int] = None
 
     def select(self, idx: torch.Tensor) -> "Corruption":
         pick = lambda t: None if t is None else t[idx.to(t.device)]  # noqa: E731
-        return Corruption(pick(self.noisy_ids), pick(self.scored), pick(self.p), pick(self.weight), pick(self.targets))
+        return Corruption(pick(self.noisy_ids), pick(self.scored), pick(self.p), pick(self.weight), pick(self.targets),
+                          self.prompt_len)
 
     def elbo_weight(self) -> torch.Tensor:
         """[B, S] weight of each scored position in an ELBO sum (0 where not scored)."""
@@ -167,11 +171,14 @@ def full_response_corruption(
     attention_mask: torch.Tensor,
     prompt_len: int,
     response_valid: torch.Tensor,
-    mask_id: int,
+    mask_id: Optional[int],
     p_mask_prompt: float,
     generators: Sequence[torch.Generator],
+    vocab_size: Optional[int] = None,
 ) -> Corruption:
     """d1's corruption: every response position MASK, each real prompt token MASK with p_mask_prompt.
+    Under uniform noise (`mask_id` None) the noise is a token drawn uniformly from the `vocab_size`
+    ids instead of MASK: the response is t = 1 of that process (`noise_tokens`).
 
     Only valid response positions are scored; noised prompt tokens never are."""
     prompt_real = attention_mask[:, :prompt_len].bool()
@@ -179,9 +186,24 @@ def full_response_corruption(
         prompt_noise = prompt_noise_mask(prompt_real, p_mask_prompt, generators)
     else:
         prompt_noise = torch.zeros_like(prompt_real)
-    noisy = input_ids.clone()
-    noisy[:, :prompt_len] = torch.where(prompt_noise, torch.full_like(noisy[:, :prompt_len], mask_id), noisy[:, :prompt_len])
-    noisy[:, prompt_len:] = mask_id
+    noised = torch.cat([prompt_noise, torch.ones_like(input_ids[:, prompt_len:], dtype=torch.bool)], dim=1)
+    noisy = noise_tokens(input_ids, noised, mask_id, vocab_size, generators)
     scored = torch.zeros_like(input_ids, dtype=torch.bool)
     scored[:, prompt_len:] = response_valid.bool()
-    return Corruption(noisy, scored, torch.ones(input_ids.shape[0]))
+    return Corruption(noisy, scored, torch.ones(input_ids.shape[0]), prompt_len=prompt_len)
+
+
+def noise_tokens(input_ids: torch.Tensor, noised: torch.Tensor, mask_id: Optional[int], vocab_size: Optional[int],
+                 generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """`input_ids` with the positions `noised` [B, S] replaced by MASK, or, without a mask token
+    (uniform noise: `mask_id` None), by ids drawn uniformly from `vocab_size`, each row's from its
+    generator, one draw per noised position in order."""
+    if mask_id is not None:
+        return torch.where(noised, torch.full_like(input_ids, mask_id), input_ids)
+    if vocab_size is None:
+        raise ValueError("uniform noise needs the vocabulary size")
+    out = input_ids.clone()
+    for row, g in enumerate(generators):
+        idx = noised[row].nonzero().squeeze(-1)
+        out[row, idx] = torch.randint(0, vocab_size, (idx.numel(),), generator=g).to(out.device)
+    return out

@@ -83,16 +83,17 @@ def draw(batch: CanvasBatch, vocab_size: int, generators: Sequence[torch.Generat
         t.append(eps + (1 - 2 * eps) * float(torch.rand((), generator=g)))
         options = real[b].nonzero().squeeze(-1)
         chosen.append(int(options[int(torch.randint(len(options), (), generator=g))]))
-    t = torch.tensor(t)
-    chosen = torch.tensor(chosen)
+    device = batch.ids.device
+    t = torch.tensor(t, device=device)
+    chosen = torch.tensor(chosen, device=device)
     noisy = uniform_corrupt(batch.ids[:, p:].gather(1, canvas_columns(chosen, c)), t, vocab_size, generators)
-    coins = torch.tensor([float(torch.rand((), generator=g)) < self_conditioning for g in generators])
+    coins = torch.tensor([float(torch.rand((), generator=g)) < self_conditioning for g in generators], device=device)
     return UniformDraws(t, chosen, noisy, coins)
 
 
 def canvas_columns(canvas: torch.Tensor, canvas_length: int) -> torch.Tensor:
     """[B, C] the response columns of canvas `canvas[b]` of each example."""
-    return canvas[:, None] * canvas_length + torch.arange(canvas_length)
+    return canvas[:, None] * canvas_length + torch.arange(canvas_length, device=canvas.device)
 
 
 def noisy_stream(batch: CanvasBatch, columns: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -104,7 +105,8 @@ def noisy_stream(batch: CanvasBatch, columns: torch.Tensor) -> tuple[torch.Tenso
     b, s = batch.ids.shape
     clean_pos = default_position_ids(batch.ids, batch.attention_mask)
     first = batch.attention_mask[:, :p].sum(-1, keepdim=True)  # each prompt's real tokens: the response's first position
-    clean = torch.cat([torch.ones(b, s, dtype=torch.bool), torch.zeros(columns.shape, dtype=torch.bool)], dim=1)
+    clean = torch.cat([torch.ones(b, s, dtype=torch.bool, device=columns.device),
+                       torch.zeros(columns.shape, dtype=torch.bool, device=columns.device)], dim=1)
     pos = torch.cat([clean_pos, first + columns], dim=1)
     block_start = torch.cat([torch.zeros_like(clean_pos), first + columns // c * c], dim=1)
     attn = torch.cat([batch.attention_mask, batch.attention_mask[:, p:].gather(1, columns)], dim=1)
@@ -176,10 +178,11 @@ def canvas_predictor(net, batch: CanvasBatch):
     """`predict` for `uniform_nelbo` over a batch's whole response: every canvas noisy at once, each
     given the prompt and the clean canvases before it (the encoder's cache), self-conditioning off."""
     b, s = batch.ids.shape
-    clean, pos, block_start, attn = noisy_stream(batch, torch.arange(s - batch.prompt_len).expand(b, -1))
+    clean, pos, block_start, attn = noisy_stream(batch, torch.arange(s - batch.prompt_len, device=batch.ids.device).expand(b, -1))
 
     def predict(noisy: torch.Tensor) -> torch.Tensor:
         ids = torch.cat([batch.ids, noisy], dim=1)
         return net.logits(net(ids, clean, pos, block_start, attention_mask=attn)[:, s:])
 
     return predict
+

@@ -13,15 +13,14 @@ Only the text model is served: the checkpoint's vision tower is not loaded.
 from __future__ import annotations
 
 import re
-from pathlib import Path
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from dare_core.errors import ModelLoadError
-from dare_core.models.family import translate_name
+from dare_core.models.family import Family, register_family, translate_name
 from dare_core.models.gemma4 import AttentionSpec, EncoderCache, Gemma4Config, Gemma4Stack, GemmaRMSNorm, gelu_tanh
 from dare_core.models.transformer import SwiGLU
 
@@ -66,7 +65,8 @@ def config_from_hf(cfg: dict) -> Gemma4Config:
         n_heads=text["num_attention_heads"], mlp_hidden_size=text["intermediate_size"], n_experts=text["num_experts"],
         top_k=text["top_k_experts"], expert_hidden=text["moe_intermediate_size"], layers=tuple(specs),
         sliding_window=text["sliding_window"], rms_norm_eps=text.get("rms_norm_eps", 1e-6),
-        final_logit_softcap=text.get("final_logit_softcapping", 30.0))
+        final_logit_softcap=text.get("final_logit_softcapping", 30.0),
+        max_sequence_length=text.get("max_position_embeddings", 262_144))
 
 
 # (our name, checkpoint name); {i}: the layer. The encoder's weights are the decoder's (tied), its
@@ -112,6 +112,22 @@ class DiffusionGemmaNet(Gemma4Stack):
         super().__init__(cfg)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.self_conditioning = SelfConditioning(cfg)
+
+    def init_weights(self, generator: torch.Generator, std: float = 0.02) -> None:
+        """Deterministic from-scratch init: matrices and expert stacks normal(0, std) (output
+        projections scaled by depth), vectors (norm weights, router scales) and the layer scalars
+        one; drawn in float32 on the generator's device and copied into place."""
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if p.dim() == 1:
+                    p.fill_(1.0)
+                else:
+                    out_proj = name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj"))
+                    scale = std / (2 * self.cfg.n_layers) ** 0.5 if out_proj else std
+                    draw = torch.randn(p.shape, generator=generator, dtype=torch.float32, device=generator.device)
+                    p.copy_(draw.mul_(scale))
+            for b in self.buffers():  # the layer scalars
+                b.fill_(1.0)
 
     def embed_scale(self) -> torch.Tensor:
         # sqrt(d) rounded to the weights' dtype first, as the reference does (55.5 for 55.43 in bf16)
@@ -240,51 +256,29 @@ def load_state(net: DiffusionGemmaNet, state: dict) -> None:
     net.load_state_dict(ours, strict=True)
 
 
-def load_diffusion_gemma(folder: Union[str, Path], dtype: Optional[torch.dtype] = None,
-                         device: Union[str, torch.device] = "cpu") -> DiffusionGemmaNet:
-    """The network of a DiffusionGemma checkpoint folder as it is downloaded (config.json,
-    model.safetensors or shards with their index): built on the meta device, each tensor read onto
-    `device` (floating ones cast to `dtype`) and assigned, no random init first."""
-    from dare_core.models.hf_folder import _open_shard, _read_config, _weight_files
-
-    folder = Path(folder)
-    cfg = _read_config(folder)
-    try:
-        config = config_from_hf(cfg)
-    except (KeyError, ValueError) as exc:
-        raise ModelLoadError(f"{folder / 'config.json'}: {exc}") from exc
-    with torch.device("meta"):
-        net = DiffusionGemmaNet(config)
-    weight_map = _weight_files(folder)
-    wanted = {k: our_name(k) for k in weight_map}
-    state = {}
-    for shard in sorted(set(weight_map.values())):
-        with _open_shard(folder / shard, device) as f:
-            for name in f.keys():
-                ours = wanted.get(name)
-                if ours is None:
-                    continue
-                t = f.get_tensor(name)
-                state[ours] = t.to(dtype) if dtype is not None and t.is_floating_point() else t.clone()
-    missing = sorted(set(net.state_dict()) - set(state))
-    if missing:
-        raise ModelLoadError(f"{folder}: checkpoint lacks tensors for {missing[:5]} ({len(missing)} missing)")
-    try:
-        net.load_state_dict(state, strict=True, assign=True)
-    except RuntimeError as exc:  # a shape the config does not imply
-        raise ModelLoadError(f"{folder}: {exc}") from exc
-    return net
-
-
-def tiny_config(vocab_size: int, eos_token_id: int, pad_token_id: int = 0, canvas_length: int = 8, **sizes) -> dict:
-    """config.json of a small DiffusionGemma in the reference's layout (text only)."""
+def tiny_config(vocab_size: int, mask_token_id: Optional[int] = None, eos_token_id: int = 1, pad_token_id: Optional[int] = 0,
+                canvas_length: int = 8, **sizes) -> dict:
+    """config.json of a small DiffusionGemma in the reference's layout (text only). `mask_token_id`
+    is ignored (the family has none); `sizes` are text_config keys."""
     text = {"model_type": "diffusion_gemma_text", "vocab_size": vocab_size, "hidden_size": 32, "intermediate_size": 64,
             "num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
             "global_head_dim": 32, "num_global_key_value_heads": 1, "sliding_window": 6,
             "layer_types": ["sliding_attention", "sliding_attention", "full_attention"], "num_experts": 4,
             "top_k_experts": 2, "moe_intermediate_size": 16, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
             "hidden_activation": "gelu_pytorch_tanh", "final_logit_softcapping": 30.0, "rope_parameters": DEFAULT_ROPE,
-            "eos_token_id": eos_token_id, "pad_token_id": pad_token_id, "bos_token_id": 2, "tie_word_embeddings": True,
+            "eos_token_id": eos_token_id, "pad_token_id": eos_token_id if pad_token_id is None else pad_token_id, "bos_token_id": 2, "tie_word_embeddings": True,
             **sizes}
     return {"model_type": "diffusion_gemma", "architectures": ["DiffusionGemmaForBlockDiffusion"], "text_config": text,
             "canvas_length": canvas_length, "tie_word_embeddings": True}
+
+
+FAMILY = register_family(Family(
+    model_type="diffusion_gemma", config_from_hf=config_from_hf, name_map=NAME_MAP, network=DiffusionGemmaNet,
+    noise="uniform", ignored=IGNORED, block_size=256, block_size_key="canvas_length", blocks_at_prompt_end=True,
+    tiny_config=tiny_config, token_id_keys={"eos": "text_config.eos_token_id", "pad": "text_config.pad_token_id"},
+    # the reference's generation defaults (transformers' DiffusionGemmaGenerationConfig; its 48 steps
+    # a canvas are `steps` = 48 x gen_length / canvas_length here)
+    sampler_defaults={"unmasking": "entropy_bound_renoise", "entropy_bound": 0.1, "temperature": 0.8, "temperature_min": 0.4,
+                      "stable_steps": 1, "stop_entropy": 0.005, "cache": "block_kv"},
+    eval_label="DiffusionGemma",
+))

@@ -27,15 +27,27 @@ class Family:
     # (generic name template, checkpoint name template) pairs; `{i}` is the layer, `{e}` the expert index
     name_map: list[tuple[str, str]]
     shift_logits: bool = False
-    # block diffusion: attention is block-causal with this default block size (config "block_size"
-    # overrides it); None means fully bidirectional (masked diffusion)
+    # block diffusion: attention is block-causal with this default block size (config.json's
+    # `block_size_key` overrides it); None means fully bidirectional (masked diffusion)
     block_size: Optional[int] = None
+    block_size_key: str = "block_size"
+    # where a block-diffusion family's blocks sit: on multiples of the block size from position 0
+    # (SDAR, LLaDA2: the first decoded block holds the prompt's tail) or from the end of the prompt
+    # (DiffusionGemma: every canvas is whole)
+    blocks_at_prompt_end: bool = False
+    # the corruption the family is trained with: "masked" (a mask token) or "uniform" (random tokens
+    # of the vocabulary; no mask token: DiffusionGemma)
+    noise: str = "masked"
+    # the network of the family's config (None: the shared transformer)
+    network: Optional[Callable[[object], object]] = None
+    # checkpoint tensors that are not loaded (a vision tower, an encoder's tied copies of weights)
+    ignored: Optional[re.Pattern] = None
     # (vocab_size, mask_id, eos_id, pad_id, **sizes) -> config.json dict of a from-scratch model
     tiny_config: Optional[Callable[..., dict]] = None
     # a family whose model_type is shared by another layout picks it from the config (LLaDA-MoE
     # says model_type "llada" like LLaDA-8B): config -> the Family that really applies
     variant: Optional[Callable[[dict], "Family"]] = None
-    # config.json keys holding special token ids
+    # config.json keys holding special token ids (a dotted key reads a nested object: "text_config.eos_token_id")
     token_id_keys: dict = field(default_factory=lambda: {"mask": "mask_token_id", "eos": "eos_token_id", "pad": "pad_token_id"})
     # the family's published special ids ("mask"/"eos" -> id), for a config that leaves them out and a
     # folder whose tokenizer files do not name them (SDAR-30B-A3B's and LLaDA2's config.json carry
@@ -57,9 +69,19 @@ class Family:
         """A copy of `hf_config` with each special id it lacks (absent or null) set to the family's."""
         out = dict(hf_config)
         for role, token_id in self.default_token_ids.items():
-            if out.get(self.token_id_keys[role]) is None:
-                out[self.token_id_keys[role]] = token_id
+            key = self.token_id_keys[role]
+            if config_value(out, key) is None:
+                *parents, last = key.split(".")
+                node = out
+                for part in parents:  # (copied on the way down: the caller's dict stays as it is)
+                    node[part] = dict(node.get(part) or {})
+                    node = node[part]
+                node[last] = token_id
         return out
+
+    def token_ids(self, hf_config: dict) -> dict:
+        """role ("mask", "eos", "pad") -> its id in `hf_config` (None where absent)."""
+        return {role: config_value(hf_config, key) for role, key in self.token_id_keys.items()}
 
     def check_init(self, init: dict) -> None:
         """ConfigError unless every key of `model.init` is a setting of this family's from-scratch
@@ -68,6 +90,7 @@ class Family:
         if self.tiny_config is None:
             return
         known = self.tiny_config(8, 7, 6)
+        known = {**known, **known.get("text_config", {})}  # (a composite config's sizes live in its text model's)
         for key in init:
             if key not in known:
                 close = difflib.get_close_matches(str(key), list(known), n=1)
@@ -79,6 +102,19 @@ class Family:
 
     def from_hf_name(self, name: str) -> str:
         return translate_name(name, self.name_map, 1, 0, self.model_type)
+
+
+def noise_of(model) -> str:
+    """The noise `model` is trained with (`Family.noise`); "masked" for a model without a family (a test double)."""
+    return getattr(getattr(model, "family", None), "noise", "masked")
+
+
+def config_value(hf_config: dict, key: str):
+    """hf_config[key], a dotted key ("text_config.eos_token_id") read through nested objects; None if absent."""
+    value = hf_config
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
 
 
 def _template_regex(template: str) -> re.Pattern:

@@ -52,6 +52,9 @@ class Gemma4Config:
     sliding_window: int
     rms_norm_eps: float = 1e-6
     final_logit_softcap: Optional[float] = 30.0
+    max_sequence_length: int = 262_144
+    # the head reads the embedding table itself: there is no lm_head module to tie or to export
+    tie_embeddings: bool = False
 
 
 def rms_normalize(x: torch.Tensor, eps: float, weight: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -122,7 +122,9 @@ def _open_folder(folder: Path) -> tuple[DiffusionLM, dict[str, str]]:
             hf_config[key] = value
     model = _meta_model(folder / "config.json", hf_config)
     layout = model.hf_layout()
-    weight_map = _weight_files(folder)
+    listed = _weight_files(folder)
+    ignored = model.family.ignored
+    weight_map = {k: v for k, v in listed.items() if ignored is None or not ignored.match(k)}  # (never read)
     missing = sorted(set(layout) - set(weight_map))
     if missing:
         raise ModelLoadError(f"{folder}: checkpoint lacks parameter '{missing[0]}' ({len(missing)} missing)")
@@ -130,7 +132,7 @@ def _open_folder(folder: Path) -> tuple[DiffusionLM, dict[str, str]]:
     if unexpected:
         raise ModelLoadError(f"{folder / weight_map[unexpected[0]]}: unexpected parameter '{unexpected[0]}' for {hf_config.get('model_type')}")
     for shard, names in _by_shard(weight_map).items():
-        _check_header(folder / shard, names, layout, weight_map)
+        _check_header(folder / shard, names, layout, listed)
     return model, weight_map
 
 

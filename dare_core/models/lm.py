@@ -43,14 +43,15 @@ class DiffusionLM(nn.Module):
         # this rank's place in its sequence-parallel group (launch.sequence_parallel > 1): the training
         # scores (diffusion/likelihood.py) then run this rank's slice of every stream only; rollouts never
         self.sequence_shards: Optional[SequenceShards] = None
-        ids = {k: self.hf_config.get(v) for k, v in family.token_id_keys.items()}
-        self.mask_token_id: int = ids["mask"]
+        ids = family.token_ids(self.hf_config)
+        # (None in a uniform-noise family, which has no mask token)
+        self.mask_token_id: Optional[int] = ids.get("mask")
         self.eos_token_id: int = ids["eos"]
         self.pad_token_id: int = ids["pad"] if ids["pad"] is not None else ids["eos"]
-        if self.mask_token_id is None:
+        if self.mask_token_id is None and family.noise == "masked":
             raise ModelLoadError(f"{family.model_type}: no mask token id in the config ('{family.token_id_keys['mask']}'), "
                                  "the tokenizer files or the family's defaults")
-        if self.pad_token_id == self.mask_token_id:
+        if self.pad_token_id == self.mask_token_id and family.noise == "masked":
             raise ModelLoadError("pad token id equals the mask token id; padding would be read as noise")
         for role, value in (("mask", self.mask_token_id), ("eos", self.eos_token_id), ("pad", self.pad_token_id)):
             # an id past the embedding table fails as an index error in the first forward, after
@@ -60,7 +61,7 @@ class DiffusionLM(nn.Module):
                                          for v in ids_given):
                 raise ModelLoadError(f"{family.token_id_keys.get(role, role + '_token_id')} {value!r} is not a token id "
                                      f"of the vocabulary (0 to {self.config.vocab_size - 1})")
-        self.net = Transformer(self.config)
+        self.net = family.network(self.config) if family.network is not None else Transformer(self.config)
 
     @property
     def max_sequence_length(self) -> int:
@@ -70,7 +71,7 @@ class DiffusionLM(nn.Module):
     def block_size(self) -> Optional[int]:
         if self.family.block_size is None:
             return None
-        return int(self.hf_config.get("block_size") or self.family.block_size)
+        return int(self.hf_config.get(self.family.block_size_key) or self.family.block_size)
 
     def hidden_states(
         self,

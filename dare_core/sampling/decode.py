@@ -5,7 +5,9 @@ end of the prompt; block diffusion (SDAR, LLaDA2) decodes blocks aligned to abso
 first of which holds the prompt's tail. Both are the same loop over blocks and steps; what varies
 plugs in:
 
-  unmasking  how many / which masked positions of the block a step commits (`unmasking.py`)
+  unmasking  how many / which masked positions of the block a step commits (`unmasking.py`); for a
+             uniform-noise family (DiffusionGemma) the rule instead redraws the whole block each
+             step and commits its argmax when it is stable (`uniform_noise.py`)
   cache      which columns a step re-encodes (`cache.py`); keys/values live in one `KVCache`
   proposal   temperature, top-k / top-p, float64 Gumbel, classifier-free guidance
 
@@ -26,9 +28,11 @@ import torch
 from dare_core.models.lora import adapters_merged
 from dare_core.models.transformer import KVCache
 from dare_core.sampling.cache import CachePolicy, Window, build_cache_policy
+from dare_core.sampling.encoder_forward import EncoderForward
 from dare_core.sampling.lockstep import RankLockstep, zero3_partitioned
-from dare_core.sampling.params import SamplingParams
+from dare_core.sampling.params import UNIFORM_NOISE_RULES, SamplingParams
 from dare_core.sampling.trajectory import Trajectory, TrajectoryRecorder
+from dare_core.sampling.uniform_noise import UniformNoiseBlock, UniformNoiseRule
 from dare_core.sampling.unmasking import StepContext, build_unmasker, score_block
 
 RECORD = ("none", "steps", "full")
@@ -266,6 +270,7 @@ def _denoise_loop(model, prompts: Sequence[Sequence[int]], params: SamplingParam
     device = next(model.parameters()).device
     mask_id, eos_id = model.mask_token_id, model.eos_token_id
     block_diffusion = model.block_size is not None
+    uniform = _check_noise_rule(model, params, record)
     resuming = init_response is not None or step_range is not None
     if resuming:
         if block_diffusion or params.cache != "none" or params.unmasking not in ("topk", "sequential"):
@@ -280,21 +285,24 @@ def _denoise_loop(model, prompts: Sequence[Sequence[int]], params: SamplingParam
         raise ValueError("stochastic sampling needs one torch.Generator per prompt")
     generators = list(generators) if generators is not None else None
 
-    graphs = _graphs_wanted(model, params)
+    graphs = not uniform and _graphs_wanted(model, params)
     # with CUDA graphs, canvases come in lengths rounded up to 64 columns of left padding (never
     # attended), so that rollouts with different prompt lengths replay the same captured graphs
     bucket = 64 if graphs else 1
-    canvas = Canvas.build(prompts, params, mask_id, model.pad_token_id, block_diffusion, device, bucket)
+    # (a uniform-noise block is filled with random tokens when it starts; padding until then)
+    fill = model.pad_token_id if uniform else mask_id
+    aligned = block_diffusion and not model.family.blocks_at_prompt_end
+    canvas = Canvas.build(prompts, params, fill, model.pad_token_id, aligned, device, bucket)
     sync = lockstep if lockstep is not None else RankLockstep.for_model(model)
     if sync is not None and (n_blocks := sync.max(len(canvas.blocks))) > len(canvas.blocks):
-        canvas = Canvas.build(prompts, params, mask_id, model.pad_token_id, block_diffusion, device, bucket, n_blocks)
+        canvas = Canvas.build(prompts, params, fill, model.pad_token_id, aligned, device, bucket, n_blocks)
 
     def agree(going_on: bool) -> bool:
         """Whether decoding goes on: on this rank's word, or in lockstep on any rank's."""
         return sync.any(going_on) if sync is not None else going_on
     B, S, L = canvas.x.shape[0], canvas.x.shape[1], params.gen_length
     # what a block's count schedule starts from: its masked positions before any decoding (original rows)
-    undecoded = canvas.x == mask_id
+    undecoded = canvas.x == mask_id if not uniform else None
     if init_response is not None:
         if tuple(init_response.shape) != (B, L):
             raise ValueError(f"init_response must be [{B}, {L}], got {list(init_response.shape)}")
@@ -303,8 +311,9 @@ def _denoise_loop(model, prompts: Sequence[Sequence[int]], params: SamplingParam
     if span > model.max_sequence_length:
         raise ValueError(f"prompt + gen_length needs {span} positions, more than the model's maximum length {model.max_sequence_length}")
     policy = build_cache_policy(params, 1 if model.family.shift_logits else 0, block_diffusion)
-    forward = Forward(model, canvas, policy, params, graphs)
-    unmasker = build_unmasker(params)
+    noise = UniformNoiseBlock(UniformNoiseRule.of(params), model.config.vocab_size, next(model.parameters()).dtype) if uniform else None
+    forward = EncoderForward(model, canvas, policy, params, noise) if uniform else Forward(model, canvas, policy, params, graphs)
+    unmasker = build_unmasker(params) if not uniform else None
     stop_ids = _stop_ids(model, params).to(device)
     recorder = TrajectoryRecorder(B, S - canvas.origin, canvas.origin, record == "full", device) if record != "none" else None
 
@@ -337,6 +346,8 @@ def _denoise_loop(model, prompts: Sequence[Sequence[int]], params: SamplingParam
         forward.select(keep)
         if generators is not None:
             generators = [generators[i] for i in keep.tolist()]
+        if noise is not None and noise.stopped is not None:
+            noise.select(keep)
         return not bool(frozen.all())
 
     for w in policy.prefill(canvas.origin, canvas.x.shape[0]):
@@ -354,11 +365,18 @@ def _denoise_loop(model, prompts: Sequence[Sequence[int]], params: SamplingParam
             if (bi + 1) * spb <= j_from:
                 continue
             j = max(j_from - bi * spb, 0)
-        masked_at_start = (undecoded[active, lo:hi] & ~frozen[:, None]).sum(-1)
+        if noise is not None:
+            canvas.x[:, lo:hi] = noise.start(canvas.x.shape[0], hi - lo, generators, device)
+        else:
+            masked_at_start = (undecoded[active, lo:hi] & ~frozen[:, None]).sum(-1)
         range_end = False
         while True:
-            is_masked = (canvas.x[:, lo:hi] == mask_id) & ~frozen[:, None]
-            busy = bool(is_masked.any())
+            if noise is not None:
+                busy_rows = noise.busy(j) & ~frozen
+            else:
+                is_masked = (canvas.x[:, lo:hi] == mask_id) & ~frozen[:, None]
+                busy_rows = is_masked.any(-1)
+            busy = bool(busy_rows.any())
             if not agree(busy):
                 break
             if resuming and bi * spb + j >= j_to:
@@ -368,6 +386,12 @@ def _denoise_loop(model, prompts: Sequence[Sequence[int]], params: SamplingParam
                 raise RuntimeError(f"unmasking '{params.unmasking}' left block {bi} unfinished after {j} steps")
             logits = forward(policy.step(j, lo, hi, S), lo, hi)
             if not busy:  # in lockstep: another rank's rows still decode this block
+                j += 1
+                continue
+            if noise is not None:
+                rows = busy_rows.nonzero().squeeze(-1)
+                canvas.x[:, lo:hi] = noise.step(canvas.x[:, lo:hi], logits[rows], j, rows, [generators[i] for i in rows.tolist()])
+                steps[active[rows]] += 1
                 j += 1
                 continue
             logits[..., mask_id] = float("-inf")  # committing MASK would leave the position masked
@@ -410,6 +434,8 @@ def _denoise_loop(model, prompts: Sequence[Sequence[int]], params: SamplingParam
                     retire(done)
         if range_end:
             break
+        if noise is not None:  # the block's tokens: its last argmax canvas
+            canvas.x[:, lo:hi] = torch.where(frozen[:, None], canvas.x[:, lo:hi], noise.argmax)
         if bi + 1 < len(canvas.blocks) and (w := policy.commit(lo, hi)) is not None:
             forward(w)
         if not agree(retire(_finished(canvas, hi, L, stop_ids, params.stop_at_eos))):
@@ -417,6 +443,19 @@ def _denoise_loop(model, prompts: Sequence[Sequence[int]], params: SamplingParam
     if active.numel():
         final[active] = canvas.x
     return _assemble(model, prompts, params, final, resp_start_all, canvas.origin, forward, steps, recorder, stop_ids)
+
+
+def _check_noise_rule(model, params: SamplingParams, record: str) -> bool:
+    """Whether `model` decodes under uniform noise; a ValueError where the sampler's rule does not
+    fit the family's noise."""
+    uniform = model.family.noise == "uniform"
+    if uniform != (params.unmasking in UNIFORM_NOISE_RULES):
+        fits = f"'{UNIFORM_NOISE_RULES[0]}'" if uniform else "a masked-diffusion rule"
+        raise ValueError(f"unmasking '{params.unmasking}' does not apply to a {model.family.noise}-noise model "
+                         f"({model.family.model_type}); use {fits}")
+    if uniform and (record != "none" or params.cuda_graphs):
+        raise ValueError("a uniform-noise model decodes without trajectory records and CUDA graphs")
+    return uniform
 
 
 def _finished(canvas: Canvas, hi: int, gen_length: int, stop_ids: torch.Tensor, stop_at_eos: bool) -> torch.Tensor:
@@ -435,7 +474,10 @@ def _assemble(model, prompts, params, final, resp_start, origin, forward: Forwar
     mask_id, L = model.mask_token_id, params.gen_length
     idx = resp_start[:, None] + torch.arange(L, device=final.device)
     response = final.gather(1, idx.clamp(max=final.shape[1] - 1))
-    response = response.masked_fill((idx >= final.shape[1]) | (response == mask_id), model.eos_token_id)
+    undecoded = idx >= final.shape[1]
+    if mask_id is not None:
+        undecoded |= response == mask_id
+    response = response.masked_fill(undecoded, model.eos_token_id)
     trajectory = None
     if recorder is not None:
         trajectory = recorder.finish(final[:, origin:], resp_start - origin, steps, params.block_length, mask_id)

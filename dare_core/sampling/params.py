@@ -9,6 +9,9 @@ from typing import Optional
 REMASKING = ("low_confidence", "maskgit_plus", "topk_margin", "entropy", "random")
 # how many / which masked positions of the current block are committed each step (6.1-6.4)
 UNMASKING = ("topk", "threshold", "dynamic", "factor", "entropy_bounded", "sequential", "origin")
+# the rule of a uniform-noise family (DiffusionGemma), which has no mask token: every position is
+# redrawn each step, the entropy bound picks the draws that stay, the rest become random tokens again
+UNIFORM_NOISE_RULES = ("entropy_bound_renoise",)
 # how many positions a count-based unmasker commits per step: LLaDA's even split or Dream's timesteps
 SCHEDULES = ("linear", "dream")
 CACHES = ("none", "prefix", "dual", "block_kv")
@@ -32,6 +35,12 @@ class SamplingParams:
     threshold: float = 0.9  # threshold / dynamic: commit every masked position with confidence >= threshold
     factor: float = 1.0  # factor: commit the largest n with (n+1)(1 - c_(n)) < factor
     entropy_bound: float = 0.35  # entropy_bounded: cumulative vocabulary entropy budget per step
+    # entropy_bound_renoise: the temperature falls linearly over each block's steps from `temperature`
+    # to `temperature_min` (None: constant); a block ends early once its argmax canvas has repeated
+    # for `stable_steps` steps and its mean entropy is under `stop_entropy`
+    temperature_min: Optional[float] = None
+    stable_steps: int = 1
+    stop_entropy: float = 0.005
     alg_temp: float = 0.0  # > 0: positions drawn from softmax(confidence / alg_temp) instead of top-k (Dream)
     cache: str = "none"
     # prefix/dual: re-encode the whole sequence at the start of each block and, if > 0, also every
@@ -65,7 +74,7 @@ class SamplingParams:
         blocks = self.gen_length // self.block_length
         if self.steps % blocks:
             raise ValueError(f"steps {self.steps} must be divisible by the number of blocks {blocks}")
-        for name, value, allowed in (("remasking", self.remasking, REMASKING), ("unmasking", self.unmasking, UNMASKING),
+        for name, value, allowed in (("remasking", self.remasking, REMASKING), ("unmasking", self.unmasking, UNMASKING + UNIFORM_NOISE_RULES),
                                      ("schedule", self.schedule, SCHEDULES), ("cache", self.cache, CACHES)):
             if value not in allowed:
                 raise ValueError(f"unknown {name} '{value}'; known: {list(allowed)}")
@@ -76,6 +85,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0 or self.refresh_every < 0:
             raise ValueError("top_k and refresh_every must be >= 0")
+        if self.unmasking in UNIFORM_NOISE_RULES and (self.temperature <= 0 or (self.temperature_min or 1) <= 0):
+            raise ValueError(f"unmasking '{self.unmasking}' samples every position: temperature and temperature_min must be > 0")
+        if self.stable_steps < 0 or self.stop_entropy < 0:
+            raise ValueError("stable_steps and stop_entropy must be >= 0")
         if self.factor <= 0 or self.entropy_bound < 0:
             raise ValueError("factor must be > 0 and entropy_bound >= 0")
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
@@ -84,7 +97,9 @@ class SamplingParams:
         # Dream's timestep grid (schedule dream, unmasking origin) is defined for any number of
         # steps; every other rule commits at least one token per step, so steps beyond gen_length
         # would silently never run
-        if self.steps > self.gen_length and self.schedule != "dream" and self.unmasking != "origin":
+        # (a uniform-noise block takes as many steps as its budget allows, whatever its length)
+        if (self.steps > self.gen_length and self.schedule != "dream" and self.unmasking != "origin"
+                and self.unmasking not in UNIFORM_NOISE_RULES):
             raise ValueError(f"steps {self.steps} > gen_length {self.gen_length}: at most one step per generated token "
                              f"runs (unmasking '{self.unmasking}', schedule '{self.schedule}'); set steps <= gen_length")
 
@@ -95,4 +110,5 @@ class SamplingParams:
     @property
     def stochastic(self) -> bool:
         """Whether decoding draws random numbers (and so needs one generator per prompt)."""
-        return (self.temperature > 0 or self.remasking == "random" or self.unmasking == "origin" or self.alg_temp > 0)
+        return (self.temperature > 0 or self.remasking == "random" or self.unmasking in ("origin", *UNIFORM_NOISE_RULES)
+                or self.alg_temp > 0)

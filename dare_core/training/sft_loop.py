@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from dare_core.algorithms.registry import build_options, get_sft_objective
+from dare_core.algorithms.registry import SFT_OBJECTIVE_OF_NOISE, build_options, get_sft_objective
 from dare_core.config import DareConfig
 from dare_core.data.batching import balanced_micro_batches, global_batch_indices, row_tokens, sft_batch
 from dare_core.data.schema import DataError, read_rows, table_row
@@ -57,7 +57,10 @@ def check_sft_settings(cfg: DareConfig, spec: DiffusionLM) -> Algorithm:
     """The checks of the SFT settings against the model (`spec`, weightless): no data read. Returns
     the loss objective."""
     check_sequence_parallel(cfg.launch, spec)
-    algo_cls = get_sft_objective("sft")
+    if spec.family.noise == "uniform":
+        algo_cls = get_sft_objective(SFT_OBJECTIVE_OF_NOISE["uniform"])
+        return algo_cls(build_options(algo_cls, {}, "sft"))
+    algo_cls = get_sft_objective(SFT_OBJECTIVE_OF_NOISE["masked"])
     return algo_cls(build_options(algo_cls, {"loss_norm": cfg.sft.loss_norm, "mask_law": cfg.sft.mask_law}, "sft"),
                     spec.mask_token_id)
 

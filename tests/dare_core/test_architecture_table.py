@@ -65,7 +65,7 @@ def test_a_family_is_its_model_file_and_its_tiny_model():
                  and any(v is family for v in vars(m).values()) and not m.__name__.endswith(".family")]
         assert homes, model_type
         assert all(Path(m.__file__).parent == Path(models.__file__).parent for m in homes), model_type
-        assert model_type in tiny_models.FAMILIES and model_type in tiny_models.SMALL, model_type
+        assert model_type in tiny_models.FAMILIES + tiny_models.UNIFORM_FAMILIES and model_type in tiny_models.SMALL, model_type
 
 
 def test_an_engine_is_its_module_and_every_engine_declares_its_capabilities():

@@ -49,6 +49,17 @@ def test_task_args_stay_with_their_task(project):
     assert load_config(project / "params.yaml", ["recipe=same"]).data.task_args == {"max_digits": 3}
 
 
+def test_model_init_stays_with_its_family(project):
+    (project / "params.yaml").write_text(yaml.safe_dump({"model": {"family": "llada", "init": {"d_model": 32, "n_layers": 2}}}))
+    (project / "configs" / "recipes" / "gemma.yaml").write_text(
+        "model:\n  family: diffusion_gemma  # another family\n  init: {hidden_size: 64}\n")
+    (project / "configs" / "recipes" / "bare.yaml").write_text("model:\n  family: sdar  # its own defaults\n")
+    (project / "configs" / "recipes" / "wider.yaml").write_text("model:\n  init: {d_model: 64}  # the same family\n")
+    assert load_config(project / "params.yaml", ["recipe=gemma"]).model.init == {"hidden_size": 64}
+    assert load_config(project / "params.yaml", ["recipe=bare"]).model.init == {}
+    assert load_config(project / "params.yaml", ["recipe=wider"]).model.init == {"d_model": 64, "n_layers": 2}
+
+
 def test_cli_recipe_flag_is_a_set(project, monkeypatch):
     seen = {}
     import dare_core.workers.prepare as worker

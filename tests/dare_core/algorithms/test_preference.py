@@ -71,7 +71,7 @@ def test_objectives_are_registered_apart_from_rl_and_configured_by_name():
 
     # one registry per kind: SFT is no RL algorithm, neither is a preference objective
     assert get_preference("vrpo") is VRPO and get_preference("elbo_dpo") is ElboDPO
-    assert set(PREFERENCE_OBJECTIVES) == {"vrpo", "elbo_dpo"} and set(SFT_OBJECTIVES) == {"sft"}
+    assert set(PREFERENCE_OBJECTIVES) == {"vrpo", "elbo_dpo"} and set(SFT_OBJECTIVES) == {"sft", "uniform_sft"}
     assert not (set(PREFERENCE_OBJECTIVES) | set(SFT_OBJECTIVES)) & set(RL_ALGORITHMS)
     with pytest.raises(ValueError, match=r"unknown preference algorithm 'dpo'; known: \['elbo_dpo', 'vrpo'\]"):
         get_preference("dpo")

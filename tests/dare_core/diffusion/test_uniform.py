@@ -191,3 +191,43 @@ def test_the_canvas_predictor_reads_each_canvas_after_its_clean_context():
         first = net.canvas_logits(batch.ids[:, :3], noisy[:, :4])
         second = net.canvas_logits(batch.ids[:, :7], noisy[:, 4:])
     torch.testing.assert_close(got, torch.cat([first, second], dim=1), rtol=1e-6, atol=1e-6)
+
+
+def test_d1_scores_under_uniform_noise_are_the_decoders_canvas_by_canvas():
+    """d1's corruption without a mask token (every response token random, a share of the prompt
+    too, from each row's generator) scored in one forward equals the decoder run canvas by canvas:
+    over the noised prompt and the clean canvases before it, each row alone and unpadded; scores
+    only at valid positions, zero elsewhere."""
+    import tiny_models
+    from dare_core.diffusion.likelihood import token_logprobs
+    from dare_core.diffusion.masking import full_response_corruption
+
+    model = tiny_models.tiny("diffusion_gemma", seed=2).double()
+    c = model.block_size
+    prompts, responses = [[5, 6, 7], [9]], [[10, 11, 12, 13, 14, 15, 16, 17], [20, 21, 22, 23, 24, 25, 26, 27]]
+    p = 3
+    ids = torch.tensor([prompts[0] + responses[0], [PAD, PAD] + prompts[1] + responses[1]])
+    attn = torch.tensor([[1] * 11, [0, 0] + [1] * 9])
+    valid = torch.tensor([[True] * 8, [True] * 5 + [False] * 3])
+    gens = sample_generators((0, "d1-uniform"), ["a", "b"])
+    corruption = full_response_corruption(ids, attn, p, valid, None, 0.5, gens, model.config.vocab_size)
+    again = full_response_corruption(ids, attn, p, valid, None, 0.5, sample_generators((0, "d1-uniform"), ["a", "b"]),
+                                     model.config.vocab_size)
+    assert torch.equal(corruption.noisy_ids, again.noisy_ids) and corruption.prompt_len == p
+    assert (corruption.noisy_ids[:, p:] != ids[:, p:]).float().mean() > 0.8  # the response: random tokens
+    assert torch.equal(corruption.noisy_ids[1, :2], ids[1, :2])  # padding is never noised
+    scores = token_logprobs(model, corruption, ids, attn)
+    assert scores.dtype == torch.float32 and (scores[:, :p] == 0).all() and (scores[1, p + 5:] == 0).all()
+    with torch.no_grad():
+        for b, (left, n) in enumerate(((0, 3), (2, 1))):
+            prompt = corruption.noisy_ids[b, left:p]
+            for k in range(2):
+                prefix = torch.cat([prompt, ids[b, p:p + k * c]])[None]
+                canvas = corruption.noisy_ids[b, p + k * c:p + (k + 1) * c][None]
+                logp = model.net.canvas_logits(prefix, canvas)[0].double().log_softmax(-1)
+                expected = logp.gather(-1, ids[b, p + k * c:p + (k + 1) * c, None])[:, 0]
+                got = scores[b, p + k * c:p + (k + 1) * c].double()
+                keep = valid[b, k * c:(k + 1) * c]
+                torch.testing.assert_close(got[keep], expected[keep], atol=1e-5, rtol=1e-5)
+    token_logprobs(model, corruption, ids, attn).sum().backward()  # (differentiable: what d1's update needs)
+    assert model.net.embed.weight.grad.abs().sum() > 0

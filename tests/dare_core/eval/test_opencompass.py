@@ -69,7 +69,7 @@ def test_an_opencompass_class_per_family_label():
         cls = oc.FAMILY_CLASSES[family.model_type]
         assert cls.__name__ == f"Dare{family.eval_label}" and getattr(oc, cls.__name__) is cls
         assert issubclass(cls, oc.DareModel) and cls.family_sampler == family.sampler_defaults
-    assert set(oc.FAMILY_CLASS_NAMES) == {"DareLLaDA", "DareDream", "DareSDAR", "DareLLaDA2"}
+    assert set(oc.FAMILY_CLASS_NAMES) == {"DareLLaDA", "DareDream", "DareSDAR", "DareLLaDA2", "DareDiffusionGemma"}
     assert oc.FAMILY_CLASSES["sdar"] is oc.FAMILY_CLASSES["sdar_moe"]
 
 

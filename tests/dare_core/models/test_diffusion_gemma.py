@@ -12,34 +12,18 @@ import torch
 
 from dare_core.diffusion.seeding import generator
 from dare_core.models.diffusion_gemma import DiffusionGemmaNet, config_from_hf, load_state, stream_masks, tiny_config
+from diffusion_gemma_reference import saved_reference
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 TOL = dict(atol=1e-5, rtol=1e-4)
-# the reference builds a vision tower next to the text model; a small one keeps the test quick
-VISION = {"model_type": "gemma4_vision", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
-          "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8}
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """(reference model, our net loaded from the folder the reference saved)."""
-    cfg = tiny_config(64, eos_token_id=1, canvas_length=8)
-    hf_cfg = transformers.DiffusionGemmaConfig(text_config=cfg["text_config"], vision_config=VISION, canvas_length=8)
-    hf_cfg.text_config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    ref = transformers.DiffusionGemmaForBlockDiffusion(hf_cfg).eval()
-    g = generator(1, "diffusion-gemma-weights")
-    with torch.no_grad():
-        for _, p in ref.named_parameters():
-            if p.dim() == 1:  # norms, router scales: all ones at init
-                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
-        for name, b in ref.named_buffers():
-            if name.endswith("layer_scalar"):  # the encoder's and the decoder's drawn apart
-                b.copy_(1 + 0.3 * torch.randn(b.shape, generator=g))
-    folder = tmp_path_factory.mktemp("diffusion_gemma")
-    ref.save_pretrained(folder)
+    ref, folder = saved_reference(tmp_path_factory.mktemp("diffusion_gemma"))
     net = DiffusionGemmaNet(config_from_hf(json.loads((folder / "config.json").read_text()))).eval()
     load_state(net, safetensors_torch.load_file(folder / "model.safetensors"))
     return ref, net
@@ -113,22 +97,24 @@ def test_a_sharded_folder_loads_as_it_is_downloaded(pair, tmp_path):
     """The reference's own sharded save (an index and several files, the vision tower among them):
     built on the meta device and assigned; the same logits as the reference, in bf16 when asked."""
     from dare_core.errors import ModelLoadError
-    from dare_core.models.diffusion_gemma import load_diffusion_gemma
+    from dare_core.models.hf_folder import load_model
 
     ref, _ = pair
     ref.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
     index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 3
-    net = load_diffusion_gemma(tmp_path / "sharded").eval()
+    model = load_model(tmp_path / "sharded")
+    net = model.net.eval()
+    assert (model.mask_token_id, model.eos_token_id, model.pad_token_id) == (None, 1, 0)
     assert not any(t.is_meta for t in net.state_dict().values())
     prompt, canvas = _tokens((2, 9), 14), _tokens((2, 8), 15)
     with torch.no_grad():
         torch.testing.assert_close(net.canvas_logits(prompt, canvas), ref(input_ids=prompt, decoder_input_ids=canvas).logits, **TOL)
-    assert load_diffusion_gemma(tmp_path / "sharded", dtype=torch.bfloat16).embed.weight.dtype == torch.bfloat16
+    assert load_model(tmp_path / "sharded", dtype=torch.bfloat16).net.embed.weight.dtype == torch.bfloat16
     shard = tmp_path / "sharded" / index["weight_map"]["model.decoder.norm.weight"]
     shard.unlink()
     with pytest.raises(ModelLoadError, match="is missing"):
-        load_diffusion_gemma(tmp_path / "sharded")
+        load_model(tmp_path / "sharded")
 
 
 def test_decoding_over_the_encoder_cache_equals_one_pass(pair):
@@ -196,3 +182,24 @@ def test_lora_all_linear_adapts_attention_the_mlp_and_every_expert():
     assert set(merged) == set(plain.state_dict())
     plain.load_state_dict(merged)
     torch.testing.assert_close(plain.canvas_logits(prompt, canvas), adapted.detach(), rtol=1e-9, atol=1e-9)
+
+
+def test_an_export_loads_back_bit_for_bit_and_in_the_reference(pair, tmp_path):
+    """DARE's export of a DiffusionGemma (save_model: the decoder's weights and both streams' layer
+    scalars, the encoder's tied copies left to the reference's tying) reloads with the same logits
+    bit for bit, and transformers' from_pretrained reads it as the model it is."""
+    import transformers
+
+    from dare_core.models.hf_folder import load_model, save_model
+
+    import tiny_models
+
+    model = tiny_models.tiny("diffusion_gemma", seed=3)
+    save_model(model, tmp_path / "export")
+    again = load_model(tmp_path / "export").eval()
+    prompt, canvas = _tokens((2, 9), 16), _tokens((2, 8), 17)
+    with torch.no_grad():
+        ours = model.net.canvas_logits(prompt, canvas)
+        assert torch.equal(again.net.canvas_logits(prompt, canvas), ours)
+        ref = transformers.DiffusionGemmaForBlockDiffusion.from_pretrained(tmp_path / "export").eval()
+        torch.testing.assert_close(ref(input_ids=prompt, decoder_input_ids=canvas).logits, ours, **TOL)

@@ -69,7 +69,7 @@ def test_a_step_draws_the_references_numbers_in_its_order():
     g = torch.Generator().manual_seed(123)
     ours_canvas = random_canvas(1, C, V, g, "cpu")
     assert torch.equal(ours_canvas, canvas)
-    nxt, argmax, ours_tempered = denoise_step(ours_canvas, logits, 10, rule, g)
+    nxt, argmax, ours_tempered = denoise_step(ours_canvas, logits, 10, rule, [g])
     assert torch.equal(nxt, expected)
     assert torch.equal(argmax, tempered.argmax(-1)) and torch.equal(ours_tempered, tempered)
     assert 0 < int((nxt == proposal).sum()) < C  # some positions accepted, some renoised

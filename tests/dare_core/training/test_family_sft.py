@@ -1,5 +1,6 @@
-"""The SFT stage trains a tiny Dream, SDAR or LLaDA2 model selected by config alone (block
-families through the two-stream loss), and exports a checkpoint of that family."""
+"""The SFT stage trains a tiny Dream, SDAR, LLaDA2 or DiffusionGemma model selected by config alone
+(block families through the two-stream loss, DiffusionGemma through the uniform-noise loss), and
+exports a checkpoint of that family."""
 import json
 import subprocess
 
@@ -17,6 +18,8 @@ INITS = {
     "llada2_moe": {"hidden_size": 32, "head_dim": 16, "num_attention_heads": 2, "num_key_value_heads": 1, "num_hidden_layers": 2,
                    "intermediate_size": 64, "moe_intermediate_size": 16, "num_experts": 8, "num_experts_per_tok": 2, "n_group": 2,
                    "topk_group": 1, "max_position_embeddings": 24},
+    # uniform noise: the SFT stage takes its own objective (algorithms/uniform_sft.py)
+    "diffusion_gemma": {"hidden_size": 32, "num_experts": 4, "max_position_embeddings": 24, "canvas_length": 4},
 }
 
 
