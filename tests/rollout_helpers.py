@@ -17,6 +17,8 @@ def sampler_for(model, **kw) -> SamplerConfig:
     """A cache-free sampler that fits the model (block diffusion: block_length = the model's block)."""
     bl = model.block_size or 4
     args = {"gen_length": 8, "steps": 8, "block_length": bl, "temperature": 1.0, **kw}
+    if model.family.noise == "uniform":  # (DiffusionGemma: its own rule)
+        args.setdefault("unmasking", "entropy_bound_renoise")
     return SamplerConfig(**args)
 
 
@@ -28,6 +30,7 @@ def rollout_batch(model, sampler: SamplerConfig, n: int = 4, prompt_len: int = 5
     lens = [prompt_len - (0 if same_length else i % 2) for i in range(n)]
     prompts = [torch.randint(0, 60, (k,), generator=g).tolist() for k in lens]
     uids = [f"s{seed}-{i}" for i in range(n)]
+    record = record if model.family.noise == "masked" else "none"  # (uniform noise keeps no trajectory)
     out = generate(model, prompts, sampler, sample_generators((seed, "rollout"), uids), record=record)
     P = out.prompt_len
     valid = valid_region(out.response, model.eos_token_id, out.attention_mask[:, P:])

@@ -13,7 +13,7 @@ from dare_core.algorithms.common import SequenceELBOMixin
 from dare_core.algorithms.registry import register_rl
 from dare_core.batch import Batch
 from dare_core.diffusion.masking import CorruptionSet
-from dare_core.diffusion.mc_laws import count_rows
+from dare_core.diffusion.mc_laws import count_rows, uniform_time_rows
 from dare_core.diffusion.seeding import sample_generators
 
 
@@ -28,8 +28,15 @@ class ESPO(SequenceELBOMixin, RLAlgorithm):
     def check_sampler(self, sampler) -> None:
         self.ratio_scale = 1.0 / sampler.gen_length  # the sequence log-ratio and KL are per L_max
 
+    # under uniform noise (DiffusionGemma) the rows are the uniform ELBO's stratified times
+    # (`uniform_time_rows`): mc_num of them; reduce_var's complementary masks have no counterpart there
+    families = frozenset({"masked", "block", "uniform"})
+
     def corrupt(self, batch: Batch, seed_base: tuple) -> CorruptionSet:
         gens = sample_generators((*seed_base, "espo"), batch.uids)
+        if self.kind == "uniform":
+            return uniform_time_rows(batch.input_ids, batch.prompt_len, batch.response_mask, self.vocab_size, self.options.mc_num,
+                                     gens, self.eos_id)
         return count_rows(batch.input_ids, batch.prompt_len, batch.response_mask, batch.attention_mask[:, batch.prompt_len:],
                           self.mask_id, self.options.mc_num, gens, with_zero=True, complement=self.options.reduce_var,
                           tail_policy=self.options.tail_policy)

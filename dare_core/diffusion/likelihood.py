@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dare_core.diffusion.block import two_stream_logits, two_stream_scored_hidden, two_stream_scored_stream
 from dare_core.diffusion.masking import Corruption, CorruptionSet
-from dare_core.diffusion.uniform import CanvasBatch, noisy_stream
+from dare_core.diffusion.uniform import UNIFORM_EPS, CanvasBatch, noisy_stream, uniform_nelbo_rate
 from dare_core.metric_keys import add_chunk_metrics
 from dare_core.models.family import noise_of
 from dare_core.models.packing import packed_backend
@@ -211,13 +211,23 @@ def token_logprobs(model, corruption: Corruption, targets: torch.Tensor, attenti
     return zeros.masked_scatter(rows, logp), zeros.masked_scatter(rows, ent)
 
 
-def canvas_token_logprobs(model, corruption, targets: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,
-                          exclude: Sequence[int] = (), entropy: bool = False):
-    """`likelihood.token_logprobs` of a uniform-noise model: log softmax(f(z)/temperature)[target]
-    at each scored response position (float32 [B, S], 0 elsewhere), where every canvas of the
-    response is denoised from the corruption's tokens given the prompt (as the corruption has it)
-    and the clean canvases before it, in one forward, self-conditioning off. `entropy`: also each
-    scored position's entropy."""
+def canvas_token_logprobs(model, corruption: Corruption, targets: torch.Tensor, attention_mask: torch.Tensor,
+                          temperature: float = 1.0, exclude: Sequence[int] = (), entropy: bool = False):
+    """`token_logprobs` of a uniform-noise model: log softmax(f(z)/temperature)[target] at each
+    scored response position (float32 [B, S], 0 elsewhere), `entropy`: also each one's entropy."""
+    rows = corruption.scored
+    logp, ent = logits_scores(canvas_scored_logits(model, corruption, targets, attention_mask), targets[rows], temperature,
+                              exclude, entropy)
+    zeros = torch.zeros(rows.shape, dtype=torch.float32, device=logp.device)
+    if not entropy:
+        return zeros.masked_scatter(rows, logp)
+    return zeros.masked_scatter(rows, logp), zeros.masked_scatter(rows, ent)
+
+
+def canvas_scored_logits(model, corruption: Corruption, targets: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Logits [N, V] of a uniform-noise model at the corruption's scored response positions (row
+    major): every canvas of the response denoised from the corruption's tokens given the prompt (as
+    the corruption has it) and the clean canvases before it, in one forward, self-conditioning off."""
     if getattr(model, "sequence_shards", None) is not None or model.logits_chunk > 0 or model.packing == "on":
         raise ValueError("a uniform-noise model scores on one rank, with whole logits and padded batches "
                          "(launch.sequence_parallel 1, model.logits_chunk 0, model.packing auto or off)")
@@ -226,17 +236,24 @@ def canvas_token_logprobs(model, corruption, targets: torch.Tensor, attention_ma
         raise ValueError("a uniform-noise corruption must carry its batch's prompt width (Corruption.prompt_len)")
     s = targets.shape[1]
     clean = torch.cat([corruption.noisy_ids[:, :p], targets[:, p:]], dim=1)  # (the prompt as noised, the response clean)
-    batch = CanvasBatch(clean, attention_mask, p, model.block_size)
     columns = torch.arange(s - p, device=clean.device).expand(clean.shape[0], -1)
-    stream_clean, pos, block_start, attn = noisy_stream(batch, columns)
+    stream_clean, pos, block_start, attn = noisy_stream(CanvasBatch(clean, attention_mask, p, model.block_size), columns)
     ids = torch.cat([clean, corruption.noisy_ids[:, p:]], dim=1)
     hidden = model.net(ids, stream_clean, pos, block_start, attention_mask=attn)[:, s:]
+    return model.net.logits(hidden[corruption.scored[:, p:]])
+
+
+def uniform_elbo_row(model, corruption: Corruption, targets: torch.Tensor, attention_mask: torch.Tensor,
+                     eps: float = UNIFORM_EPS) -> torch.Tensor:
+    """[B] one sample of each sequence's uniform-noise ELBO over its scored positions, from one
+    corrupted copy at the row's time t (`corruption.p`): -(1 - 2 eps) times the summed integrand
+    (docs/diffusion.md#uniform-noise-elbo); rows at stratified times average to the estimate."""
     rows = corruption.scored
-    logp, ent = logits_scores(model.net.logits(hidden[rows[:, p:]]), targets[:, p:][rows[:, p:]], temperature, exclude, entropy)
-    zeros = torch.zeros(rows.shape, dtype=torch.float32, device=logp.device)
-    if not entropy:
-        return zeros.masked_scatter(rows, logp)
-    return zeros.masked_scatter(rows, logp), zeros.masked_scatter(rows, ent)
+    logits = canvas_scored_logits(model, corruption, targets, attention_mask)
+    t = corruption.p.to(logits.device)[rows.nonzero()[:, 0]]
+    rate = uniform_nelbo_rate(logits, corruption.noisy_ids[rows], targets[rows], t)
+    per_row = torch.zeros(rows.shape, dtype=rate.dtype, device=rate.device).masked_scatter(rows, rate).sum(-1)
+    return (-(1 - 2 * eps) * per_row).float()
 
 
 def _sharded_token_logprobs(model, noisy_ids: torch.Tensor, targets: torch.Tensor, attention_mask: torch.Tensor,
@@ -288,7 +305,10 @@ def rows_logprobs(model, rows: Sequence[Corruption], targets: torch.Tensor, atte
 
 
 def elbo_rows(model, rows: Sequence[Corruption], targets: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Per-row ELBO samples E_r = sum_i w_ri log p(y_i | z_r) (w = 1/p of the row's law): [B, R]."""
+    """Per-row ELBO samples E_r = sum_i w_ri log p(y_i | z_r) (w = 1/p of the row's law): [B, R].
+    Under uniform noise each row's sample is its time's integrand instead (`uniform_elbo_row`)."""
+    if noise_of(model) == "uniform":
+        return torch.stack([uniform_elbo_row(model, r, targets, attention_mask) for r in rows], dim=1)
     logp = rows_logprobs(model, rows, targets, attention_mask)
     weight = torch.stack([r.elbo_weight() for r in rows]).to(logp.device)
     return (logp * weight).sum(-1).transpose(0, 1)

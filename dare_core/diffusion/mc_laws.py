@@ -14,6 +14,7 @@ from typing import Sequence
 import torch
 
 from dare_core.diffusion.masking import Corruption, CorruptionSet, masked_corruption
+from dare_core.diffusion.uniform import UNIFORM_EPS, uniform_corrupt
 
 TAIL_POLICIES = ("mask", "keep")
 
@@ -198,3 +199,23 @@ def blockwise_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt
     return CorruptionSet([Corruption(nz, sc.to(dev), torch.ones(B)) for nz, sc in zip(out_noisy, out_scored)],
                          {"mask_fraction": frac})
 
+
+def uniform_time_rows(input_ids: torch.Tensor, prompt_len: int, valid: torch.Tensor, vocab_size: int, rows: int,
+                      generators: Sequence[torch.Generator], tail_fill: int, eps: float = UNIFORM_EPS) -> CorruptionSet:
+    """Uniform noise (no mask token; docs/diffusion.md#uniform-noise-elbo): `rows` stratified times
+    per sequence, t_r = eps + (1 - 2 eps)(r + u) / R with one offset u ~ U(0, 1) each, and row r the
+    response with every token replaced, with probability t_r, by a uniformly random id. The tail
+    after the valid region is corrupted as `tail_fill` (EOS: what the rollout layout puts there) would
+    be, whatever it holds, so that it never changes a score. Each row's `p` is its time; its valid
+    positions are scored (by the uniform ELBO's integrand, not by a log-probability)."""
+    offsets = torch.stack([torch.rand((), generator=g) for g in generators])
+    response = input_ids[:, prompt_len:].masked_fill(~valid.bool(), tail_fill)
+    scored = torch.zeros_like(input_ids, dtype=torch.bool)
+    scored[:, prompt_len:] = valid.bool()
+    out = []
+    for r in range(rows):
+        t = eps + (1 - 2 * eps) * (r + offsets) / rows
+        noisy = input_ids.clone()
+        noisy[:, prompt_len:] = uniform_corrupt(response, t, vocab_size, generators)
+        out.append(Corruption(noisy, scored, t.to(input_ids.device), prompt_len=prompt_len))
+    return CorruptionSet(out)

@@ -23,6 +23,9 @@ import torch.nn.functional as F
 
 from dare_core.models.transformer import default_position_ids
 
+# the times of the uniform process are drawn from [eps, 1 - eps] (Google's SFT reference's 1e-4)
+UNIFORM_EPS = 1e-4
+
 
 @dataclass
 class CanvasBatch:
@@ -74,7 +77,7 @@ class UniformDraws:
 
 
 def draw(batch: CanvasBatch, vocab_size: int, generators: Sequence[torch.Generator], self_conditioning: float,
-         eps: float = 1e-4) -> UniformDraws:
+         eps: float = UNIFORM_EPS) -> UniformDraws:
     """Each example's draws from its own generator, in a fixed order (time, canvas, corruption, coin)."""
     c, p = batch.canvas_length, batch.prompt_len
     real = batch.attention_mask[:, p:].view(len(generators), -1, c).any(-1)  # [B, n] canvases holding tokens
@@ -157,7 +160,7 @@ def uniform_nelbo_rate(logits: torch.Tensor, noisy: torch.Tensor, clean: torch.T
 
 
 def uniform_nelbo(predict, clean: torch.Tensor, valid: torch.Tensor, vocab_size: int, generators: Sequence[torch.Generator],
-                  samples: int, eps: float = 1e-4) -> torch.Tensor:
+                  samples: int, eps: float = UNIFORM_EPS) -> torch.Tensor:
     """[B] unbiased Monte-Carlo estimate of each sequence's negative ELBO over its valid tokens:
     the integral over t in [eps, 1 - eps] of E_{z_t ~ q(. | x)} of the summed `uniform_nelbo_rate`,
     from `samples` stratified times per sequence (one uniform offset each), each with its own

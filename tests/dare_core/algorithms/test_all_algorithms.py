@@ -24,7 +24,7 @@ get_rl_algorithm("d1")  # imports every algorithm module
 SKIP = {"sft", "mdpo", "d_tree_rpo"}
 RL_ALGOS = sorted(n for n, c in RL_ALGORITHMS.items()
                   if isinstance(c, type) and issubclass(c, RLAlgorithm) and n not in SKIP and c.requires <= {"step_map", "decoded"})
-FAMILIES = {"llada": "masked", "Dream": "masked", "sdar": "block"}
+FAMILIES = {"llada": "masked", "Dream": "masked", "sdar": "block", "diffusion_gemma": "uniform"}
 RATIO_ALGOS = ["d1", "coupled_grpo", "bgpo", "espo", "ebpo", "cj_grpo", "just_grpo"]
 SMALL = {"bgpo": {"mc_num": 3}, "ebpo": {"mc_num": 3}, "espo": {"mc_num": 2}, "spg": {"num_t": 2}}
 EOS = 62

@@ -231,3 +231,34 @@ def test_d1_scores_under_uniform_noise_are_the_decoders_canvas_by_canvas():
                 torch.testing.assert_close(got[keep], expected[keep], atol=1e-5, rtol=1e-5)
     token_logprobs(model, corruption, ids, attn).sum().backward()  # (differentiable: what d1's update needs)
     assert model.net.embed.weight.grad.abs().sum() > 0
+
+
+def test_the_rl_elbo_rows_average_to_the_uniform_nelbo_estimate():
+    """ESPO's rows under uniform noise (`uniform_time_rows`: stratified times, each row one
+    corrupted copy) scored by `elbo_rows` average to minus `uniform_nelbo` over the canvas predictor
+    for the same generators (the same draws in the same order), each row inside its time stratum,
+    only valid positions scored; differentiable."""
+    import tiny_models
+    from dare_core.diffusion.likelihood import elbo_rows
+    from dare_core.diffusion.mc_laws import uniform_time_rows
+    from dare_core.diffusion.uniform import CanvasBatch, canvas_predictor, uniform_nelbo
+
+    model = tiny_models.tiny("diffusion_gemma", seed=4).double()
+    c, v, p, rows = model.block_size, model.config.vocab_size, 3, 4
+    ids = torch.tensor([[5, 6, 7] + list(range(10, 18)), [PAD, PAD, 9] + list(range(20, 25)) + [EOS] * 3])
+    attn = torch.tensor([[1] * 11, [0, 0] + [1] * 9])
+    valid = torch.tensor([[True] * 8, [True] * 5 + [False] * 3])
+    seeds = ((1, "uniform-rows"), ["a", "b"])
+    corruptions = uniform_time_rows(ids, p, valid, v, rows, sample_generators(*seeds), tail_fill=EOS)
+    for r, row in enumerate(corruptions.rows):
+        lo, hi = 1e-4 + (1 - 2e-4) * r / rows, 1e-4 + (1 - 2e-4) * (r + 1) / rows
+        assert ((lo <= row.p) & (row.p <= hi)).all() and torch.equal(row.scored[:, p:], valid)
+        assert torch.equal(row.noisy_ids[:, :p], ids[:, :p])  # the prompt stays clean
+    e = elbo_rows(model, corruptions.rows, ids, attn)
+    assert e.shape == (2, rows) and (e < 0).all()
+    with torch.no_grad():
+        expected = -uniform_nelbo(canvas_predictor(model.net, CanvasBatch(ids, attn, p, c)), ids[:, p:], valid, v,
+                                  sample_generators(*seeds), rows)
+    torch.testing.assert_close(e.double().mean(1), expected, rtol=1e-5, atol=1e-5)
+    e.sum().backward()
+    assert model.net.embed.weight.grad.abs().sum() > 0
