@@ -39,6 +39,7 @@ def build(config: dict, device: torch.device, lora_r: int):
     model = empty_model(config, device=device, dtype=torch.bfloat16)
     model.net.init_weights(generator(0, "diffusion-gemma-step", device=device), std=0.02)
     apply_lora(model, LoraSettings(r=lora_r, alpha=lora_r), generator(0, "lora", device=device))
+    model.set_gradient_checkpointing(True)  # (model.gradient_checkpointing: one layer's activations at a time)
     return model
 
 
@@ -108,7 +109,7 @@ def main() -> None:
         f"Command: `{command}`  ", f"Hardware: {hardware()}  ", f"Libraries: {library_versions()}  ", f"Date: {utc_now()}", "",
         f"Config: {'the tiny test config' if args.tiny else 'bench/configs/' + Path(args.config).name + ' (its `_source` says where it comes from)'}, random bf16 weights "
         f"drawn on the device ({build_s:.0f} s to build), LoRA r = {args.lora_r} on every attention, dense-MLP and expert "
-        f"projection; rows of {args.prompt} prompt tokens and {args.canvases} canvases of {canvas}; the SFT stage's uniform-noise "
+        f"projection, gradient checkpointing; rows of {args.prompt} prompt tokens and {args.canvases} canvases of {canvas}; the SFT stage's uniform-noise "
         f"loss (two passes, self-conditioning on half the rows), AdamW over the adapters; the mean of {args.steps} steps after "
         f"{args.warmup} warm-up.", "",
         *markdown_table(["rows", "tokens a row", "s a step", "tokens/s", "peak GPU memory (GiB)", "parameters", "trainable"],

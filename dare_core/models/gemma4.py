@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from dare_core.models.attention import attend
 from dare_core.models.transformer import SwiGLU, apply_rope
@@ -201,6 +202,9 @@ class Gemma4Stack(nn.Module):
         self.cfg = cfg
         self.layers = nn.ModuleList(Gemma4Layer(cfg, spec) for spec in cfg.layers)
         self.norm = GemmaRMSNorm(cfg.d_model, cfg.rms_norm_eps)
+        # training keeps one layer's activations at a time and recomputes the rest in backward
+        # (`DiffusionLM.set_gradient_checkpointing`, model.gradient_checkpointing)
+        self.gradient_checkpointing = False
 
     def run_layers(self, x: torch.Tensor, position_ids: torch.Tensor, masks: dict, clean: torch.Tensor,
                    cache: Optional["EncoderCache"] = None, write: bool = False) -> torch.Tensor:
@@ -213,7 +217,10 @@ class Gemma4Stack(nn.Module):
             if spec not in tables:
                 tables[spec] = rope_tables(position_ids, spec, x.dtype)
             cached = CachedKeys(cache, i, write) if cache is not None else None
-            x = layer(x, *tables[spec], masks[spec.sliding], clean, cached)
+            if self.gradient_checkpointing and cached is None and torch.is_grad_enabled():
+                x = checkpoint(layer, x, *tables[spec], masks[spec.sliding], clean, use_reentrant=False)
+            else:
+                x = layer(x, *tables[spec], masks[spec.sliding], clean, cached)
         return self.norm(x)
 
 

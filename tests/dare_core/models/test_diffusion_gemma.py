@@ -203,3 +203,21 @@ def test_an_export_loads_back_bit_for_bit_and_in_the_reference(pair, tmp_path):
         assert torch.equal(again.net.canvas_logits(prompt, canvas), ours)
         ref = transformers.DiffusionGemmaForBlockDiffusion.from_pretrained(tmp_path / "export").eval()
         torch.testing.assert_close(ref(input_ids=prompt, decoder_input_ids=canvas).logits, ours, **TOL)
+
+
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
+    import tiny_models
+    from dare_core.diffusion.seeding import sample_generators
+    from dare_core.diffusion.uniform import canvas_batch, canvas_sft_loss, draw
+
+    grads = []
+    for on in (False, True):
+        model = tiny_models.tiny("diffusion_gemma", seed=5).double().train()
+        model.set_gradient_checkpointing(on)
+        batch = canvas_batch([[5, 6, 7], [9]], [[10, 11, 12, 13, 14, 15, 16, 17, 18], [20, 21]], 8, 1, 0)
+        loss, _ = canvas_sft_loss(model.net, batch, draw(batch, 64, sample_generators((0, "ckpt"), ["a", "b"]), 0.5))
+        loss.backward()
+        grads.append((loss.detach(), [p.grad.clone() for p in model.net.parameters()]))
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=0, atol=1e-12)
+    for a, b in zip(grads[0][1], grads[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
