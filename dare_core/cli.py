@@ -362,7 +362,8 @@ def _at_least(args: argparse.Namespace, minimum: int, *flags: str) -> None:
 
 
 SAMPLER_FLAGS = (("--gen-length", int), ("--steps", int), ("--block-length", int), ("--temperature", float),
-                 ("--unmasking", str), ("--threshold", float), ("--cache", str))
+                 ("--unmasking", str), ("--threshold", float), ("--cache", str), ("--edit-threshold", float),
+                 ("--post-edit-steps", int), ("--editing", str))
 
 
 def _sampler_overrides(args: argparse.Namespace) -> dict:

@@ -17,6 +17,7 @@ SIZES = {
               "intermediate_size": 32, "max_position_embeddings": 4096},
     "sdar": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16,
              "intermediate_size": 32, "max_position_embeddings": 4096},
+    "diffusion_gemma": {"max_position_embeddings": 4096, "canvas_length": 8},
 }
 
 

@@ -9,7 +9,7 @@ in every row and never scored, under "keep" it stays clean context.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -201,21 +201,27 @@ def blockwise_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt
 
 
 def uniform_time_rows(input_ids: torch.Tensor, prompt_len: int, valid: torch.Tensor, vocab_size: int, rows: int,
-                      generators: Sequence[torch.Generator], tail_fill: int, eps: float = UNIFORM_EPS) -> CorruptionSet:
+                      generators: Sequence[torch.Generator], tail_fill: int, canvas: Optional[torch.Tensor] = None,
+                      eps: float = UNIFORM_EPS) -> CorruptionSet:
     """Uniform noise (no mask token; docs/diffusion.md#uniform-noise-elbo): `rows` stratified times
     per sequence, t_r = eps + (1 - 2 eps)(r + u) / R with one offset u ~ U(0, 1) each, and row r the
     response with every token replaced, with probability t_r, by a uniformly random id. The tail
     after the valid region is corrupted as `tail_fill` (EOS: what the rollout layout puts there) would
     be, whatever it holds, so that it never changes a score. Each row's `p` is its time; its valid
-    positions are scored (by the uniform ELBO's integrand, not by a log-probability)."""
+    positions are scored (by the uniform ELBO's integrand, not by a log-probability). `canvas`
+    [B, L]: each row's response positions (a prefix; default all), the only ones drawn for, so that
+    a row's noise does not depend on how wide its batch is (evaluation batches rows of several
+    lengths)."""
     offsets = torch.stack([torch.rand((), generator=g) for g in generators])
     response = input_ids[:, prompt_len:].masked_fill(~valid.bool(), tail_fill)
+    widths = canvas.sum(-1).tolist() if canvas is not None else [response.shape[1]] * len(generators)
     scored = torch.zeros_like(input_ids, dtype=torch.bool)
     scored[:, prompt_len:] = valid.bool()
     out = []
     for r in range(rows):
         t = eps + (1 - 2 * eps) * (r + offsets) / rows
         noisy = input_ids.clone()
-        noisy[:, prompt_len:] = uniform_corrupt(response, t, vocab_size, generators)
+        for b, (g, n) in enumerate(zip(generators, widths)):
+            noisy[b, prompt_len:prompt_len + n] = uniform_corrupt(response[b:b + 1, :n], t[b:b + 1], vocab_size, [g])[0]
         out.append(Corruption(noisy, scored, t.to(input_ids.device), prompt_len=prompt_len))
     return CorruptionSet(out)

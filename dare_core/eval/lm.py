@@ -17,11 +17,11 @@ import torch
 from tqdm.auto import tqdm
 
 from dare_core.diffusion.likelihood import elbo_rows
-from dare_core.diffusion.mc_laws import count_rows, per_block_rows, response_blocks
+from dare_core.diffusion.mc_laws import count_rows, per_block_rows, response_blocks, uniform_time_rows
 from dare_core.diffusion.seeding import generator
-from dare_core.models.family import FAMILIES
+from dare_core.models.family import FAMILIES, noise_of
 from dare_core.sampling.cache import check_cache_fits
-from dare_core.sampling.params import SamplingParams
+from dare_core.sampling.params import SamplingParams, expand_editing
 from dare_core.storage import read_json
 
 Prompt = Union[str, Sequence[dict]]  # raw text, or chat messages [{"role", "content"}]
@@ -30,10 +30,11 @@ SAMPLER_KEYS = {f.name for f in fields(SamplingParams)}
 
 def sampler_settings(*layers: Optional[dict]) -> SamplingParams:
     """SamplingParams from dicts applied in order (later wins); keys that are not sampler
-    settings (batch_size, engine, ...) are ignored, unknown ones are errors."""
+    settings (batch_size, engine, ...) are ignored, unknown ones are errors. `editing` (speed |
+    quality: `EDITING_MODES`) stands for its settings in its layer, under that layer's own keys."""
     merged: dict = {}
     for layer in layers:
-        for key, value in (layer or {}).items():
+        for key, value in expand_editing(layer or {}).items():
             if key in ("batch_size", "engine", "engine_args"):
                 continue
             if key not in SAMPLER_KEYS:
@@ -223,7 +224,9 @@ class EvalModel:
         """ELBO estimate of log p(continuation | context) for each pair (docs/diffusion.md#mc-elbo, law (b):
         stratified counts, one uniform subset per row; 2.4 per-block for block diffusion), over
         `ll_mc_num` rows; divided by the continuation's token count when `ll_norm` is "mean". A
-        one-token continuation under a masked model is exact: every row masks that token alone."""
+        one-token continuation under a masked model is exact: every row masks that token alone. A
+        uniform-noise model (DiffusionGemma) scores with its own ELBO at stratified times
+        (docs/diffusion.md#uniform-noise-elbo), the continuation filled with EOS to whole canvases."""
         texts = [self.render(c) for c in contexts]
         pairs = [self._split(t, c) for t, c in zip(texts, continuations)]
         out: list[float] = [0.0] * len(pairs)
@@ -241,20 +244,27 @@ class EvalModel:
         eos = model.eos_token_id
         P = max(len(c) for c, _ in pairs)
         L = max(len(r) for _, r in pairs)
+        uniform = noise_of(model) == "uniform"
+        if uniform:  # (its canvases are whole: the continuation, then EOS, read but not scored)
+            L = -(-L // model.block_size) * model.block_size
         ids = torch.full((len(pairs), P + L), eos, dtype=torch.long)
         attn = torch.zeros(ids.shape, dtype=torch.long)
+        valid = torch.zeros((len(pairs), L), dtype=torch.bool)
         for b, (ctx, resp) in enumerate(pairs):
             ids[b, P - len(ctx):P] = torch.tensor(ctx)
             ids[b, P:P + len(resp)] = torch.tensor(resp)
-            attn[b, P - len(ctx):P + len(resp)] = 1
-        ids, attn = ids.to(device), attn.to(device)
-        valid = attn[:, P:].bool()
+            # (a uniform-noise row reads its own whole canvases, not its batch's: padding after them)
+            attn[b, P - len(ctx):P + (-(-len(resp) // model.block_size) * model.block_size if uniform else len(resp))] = 1
+            valid[b, :len(resp)] = True
+        ids, attn, valid = ids.to(device), attn.to(device), valid.to(device)
         n_tokens = valid.sum(-1).float()
         # a single response token under a masked model: all rows are the same exact term
         exact = model.block_size is None and int(n_tokens.max()) == 1
         rows = 1 if exact else self.ll_mc_num
         gens = [generator(self.seed, "eval-ll", k) for k in keys]
-        if model.block_size is None:
+        if uniform:
+            corr = uniform_time_rows(ids, P, valid, model.config.vocab_size, rows, gens, tail_fill=eos, canvas=attn[:, P:])
+        elif model.block_size is None:
             corr = count_rows(ids, P, valid, valid, model.mask_token_id, rows, gens)
         else:
             blocks = response_blocks(attn, P, model.block_size, "global")

@@ -267,6 +267,8 @@ def _denoise_loop(model, prompts: Sequence[Sequence[int]], params: SamplingParam
                   step_range: Optional[tuple[int, int]], lockstep: Optional[RankLockstep]) -> GenerationOutput:
     if record not in RECORD:
         raise ValueError(f"record must be one of {RECORD}, got '{record}'")
+    if params.edit_threshold is not None and (record != "none" or init_response is not None or step_range is not None):
+        raise ValueError("token editing (edit_threshold) decodes without trajectory records and cannot resume a range of steps")
     device = next(model.parameters()).device
     mask_id, eos_id = model.mask_token_id, model.eos_token_id
     block_diffusion = model.block_size is not None
@@ -321,7 +323,10 @@ def _denoise_loop(model, prompts: Sequence[Sequence[int]], params: SamplingParam
     resp_start_all = canvas.resp_start.clone()
     active = torch.arange(B, device=device)
     steps = torch.zeros(B, dtype=torch.long, device=device)
-    limit = max(params.steps_per_block, params.block_length) + 1
+    # token editing (LLaDA2.1): committed positions of the block may change, and a block without
+    # masks may take up to post_edit_steps more steps
+    editing = params.edit_threshold is not None
+    limit = max(params.steps_per_block, params.block_length) + 1 + (params.post_edit_steps if editing else 0)
 
     frozen = torch.zeros(B, dtype=torch.bool, device=device)
 
@@ -369,6 +374,8 @@ def _denoise_loop(model, prompts: Sequence[Sequence[int]], params: SamplingParam
             canvas.x[:, lo:hi] = noise.start(canvas.x.shape[0], hi - lo, generators, device)
         else:
             masked_at_start = (undecoded[active, lo:hi] & ~frozen[:, None]).sum(-1)
+        post = torch.zeros(canvas.x.shape[0], dtype=torch.long, device=device)  # (editing: steps on a block without masks)
+        settled = torch.zeros(canvas.x.shape[0], dtype=torch.bool, device=device)
         range_end = False
         while True:
             if noise is not None:
@@ -376,6 +383,10 @@ def _denoise_loop(model, prompts: Sequence[Sequence[int]], params: SamplingParam
             else:
                 is_masked = (canvas.x[:, lo:hi] == mask_id) & ~frozen[:, None]
                 busy_rows = is_masked.any(-1)
+                if editing:  # a full block goes on while its steps edit, post_edit_steps at most
+                    post += (~busy_rows & ~settled & ~frozen).long()
+                    settled |= post > params.post_edit_steps
+                    busy_rows = busy_rows | (~settled & ~frozen)
             busy = bool(busy_rows.any())
             if not agree(busy):
                 break
@@ -401,7 +412,7 @@ def _denoise_loop(model, prompts: Sequence[Sequence[int]], params: SamplingParam
             # depend on how long its batch neighbours take
             # (deterministic decoding needs no such care, and skipping the row selection saves a
             # host-device sync per step)
-            part = is_masked.any(-1)
+            part = busy_rows
             if params.stochastic:
                 rows = part.nonzero().squeeze(-1)
                 sub_gens = [generators[i] for i in rows.tolist()]
@@ -417,6 +428,13 @@ def _denoise_loop(model, prompts: Sequence[Sequence[int]], params: SamplingParam
             sub_masked = is_masked[rows]
             commit = unmasker.select(scores, sub_masked, ctx) & sub_masked
             block = canvas.x[rows, lo:hi]
+            if editing:
+                # committed, non-prompt positions whose proposal differs and is confident enough (as of
+                # the step's start: a position committed now is editable from the next step on)
+                edit = (~sub_masked & ~canvas.is_prompt[rows, lo:hi] & (scores.proposal != block)
+                        & (scores.confidence > params.edit_threshold) & part[rows][:, None])
+                settled[rows[~sub_masked.any(-1) & ~edit.any(-1)]] = True  # full and unedited: the block is done
+                commit = commit | edit
             canvas.x[rows, lo:hi] = torch.where(commit, scores.proposal, block)
             steps[active[rows]] += part[rows].long()
             if recorder is not None:
@@ -426,7 +444,8 @@ def _denoise_loop(model, prompts: Sequence[Sequence[int]], params: SamplingParam
             # rows that are finished leave mid-block too, once enough of them to be worth the re-slicing
             # (and, with CUDA graphs, a re-capture)
             complete = ~(canvas.x[:, lo:hi] == mask_id).any(-1) & ~frozen
-            if complete.numel() > 1 and complete.any() and not (complete | frozen).all():
+            # (under editing a full block may still change: its rows leave at the block's end)
+            if not editing and complete.numel() > 1 and complete.any() and not (complete | frozen).all():
                 done = complete & _finished(canvas, hi, L, stop_ids, params.stop_at_eos)
                 if int(done.sum()) >= (1 if forward.static is not None else max(1, done.numel() // 4)):
                     if forward.static is None:

@@ -15,6 +15,23 @@ UNIFORM_NOISE_RULES = ("entropy_bound_renoise",)
 # how many positions a count-based unmasker commits per step: LLaDA's even split or Dream's timesteps
 SCHEDULES = ("linear", "dream")
 CACHES = ("none", "prefix", "dual", "block_kv")
+# LLaDA2.1's published decoding modes (its model card's best practices; docs/sampling.md#token-editing):
+# greedy threshold decoding with token editing, a lower commit threshold and free editing for speed
+EDITING_MODES = {
+    "speed": {"unmasking": "threshold", "temperature": 0.0, "threshold": 0.5, "edit_threshold": 0.0, "post_edit_steps": 16},
+    "quality": {"unmasking": "threshold", "temperature": 0.0, "threshold": 0.7, "edit_threshold": 0.5, "post_edit_steps": 16},
+}
+
+
+def expand_editing(settings: dict) -> dict:
+    """`settings` with its `editing` (speed | quality: a key of `EDITING_MODES`) replaced by that
+    mode's settings, the other keys of `settings` over them."""
+    if "editing" not in settings:
+        return settings
+    rest = {k: v for k, v in settings.items() if k != "editing"}
+    if settings["editing"] not in EDITING_MODES:
+        raise ValueError(f"unknown editing mode '{settings['editing']}'; known: {sorted(EDITING_MODES)}")
+    return {**EDITING_MODES[settings["editing"]], **rest}
 
 
 @dataclass
@@ -41,6 +58,12 @@ class SamplingParams:
     temperature_min: Optional[float] = None
     stable_steps: int = 1
     stop_entropy: float = 0.005
+    # token editing (LLaDA2.1, docs/sampling.md#token-editing): a committed, non-prompt position of the
+    # current block takes the step's proposal when that differs from it and its confidence is above
+    # edit_threshold (0.0: whenever the proposal differs); None: committed tokens are final. Once a
+    # block has no mask left, up to post_edit_steps more steps may edit it, until a step edits nothing
+    edit_threshold: Optional[float] = None
+    post_edit_steps: int = 16
     alg_temp: float = 0.0  # > 0: positions drawn from softmax(confidence / alg_temp) instead of top-k (Dream)
     cache: str = "none"
     # prefix/dual: re-encode the whole sequence at the start of each block and, if > 0, also every
@@ -87,6 +110,11 @@ class SamplingParams:
             raise ValueError("top_k and refresh_every must be >= 0")
         if self.unmasking in UNIFORM_NOISE_RULES and (self.temperature <= 0 or (self.temperature_min or 1) <= 0):
             raise ValueError(f"unmasking '{self.unmasking}' samples every position: temperature and temperature_min must be > 0")
+        if self.edit_threshold is not None and (self.edit_threshold < 0 or self.unmasking in UNIFORM_NOISE_RULES):
+            raise ValueError("edit_threshold must be >= 0 (0.0 edits whenever the proposal differs; leave it empty for no "
+                             "editing), and applies to masked-diffusion rules")
+        if self.post_edit_steps < 0:
+            raise ValueError(f"post_edit_steps must be >= 0, got {self.post_edit_steps}")
         if self.stable_steps < 0 or self.stop_entropy < 0:
             raise ValueError("stable_steps and stop_entropy must be >= 0")
         if self.factor <= 0 or self.entropy_bound < 0:

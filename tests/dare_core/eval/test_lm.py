@@ -114,6 +114,26 @@ def test_loglikelihood_is_reproducible_and_batch_invariant(llada, tmp_path):
     assert all(math.isfinite(v) for v in sdar.loglikelihood(contexts, conts))
 
 
+def test_uniform_noise_loglikelihood_is_reproducible_and_batch_invariant(tmp_path):
+    """DiffusionGemma's ELBO (its own, at stratified times; continuations filled with EOS to whole
+    canvases): the same value in any batch and on a second run, finite and negative; and the
+    family's sampler defaults decode."""
+    folder = tiny_folder(tmp_path, "diffusion_gemma")
+    contexts = ["The cat sat on the", "Two plus two is", "Colours:"]
+    conts = [" mat today", " four", " red, green and blue"]  # (the last one longer than a canvas)
+    values = {bs: EvalModel(folder, ll_mc_num=4, batch_size=bs, seed=1, device="cpu").loglikelihood(contexts, conts)
+              for bs in (1, 3)}
+    assert values[3] == pytest.approx(values[1], rel=1e-5, abs=1e-5)
+    assert values[1] == EvalModel(folder, ll_mc_num=4, batch_size=1, seed=1, device="cpu").loglikelihood(contexts, conts)
+    assert all(v < 0 and math.isfinite(v) for v in values[1])
+    from dare_core.eval.lm import family_sampler_defaults
+
+    # (as its OpenCompass class DareDiffusionGemma does: the family's defaults under the settings)
+    texts = EvalModel(folder, device="cpu", defaults=family_sampler_defaults("diffusion_gemma"),
+                      sampler={"gen_length": 16, "steps": 8}).generate(contexts)
+    assert len(texts) == 3 and all(isinstance(t, str) for t in texts)
+
+
 def test_manifest_names_what_the_numbers_depend_on(llada):
     info = EvalModel(llada, seed=3, device="cpu").manifest({"gen_length": 12, "steps": 12, "block_length": 6})
     assert info["sampler"]["gen_length"] == 12 and info["seed"] == 3 and info["device"] == "cpu"
