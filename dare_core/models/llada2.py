@@ -49,6 +49,8 @@ def tiny_config(vocab_size: int, mask_token_id: int, eos_token_id: int, pad_toke
         "first_k_dense_replace": 1, "partial_rotary_factor": 0.5, "rope_theta": 600000, "rms_norm_eps": 1e-6,
         "max_position_embeddings": 128, "use_qk_norm": True, "use_qkv_bias": False, "use_bias": False,
         "tie_word_embeddings": False, "score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+        # (the released config.json has no block_size, its 32 is the family's; a from-scratch model may choose)
+        "block_size": 32,
     }
     cfg.update(sizes)
     padded = -(-vocab_size // 8) * 8
