@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from stamp import REPO, hardware, header, markdown_table
+from stamp import REPO, git_commit, hardware, header, markdown_table
 STAGES = ["prepare", "sft", "rl", "convert", "eval"]
 
 
@@ -52,6 +52,7 @@ def main() -> None:
                    help="a setting over the params file for every stage, e.g. recipe=configs/embedded_diffusion_gemma.yaml")
     p.add_argument("--title", default="Embedded default: held-out accuracy over run seeds")
     args = p.parse_args()
+    commit = git_commit()  # (as the runs begin: a commit made while they run did not make them)
     rows = []
     # (runs of other settings get their own run names: a stage must not resume another's outputs)
     prefix = "seed" if not args.sets else f"{Path(args.out).stem}-seed"
@@ -60,7 +61,7 @@ def main() -> None:
         print(table(rows), flush=True)
     command = "python3 bench/embedded_seeds.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     over = f", with {' '.join(args.sets)}" if args.sets else ""
-    text = "\n".join(header(args.title, command, hardware(gpu=False, cpu_detail=True))) + (
+    text = "\n".join(header(args.title, command, hardware(gpu=False, cpu_detail=True), commit=commit)) + (
         f"\nConfig: {args.params}{over} at that commit (data seed fixed, so every run sees the same held-out problems; the run "
         "seed changes model init, data order, masks and rollouts). Accuracy: the eval stage's OpenCompass score of the "
         "task benchmark (exact answer), divided by 100, with the eval sampler of the params file.\n\n" + table(rows) + "\n"

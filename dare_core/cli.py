@@ -290,7 +290,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise UserError("--prompt is empty; give the text to continue")
     # sampler settings: the command line over what the checkpoint was trained to decode with; the
     # folder and the settings are checked before any weight is read
-    lm = EvalModel(args.model, sampler=_sampler_overrides(args), seed=args.seed)
+    # (over the family's defaults, as `dare eval` takes them: a DiffusionGemma folder decodes with its rule)
+    lm = EvalModel(args.model, sampler=_sampler_overrides(args), seed=args.seed, family_defaults=True)
     prompt = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
     print(lm.generate([prompt])[0])
     return 0

@@ -127,14 +127,15 @@ class EvalModel:
     family's `defaults`, the `dare_sampler` the checkpoint was exported with
     (generation_config.json), `sampler` given here, then the per-call `overrides` (a benchmark's gen length and steps, the user's
     per-benchmark settings). `chat`: render chat messages with the tokenizer's chat template
-    (False joins their contents, for base models).
+    (False joins their contents, for base models). `family_defaults`: without `defaults`, the
+    family's own (`Family.sampler_defaults`, what the OpenCompass classes pass).
     """
 
     def __init__(self, path: Union[str, Path], sampler: Optional[dict] = None, chat: bool = True, seed: int = 0,
                  dtype: str = "auto", device: Optional[str] = None, batch_size: int = 16, ll_mc_num: int = 32,
                  ll_norm: str = "mean", rows_per_forward: int = 8, engine: str = "native",
                  engine_args: Optional[dict] = None, progress: bool = False, model=None, tokenizer=None,
-                 defaults: Optional[dict] = None):
+                 defaults: Optional[dict] = None, family_defaults: bool = False):
         from dare_core.models.hf_folder import inspect_model, load_model
         from dare_core.models.tokenizer import load_tokenizer
         from dare_core.sampling.engines import build_engine
@@ -149,7 +150,10 @@ class EvalModel:
         dev = torch.device(device) if device else default_device()
         # everything that can be wrong is found before any weight is read: the folder (config,
         # shard headers), the tokenizer, the sampler settings
-        self.block_size = (model if model is not None else inspect_model(self.path)).block_size
+        spec = model if model is not None else inspect_model(self.path)
+        self.block_size = spec.block_size
+        if defaults is None and family_defaults:  # the family's sampler defaults (`Family.sampler_defaults`)
+            defaults = family_sampler_defaults(spec.hf_config.get("model_type"))
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.path)
         self.base_sampler = folder_sampler(self.path, self.block_size, defaults, sampler)
         self.sampling_params()  # fail at construction, not on the first benchmark

@@ -59,6 +59,19 @@ def test_generate_and_eval_use_the_folders_sampler(folder, tmp_path, capsys):
     assert json.loads((run / "manifest.json").read_text())["benchmarks"][0]["name"] == "task"
 
 
+def test_generate_takes_the_familys_rule_and_the_editing_modes(tmp_path, capsys):
+    """A DiffusionGemma folder exported without a sampler decodes with its family's rule; --editing
+    picks LLaDA2.1's settings on a block family."""
+    from eval_helpers import tiny_folder
+
+    dg = tiny_folder(tmp_path, "diffusion_gemma")
+    assert main(["generate", "--model", str(dg), "--prompt", "12+34=", "--gen-length", "8", "--steps", "4"]) == 0
+    assert isinstance(capsys.readouterr().out, str)
+    sdar = tiny_folder(tmp_path, "sdar")
+    assert main(["generate", "--model", str(sdar), "--prompt", "12+34=", "--gen-length", "8", "--steps", "8",
+                 "--block-length", "4", "--editing", "speed"]) == 0
+
+
 # ---- the one error printer shared by `dare` and every stage worker (dare_core/workers/common.py)
 
 
