@@ -1,10 +1,11 @@
 """Token editing on the embedded task: LLaDA2.1's speed and quality modes, each with and without its
-edits, on a tiny LLaDA2-layout model trained from scratch by DARE's own stages, on a CPU.
+edits, on tiny LLaDA2-layout models trained from scratch by DARE's own stages, on a CPU: one by the
+masked loss alone, one with the token-to-token stream (`sft.edit_noise`) that editing needs.
 
     python3 bench/editing_modes.py --out bench/results/editing_modes.md
     python3 bench/editing_modes.py --tiny --out tmp/editing_modes.md      # the CPU check of the script
 
-`dare stage prepare` and `sft` train the model (settings over params.yaml below); then every
+`dare stage prepare` and `sft` train each model (settings over params.yaml below); then every
 held-out problem is decoded greedily by DARE's loop with blocks of 8 and the block KV cache under
 each mode (docs/sampling.md#token-editing): its commit threshold with its edit threshold and 16
 post-edit steps, and the same commit threshold without editing. Reported: exact-answer accuracy,
@@ -43,14 +44,15 @@ TINY_INIT = {**INIT, "hidden_size": 32, "head_dim": 16, "num_attention_heads": 2
 STEPS, TINY_STEPS = 1500, 5
 
 
-def settings(workdir: Path, steps: int, tiny: bool) -> list[str]:
+def settings(workdir: Path, steps: int, tiny: bool, edit_noise: float) -> list[str]:
     own = {
-        "run.name": RUN, "run.seed": 0, "run.runs_dir": str(workdir / "runs"), "run.models_dir": str(workdir / "models"),
+        "run.name": f"{RUN}-{edit_noise}", "run.seed": 0, "run.runs_dir": str(workdir / "runs"), "run.models_dir": str(workdir / "models"),
         "run.metrics_dir": str(workdir / "metrics"), "run.artifact_root": None,
         "data.prepared_dir": str(workdir / "data" / "prepared"), "data.tokenizer_dir": str(workdir / "data" / "tokenizer"),
         "model.family": "llada2_moe", "model.init": TINY_INIT if tiny else INIT,
         "sft.pad_to": 5,  # block diffusion trains the response and its one EOS: 4 digits + EOS
         "sft.max_steps": steps, "sft.log_every": max(1, min(100, steps)), "sft.save_every": 10**9,
+        "sft.edit_noise": edit_noise,
     }
     if tiny:
         own.update({"data.num_sft": 400, "data.num_rl": 64, "data.num_eval": 40, "data.num_preference": 64, "data.num_val": 16,
@@ -81,52 +83,54 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None, help=f"SFT steps (default {STEPS}; --tiny {TINY_STEPS})")
     p.add_argument("--tiny", action="store_true", help="a two-layer narrow model on a few hundred problems")
     p.add_argument("--batch", type=int, default=250)
+    p.add_argument("--edit-noise", type=float, nargs="+", default=[0.0, 0.2],
+                   help="one model per value of sft.edit_noise (0: the masked loss alone)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     commit, started = git_commit(), utc_now()
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     steps = args.steps if args.steps is not None else (TINY_STEPS if args.tiny else STEPS)
-    sets = settings(workdir, steps, args.tiny)
-    seconds = {stage: round(run_stage(stage, sets, workdir / f"{stage}.log"), 1) for stage in ("prepare", "sft")}
-    export = workdir / "runs" / RUN / "sft" / "model"
-    model, tokenizer = load_model(export).eval(), load_tokenizer(export)
     import pyarrow.parquet as pq
 
-    rows = pq.read_table(workdir / "data" / "prepared" / "eval.parquet").to_pylist()
     base = dict(gen_length=BLOCK, steps=BLOCK, block_length=BLOCK, cache="block_kv")
-    results = {}
-    for mode in ("speed", "quality"):
-        chosen = {**EDITING_MODES[mode]}
-        results[f"{mode}, editing"] = decode_all(model, tokenizer, rows, SamplingParams(**base, **chosen), args.batch)
-        results[f"{mode}, no editing"] = decode_all(model, tokenizer, rows, SamplingParams(**base, **{**chosen, "edit_threshold": None}),
-                                                    args.batch)
-    cells = []
-    for mode in ("speed", "quality"):
-        edited, plain = results[f"{mode}, editing"], results[f"{mode}, no editing"]
-        changed = sum(a != b for a, b in zip(edited["answers"], plain["answers"])) / len(rows)
-        for name, r in ((f"{mode}, editing", edited), (f"{mode}, no editing", plain)):
-            s = EDITING_MODES[mode]
-            cells.append([name, s["threshold"], s["edit_threshold"] if "no editing" not in name else "none",
-                          f"{r['accuracy']:.3f}", f"{r['steps_per_token']:.3f}",
-                          f"{changed:.3f}" if "no editing" not in name else "", f"{r['seconds']:.1f}"])
+    results, cells, seconds, config = {}, [], {}, {}
+    for q in args.edit_noise:
+        sets = settings(workdir, steps, args.tiny, q)
+        seconds[q] = {stage: round(run_stage(stage, sets, workdir / f"{stage}-{q}.log"), 1) for stage in ("prepare", "sft")}
+        export = workdir / "runs" / f"{RUN}-{q}" / "sft" / "model"
+        model, tokenizer = load_model(export).eval(), load_tokenizer(export)
+        config = json.loads((export / "config.json").read_text())
+        rows = pq.read_table(workdir / "data" / "prepared" / "eval.parquet").to_pylist()
+        for mode in ("speed", "quality"):
+            chosen = EDITING_MODES[mode]
+            edited = decode_all(model, tokenizer, rows, SamplingParams(**base, **chosen), args.batch)
+            plain = decode_all(model, tokenizer, rows, SamplingParams(**base, **{**chosen, "edit_threshold": None}), args.batch)
+            changed = sum(a != b for a, b in zip(edited["answers"], plain["answers"])) / len(rows)
+            for name, r in ((f"{mode}, editing", edited), (f"{mode}, no editing", plain)):
+                results[f"edit_noise {q}: {name}"] = r
+                cells.append([q, name, chosen["threshold"], chosen["edit_threshold"] if "no editing" not in name else "none",
+                              f"{r['accuracy']:.3f}", f"{r['steps_per_token']:.3f}",
+                              f"{changed:.3f}" if "no editing" not in name else "", f"{r['seconds']:.1f}"])
     command = "python3 bench/editing_modes.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    config = json.loads((export / "config.json").read_text())
+    sft_times = ", ".join(f"{s['sft']:.0f} s" for s in seconds.values())
     text = "\n".join([
         "# Token editing on the embedded task: LLaDA2.1's speed and quality modes", "", f"Git commit: {commit}  ",
         f"Command: `{command}`  ", f"Hardware: {hardware(gpu=False, cpu_detail=True)}  ", f"Libraries: {library_versions()}  ",
         f"Date: {started}", "",
         f"Model: a LLaDA2-layout model ({config['num_hidden_layers']} layers of width {config['hidden_size']}, "
         f"{config['num_experts']} experts, blocks of {BLOCK}) trained from scratch by `dare stage sft` for {steps} steps "
-        f"({seconds['sft']:.0f} s) on the arithmetic task over params.yaml's other settings. Decoding: each of the "
+        f"({sft_times}) on the arithmetic task over params.yaml's other "
+        f"settings, one with each `sft.edit_noise` (the share of unmasked answer tokens replaced by random ones to be "
+        f"corrected; 0: the masked loss alone). Decoding: each of the "
         f"{len(rows)} held-out problems greedily, blocks of {BLOCK}, the block KV cache, the mode's commit threshold with "
         f"its edit threshold and 16 post-edit steps, or without editing. Steps a token: a row's forwards over its tokens "
         f"up to and including EOS. Answers changed: rows whose answer differs from the same mode without editing.", "",
-        *markdown_table(["decoding", "commit threshold", "edit threshold", "accuracy", "steps a token", "answers changed",
-                         "seconds"], cells), ""])
+        *markdown_table(["sft.edit_noise", "decoding", "commit threshold", "edit threshold", "accuracy", "steps a token",
+                         "answers changed", "seconds"], cells), ""])
     write_atomic(Path(args.out), text)
     write_atomic(Path(args.out).with_suffix(".json"), json.dumps(
-        {"commit": commit, "command": command, "sft_steps": steps, "stage_seconds": seconds,
+        {"commit": commit, "command": command, "sft_steps": steps, "stage_seconds": {str(k): v for k, v in seconds.items()},
          "results": {k: {kk: vv for kk, vv in v.items() if kk != "answers"} for k, v in results.items()}}, indent=2))
     print(text)
 

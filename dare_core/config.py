@@ -320,6 +320,10 @@ class SFTConfig:
     pad_to: Union[int, str] = 8
     loss_norm: str = "answer_length"  # answer_length | token | batch
     mask_law: str = "bernoulli"  # bernoulli (t ~ U(eps,1), LLaDA) | count (l ~ U{1..n}, bounded 1/p weights)
+    # token-to-token training for token editing (LLaDA2.1, docs/diffusion.md#edit-noise): each response
+    # token left unmasked is replaced, with this probability, by a random token that the model must
+    # correct; 0: the masked loss alone (a model that never saw such a stream cannot edit)
+    edit_noise: float = 0.0
     optim: OptimConfig = field(default_factory=OptimConfig)
     log_every: int = 10
     save_every: int = 200

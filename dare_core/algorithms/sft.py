@@ -1,12 +1,13 @@
 """Masked-diffusion SFT (docs/diffusion.md#sft-loss): completion-only Bernoulli masking at p ~ U(eps, 1),
-loss = (1/B) sum_b [sum_{masked} CE / p_b] / n_b, a per-answer-token negative ELBO.
+loss = (1/B) sum_b [sum_{masked} CE / p_b] / n_b, a per-answer-token negative ELBO; with `edit_noise`
+also LLaDA2.1's token-to-token stream (docs/diffusion.md#edit-noise).
 
 The normaliser never depends on the sampled mask (dividing by the masked count would over-weight
 small t and stop being an ELBO)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -15,7 +16,8 @@ from dare_core.algorithms.common import LossOutput
 from dare_core.algorithms.registry import register_sft
 from dare_core.batch import Batch
 from dare_core.diffusion.likelihood import weighted_masked_nll
-from dare_core.diffusion.masking import EPS, count_mask, masked_corruption, response_corruption, sample_mask_prob
+from dare_core.diffusion.masking import (EPS, count_mask, masked_corruption, response_corruption, sample_mask_prob,
+                                        with_edit_noise)
 
 LOSS_NORMS = ("answer_length", "token", "batch")
 MASK_LAWS = ("bernoulli", "count")
@@ -30,14 +32,17 @@ class MaskedDiffusionSFT(Algorithm):
         # count: l ~ U{1..n} positions masked, weight n/l (same ELBO, bounded weights)
         mask_law: str = "bernoulli"
         eps: float = EPS
+        edit_noise: float = 0.0
 
-    def __init__(self, options, mask_id: int):
+    def __init__(self, options, mask_id: int, vocab_size: Optional[int] = None):
         super().__init__(options)
         if options.loss_norm not in LOSS_NORMS:
             raise ValueError(f"sft.loss_norm must be one of {LOSS_NORMS}, got '{options.loss_norm}'")
         if options.mask_law not in MASK_LAWS:
             raise ValueError(f"sft.mask_law must be one of {MASK_LAWS}, got '{options.mask_law}'")
-        self.mask_id = mask_id
+        if not 0 <= options.edit_noise < 1 or (options.edit_noise > 0 and vocab_size is None):
+            raise ValueError(f"sft.edit_noise must be in [0, 1), got {options.edit_noise}")
+        self.mask_id, self.vocab_size = mask_id, vocab_size
 
     def global_denominator(self, response_masks: Sequence[torch.Tensor]) -> float:
         """The normaliser over the whole global batch (all micro-batches, all ranks)."""
@@ -53,6 +58,11 @@ class MaskedDiffusionSFT(Algorithm):
             p = sample_mask_prob(generators, self.options.eps)
             corruption = response_corruption(batch.input_ids, batch.prompt_len, batch.response_mask, self.mask_id, p, generators,
                                              at_least_one=model.block_size is not None)
+        edited = 0
+        if self.options.edit_noise > 0:
+            corruption = with_edit_noise(corruption, batch.prompt_len, batch.response_mask, self.options.edit_noise,
+                                         self.vocab_size, self.mask_id, generators)
+            edited = int(corruption.scored.sum()) - int((corruption.noisy_ids == self.mask_id)[corruption.scored].sum())
         nll = weighted_masked_nll(model, corruption, batch.input_ids, batch.attention_mask)  # [B]
         if self.options.loss_norm == "answer_length":
             per_sample = nll / batch.response_mask.sum(-1).clamp_min(1).to(nll)
@@ -60,4 +70,7 @@ class MaskedDiffusionSFT(Algorithm):
             per_sample = nll
         loss = per_sample.sum() / denom
         masked = corruption.scored.sum().item()
-        return LossOutput(loss, {"masked_tokens": masked, "mask_prob": p.mean().item()})
+        metrics = {"masked_tokens": masked, "mask_prob": p.mean().item()}
+        if self.options.edit_noise > 0:
+            metrics["edited_tokens"] = edited
+        return LossOutput(loss, metrics)

@@ -207,3 +207,26 @@ def noise_tokens(input_ids: torch.Tensor, noised: torch.Tensor, mask_id: Optiona
         idx = noised[row].nonzero().squeeze(-1)
         out[row, idx] = torch.randint(0, vocab_size, (idx.numel(),), generator=g).to(out.device)
     return out
+
+
+def with_edit_noise(corruption: Corruption, prompt_len: int, response_mask: torch.Tensor, q: float, vocab_size: int,
+                    mask_id: int, generators: Sequence[torch.Generator]) -> Corruption:
+    """LLaDA2.1's token-to-token stream over a masked corruption (docs/diffusion.md#edit-noise): each
+    response position of `response_mask` left unmasked is replaced, with probability `q`, by a token
+    drawn uniformly from the vocabulary other than MASK, and scored with weight 1 (the model must
+    give its clean token); the masked positions keep their ELBO weights. Each row's draws from its
+    generator, over its response positions in order."""
+    b, s = corruption.noisy_ids.shape
+    weight = corruption.elbo_weight()
+    noisy, scored = corruption.noisy_ids.clone(), corruption.scored.clone()
+    visible = response_mask.bool() & (corruption.noisy_ids[:, prompt_len:] != mask_id)
+    for row, g in enumerate(generators):
+        n = response_mask.shape[1]
+        hit = (torch.rand(n, generator=g) < q).to(visible.device) & visible[row]
+        draw = torch.randint(0, vocab_size - 1, (n,), generator=g).to(noisy.device)
+        draw = draw + (draw >= mask_id).long()  # (every id but MASK)
+        cols = hit.nonzero().squeeze(-1) + prompt_len
+        noisy[row, cols] = draw[hit]
+        scored[row, cols] = True
+        weight[row, cols] = 1.0
+    return Corruption(noisy, scored, corruption.p, weight, corruption.targets, corruption.prompt_len)

@@ -61,8 +61,8 @@ def check_sft_settings(cfg: DareConfig, spec: DiffusionLM) -> Algorithm:
         algo_cls = get_sft_objective(SFT_OBJECTIVE_OF_NOISE["uniform"])
         return algo_cls(build_options(algo_cls, {}, "sft"))
     algo_cls = get_sft_objective(SFT_OBJECTIVE_OF_NOISE["masked"])
-    return algo_cls(build_options(algo_cls, {"loss_norm": cfg.sft.loss_norm, "mask_law": cfg.sft.mask_law}, "sft"),
-                    spec.mask_token_id)
+    return algo_cls(build_options(algo_cls, {"loss_norm": cfg.sft.loss_norm, "mask_law": cfg.sft.mask_law,
+                                             "edit_noise": cfg.sft.edit_noise}, "sft"), spec.mask_token_id, spec.config.vocab_size)
 
 
 def check_sft(cfg: DareConfig) -> SFTPlan:
