@@ -180,6 +180,42 @@ def test_the_monte_carlo_elbo_is_unbiased_on_a_toy():
     assert se < 0.05 * exact  # the test has power
 
 
+def test_the_estimators_variance_on_a_toy():
+    """The exact variance of the estimate on the toy of the test above (every z enumerated, the time
+    by quadrature): one sample's, and R rows at stratified times (ESPO's rows, the eval's ll) given
+    the shared offset u, Var = E_u[sum_r Var_z(row r)] / R^2 + Var_u[mean_r E_z(row r)]. Stratified
+    times never do worse than R independent samples, but here they hardly do better: nearly all
+    the variance is the noise draw's (a token replaced at a small t costs ~K/t), not the time's."""
+    import itertools
+
+    from dare_core.diffusion.uniform import uniform_nelbo_rate
+
+    k, eps, n = 4, 1e-4, 20000
+    g = generator(1, "elbo-toy")
+    own, other = 1.5 * torch.randn(2, k, k, generator=g, dtype=torch.float64), torch.randn(2, k, k, generator=g, dtype=torch.float64)
+    zs = torch.tensor(list(itertools.product(range(k), repeat=2)))
+    logits = torch.stack([own[0][zs[:, 0]] + other[0][zs[:, 1]], own[1][zs[:, 1]] + other[1][zs[:, 0]]], dim=1)
+    x = torch.tensor([2, 0])
+
+    def moments(t):  # E_z and E_z[.^2] of one row's value at each time t
+        q = (((1 - t)[:, None] * (zs[None, :, 0] == x[0]) + t[:, None] / k)
+             * ((1 - t)[:, None] * (zs[None, :, 1] == x[1]) + t[:, None] / k))
+        rate = uniform_nelbo_rate(logits[None].expand(len(t), -1, -1, -1).reshape(-1, k), zs[None].expand(len(t), -1, -1).reshape(-1),
+                                  x.repeat(len(t) * 16), t.repeat_interleave(32)).view(len(t), 16, 2).sum(-1) * (1 - 2 * eps)
+        return (q * rate).sum(-1), (q * rate**2).sum(-1)
+
+    u = (torch.arange(n, dtype=torch.float64) + 0.5) / n
+    m, s2 = moments(eps + (1 - 2 * eps) * u)
+    one = float(s2.mean() - m.mean() ** 2)
+    for r in (2, 4, 8):
+        rows = [moments(eps + (1 - 2 * eps) * (j + u) / r) for j in range(r)]
+        noise = sum(float((s - mm**2).mean()) for mm, s in rows) / r**2
+        time = float((sum(mm for mm, _ in rows) / r).var(unbiased=False))
+        assert noise + time < 1.001 * one / r  # stratification never hurts (up to the quadrature's error) ...
+        assert time < 0.02 * noise  # ... and the time's share is small: the noise draws dominate
+        torch.testing.assert_close(noise + time, one / r, rtol=0.01, atol=0)
+
+
 def test_the_canvas_predictor_reads_each_canvas_after_its_clean_context():
     from dare_core.diffusion.uniform import canvas_predictor
 
