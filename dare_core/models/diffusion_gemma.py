@@ -19,8 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dare_core.errors import ModelLoadError
-from dare_core.models.family import Family, register_family, translate_name
+from dare_core.models.family import Family, register_family
 from dare_core.models.gemma4 import AttentionSpec, EncoderCache, Gemma4Config, Gemma4Stack, GemmaRMSNorm, gelu_tanh
 from dare_core.models.transformer import SwiGLU
 
@@ -234,26 +233,6 @@ def stream_masks(pos: torch.Tensor, clean: torch.Tensor, block_start: torch.Tens
 # checkpoint tensors DARE does not load: the vision tower and its embedder (DARE serves the text
 # model), and the encoder's copies of the decoder's weights (tied; its layer scalars are its own)
 IGNORED = re.compile(r"model\.encoder\.(vision_tower|embed_vision)\.|model\.encoder\.language_model\.(?!layers\.\d+\.layer_scalar$)")
-
-
-def our_name(checkpoint_name: str) -> Optional[str]:
-    """Our parameter or buffer name of a checkpoint tensor; None for one that is not loaded."""
-    if IGNORED.match(checkpoint_name):
-        return None
-    try:
-        return translate_name(checkpoint_name, NAME_MAP, 1, 0, "diffusion_gemma")
-    except KeyError:
-        raise ModelLoadError(f"DiffusionGemma: unexpected checkpoint tensor '{checkpoint_name}'") from None
-
-
-def load_state(net: DiffusionGemmaNet, state: dict) -> None:
-    """Load checkpoint tensors (names as the reference saves them) into `net`; every parameter and
-    buffer of `net` must be among them."""
-    ours = {name: t for name, t in ((our_name(k), v) for k, v in state.items()) if name is not None}
-    missing = sorted(set(net.state_dict()) - set(ours))
-    if missing:
-        raise ModelLoadError(f"DiffusionGemma: no checkpoint tensor for {missing[:5]}")
-    net.load_state_dict(ours, strict=True)
 
 
 def tiny_config(vocab_size: int, mask_token_id: Optional[int] = None, eos_token_id: int = 1, pad_token_id: Optional[int] = 0,

@@ -37,7 +37,7 @@ class EncoderForward:
             net.encode(self.cache, c.x[:, w.start:w.end], c.pos[:, w.start:w.end], c.attn[:, w.start:w.end])
             self._count(rows, w.end - w.start, cached + w.end - w.start, 0)
             return None
-        previous = self.block.use_previous()
+        previous = self.block.previous  # (the self-conditioning logits: None at a block's first step)
         if self.cache is not None:
             cached = self.cache.positions.shape[1]
             logits = net.decode(self.cache, c.x[:, lo:hi], c.pos[:, lo:hi], previous)

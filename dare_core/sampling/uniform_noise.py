@@ -144,10 +144,6 @@ class UniformNoiseBlock:
         self.stopped |= stopped
         return canvas
 
-    def use_previous(self) -> Optional[torch.Tensor]:
-        """The self-conditioning logits of the next forward (None at a block's first step)."""
-        return self.previous
-
     def select(self, keep: torch.Tensor) -> None:
         self.stopped, self.argmax = self.stopped[keep], self.argmax[keep]
         if self.previous is not None:

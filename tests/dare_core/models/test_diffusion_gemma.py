@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from dare_core.diffusion.seeding import generator
-from dare_core.models.diffusion_gemma import DiffusionGemmaNet, config_from_hf, load_state, stream_masks, tiny_config
+from dare_core.models.diffusion_gemma import DiffusionGemmaNet, config_from_hf, stream_masks, tiny_config
+from dare_core.models.hf_folder import load_model
 from diffusion_gemma_reference import saved_reference
 
 transformers = pytest.importorskip("transformers")
@@ -24,9 +25,7 @@ TOL = dict(atol=1e-5, rtol=1e-4)
 def pair(tmp_path_factory):
     """(reference model, our net loaded from the folder the reference saved)."""
     ref, folder = saved_reference(tmp_path_factory.mktemp("diffusion_gemma"))
-    net = DiffusionGemmaNet(config_from_hf(json.loads((folder / "config.json").read_text()))).eval()
-    load_state(net, safetensors_torch.load_file(folder / "model.safetensors"))
-    return ref, net
+    return ref, load_model(folder).net.eval()
 
 
 def _tokens(shape, seed):
@@ -82,15 +81,23 @@ def test_stream_masks_by_hand():
     assert sliding == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 1, 1, 0, 0], [0, 0, 1, 1, 1], [0, 0, 1, 1, 1]]
 
 
-def test_a_checkpoint_with_an_unknown_or_a_missing_tensor_is_refused(pair):
+def test_a_checkpoint_with_an_unknown_or_a_missing_tensor_is_refused(pair, tmp_path):
+    """The vision tower and the encoder's tied copies are skipped by name; any other tensor the
+    family does not know, and one it lacks, is refused by name."""
+    import shutil
+
     from dare_core.errors import ModelLoadError
 
-    _, net = pair
-    state = {k: v for k, v in ((name, t.detach()) for name, t in net.named_parameters())}
-    with pytest.raises(ModelLoadError, match="unexpected checkpoint tensor 'layers.0.attn.q_proj.weight'"):
-        load_state(DiffusionGemmaNet(net.cfg), state)  # our names are not the checkpoint's
-    with pytest.raises(ModelLoadError, match="no checkpoint tensor for"):
-        load_state(DiffusionGemmaNet(net.cfg), {"model.decoder.norm.weight": net.norm.weight.detach()})
+    ref, _ = pair
+    ref.save_pretrained(tmp_path / "ref")
+    state = safetensors_torch.load_file(tmp_path / "ref" / "model.safetensors")
+    for name, change, message in (("extra", {"model.decoder.bogus.weight": torch.zeros(2)}, "unexpected parameter 'model.decoder.bogus.weight'"),
+                                  ("lacking", {"model.decoder.norm.weight": None}, "lacks parameter 'model.decoder.norm.weight'")):
+        shutil.copytree(tmp_path / "ref", tmp_path / name)
+        edited = {k: v for k, v in {**state, **change}.items() if v is not None}
+        safetensors_torch.save_file(edited, tmp_path / name / "model.safetensors")
+        with pytest.raises(ModelLoadError, match=message):
+            load_model(tmp_path / name)
 
 
 def test_a_sharded_folder_loads_as_it_is_downloaded(pair, tmp_path):
