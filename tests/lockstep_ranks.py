@@ -20,6 +20,7 @@ from dare_core.models.lm import build_model
 from dare_core.sampling.decode import SamplingParams, generate
 from dare_core.sampling.lockstep import zero3_partitioned
 from dare_core.training import engine as eng
+from pipeline_helpers import end_gloo_rank
 from tiny_models import EOS, MASK, SMALL, VOCAB
 
 # MLPs above DeepSpeed's persistence threshold (1e5 elements), so ZeRO-3 partitions them and each
@@ -81,3 +82,4 @@ def main(out_dir: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    end_gloo_rank()

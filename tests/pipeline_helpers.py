@@ -81,6 +81,17 @@ def two_cpu_ranks(script: str, out_dir: Path, timeout: float, **env_vars: str) -
     assert r.returncode == 0, r.stderr[-6000:]
 
 
+def end_gloo_rank() -> None:
+    """How a rank script of `two_cpu_ranks` ends: as a stage worker's rank does (workers/common.py),
+    the group left after a barrier and the interpreter's teardown skipped. A plain exit let gloo's
+    worker threads meet the finalizing interpreter: SIGABRT ("terminate called without an active
+    exception") after the rank had written its results, about once in a few dozen CI runs."""
+    from dare_core.process.process_group import exit_before_teardown, shutdown_distributed
+
+    shutdown_distributed(clean=True)
+    exit_before_teardown(0)
+
+
 # what torch's C++ side prints when ranks end untidily (or would, unfiltered: workers/rank_output.py)
 NATIVE_NOISE = re.compile(r"TCPStore|destroy_process_group|frame #\d|Exception raised from|terminate called"
                           r"|\[[EWIF]\d{4} \d\d:|Guessing device ID")

@@ -29,6 +29,7 @@ from dare_core.diffusion.seeding import generator, sample_generators
 from dare_core.models.lora import LoraSettings, apply_lora
 from dare_core.models.ulysses import SequenceShards
 from dare_core.training.reference import reference_model
+from pipeline_helpers import end_gloo_rank
 from rollout_helpers import rollout_batch, sampler_for
 from tiny_models import EOS, VOCAB, tiny
 
@@ -202,8 +203,8 @@ def main(out_dir: Path) -> None:
     errors.update(shifted_scores(shards))
     if dist.get_rank() == 0:
         (out_dir / "errors.json").write_text(json.dumps(errors, indent=1))
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    end_gloo_rank()

@@ -20,6 +20,7 @@ from dare_core.models.lm import build_model
 from dare_core.models.sequence_parallel import shard_hidden_states
 from dare_core.models.transformer import default_position_ids
 from dare_core.models.ulysses import SequenceShards, gather_sequence
+from pipeline_helpers import end_gloo_rank
 from tiny_models import EOS, MASK, SMALL, VOCAB
 
 SEQ = 12  # 6 tokens a rank: SDAR's blocks of 4 straddle the ranks' halves
@@ -95,8 +96,8 @@ def main(out_dir: Path) -> None:
         errors["odd_length_refused"] = str(e)
     if dist.get_rank() == 0:
         (out_dir / "errors.json").write_text(json.dumps(errors, indent=1))
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    end_gloo_rank()
