@@ -41,10 +41,10 @@ def check_algorithm_fits(algorithm: type, rl: RLConfig, kind: str, registry: Map
         fits = sorted(n for n, c in registry.items() if kind in c.families)
         raise ValueError(f"rl.algorithm '{algorithm.name}' is not defined for {KIND_NAMES[kind]} models "
                          f"(it supports: {', '.join(sorted(algorithm.families))}; algorithms for this model: {', '.join(fits)})")
-    if getattr(rl.sampler, "edit_threshold", None) is not None and algorithm.requires:
-        # docs/sampling.md#token-editing: an edited rollout keeps no trajectory (yet) to replay
-        raise ValueError(f"rl.algorithm '{algorithm.name}' replays the rollout's trajectory, which token editing "
-                         f"(rl.sampler.edit_threshold) does not record; leave rl.sampler.edit_threshold empty")
+    if getattr(rl.sampler, "edit_threshold", None) is not None and algorithm.refuses_editing:
+        # docs/algorithms.md#edited-rollouts
+        raise ValueError(f"rl.algorithm '{algorithm.name}' cannot train on rollouts with token editing "
+                         f"(rl.sampler.edit_threshold): {algorithm.refuses_editing}; leave rl.sampler.edit_threshold empty")
     if rl.kl_beta > 0 and not algorithm.allows_kl:
         raise ValueError(f"rl.algorithm '{algorithm.name}' has no KL term: set rl.kl_beta: 0")
     if getattr(rl, "entropy_coeff", 0.0) > 0 and not algorithm.token_level:

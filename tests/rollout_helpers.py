@@ -4,13 +4,13 @@ from typing import Optional
 
 import torch
 
+from dare_core.algorithms.rollout import _records
 from dare_core.batch import Batch
 from dare_core.config import SamplerConfig
 from dare_core.diffusion.masking import valid_region
 from dare_core.diffusion.seeding import generator, sample_generators
 from dare_core.sampling.decode import generate
 from dare_core.sampling.engines import build_engine
-from dare_core.sampling.trajectory import record_width
 
 
 def sampler_for(model, **kw) -> SamplerConfig:
@@ -36,9 +36,9 @@ def rollout_batch(model, sampler: SamplerConfig, n: int = 4, prompt_len: int = 5
     valid = valid_region(out.response, model.eos_token_id, out.attention_mask[:, P:])
     records = {}
     if out.trajectory is not None:
-        # as the RL rollout records them: a block-diffusion terminal block whole, past gen_length
-        cols = record_width(out.response.shape[1], model.block_size)
-        records = {"step_map": out.trajectory.response_step_map(cols), "decoded": out.trajectory.response_tokens(cols)}
+        # as the RL rollout records them: a block-diffusion terminal block whole, past gen_length,
+        # and under token editing which step edited what
+        records = _records([out], frozenset({"step_map", "decoded"}), model.block_size)
     if advantages is None:
         advantages = torch.linspace(-1.0, 1.0, n)
     return Batch(out.sequences, out.attention_mask, P, valid, uids, advantages, records), out

@@ -74,17 +74,20 @@ def sft_case(model):
     return loss
 
 
-def rl_case(model, name: str, stops: tuple = (), **opts):
+def rl_case(model, name: str, stops: tuple = (), editing: bool = False, **opts):
     """One update of RL algorithm `name` on 4 real rollouts, with old and reference scores where it
     reads them (the reference: the policy's own scores, as at a sync). `stops`: each rollout made to
     stop there (None: as decoded), and the canvas after its stop's block left out, as the RL
-    rollout does for an objective that scores only up to the stop."""
+    rollout does for an objective that scores only up to the stop. `editing`: rollouts with token
+    editing (the replay scores tokens that later edits replaced)."""
     rl = RLConfig(kl_beta=0.05, entropy_coeff=0.01 if name == "d1" else 0.0, rows_per_forward=2)
-    sampler = sampler_for(model, temperature=1.0)
+    edits = {"unmasking": "threshold", "threshold": 0.5, "edit_threshold": 0.0, "post_edit_steps": 2} if editing else {}
+    sampler = sampler_for(model, temperature=1.0, **edits)
     rl.sampler = sampler
     algo = make_algo(name, model, rl, **opts)
     algo.check_sampler(sampler)
     batch, _ = rollout_batch(model, sampler, n=4, prompt_len=5)
+    assert editing == ("edit_steps" in batch.records)
     if stops:
         P, L = batch.prompt_len, batch.response_mask.shape[1]
         for i, s in enumerate(stops):
@@ -186,6 +189,7 @@ CASES = {
     "sdar/packed/d1+after_stop": ("sdar", "on", 0, lambda m: rl_case(m, "d1", stops=(0, None, 2, 5))),
     "llada/packed/cj_grpo": ("llada", "on", 0, lambda m: rl_case(m, "cj_grpo")),
     "sdar/packed/cj_grpo": ("sdar", "on", 0, lambda m: rl_case(m, "cj_grpo")),
+    "sdar/packed/cj_grpo+edits": ("sdar", "on", 0, lambda m: rl_case(m, "cj_grpo", editing=True)),
     "llada/packed/espo": ("llada", "on", 0, lambda m: rl_case(m, "espo", mc_num=2)),
     "sdar/packed/espo": ("sdar", "on", 0, lambda m: rl_case(m, "espo", mc_num=2)),
     "llada/packed/vrpo+lora": ("llada", "on", 0, preference_case, True),

@@ -53,6 +53,9 @@ class RLAlgorithm(Algorithm):
     #: corrupts each of them independently of what follows: on block diffusion the canvas after the
     #: stop token's block is then left out of scoring and training (diffusion/block.py through_stop_block)
     scores_within_stop: ClassVar[bool] = False
+    #: why the algorithm cannot train on rollouts with token editing (rl.sampler.edit_threshold);
+    #: empty: it can (docs/algorithms.md#edited-rollouts)
+    refuses_editing: ClassVar[str] = ""
 
     def __init__(self, options, rl_cfg, model):
         super().__init__(options)

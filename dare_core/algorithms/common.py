@@ -236,19 +236,22 @@ def replay_temperature(sampler, override: Optional[float]) -> float:
     return sampler.temperature if sampler.temperature > 0 else 1.0
 
 
-def replayed_token_update(algo, model, batch, corruption, old, ref, backward, weight_of):
+def replayed_token_update(algo, model, batch, corruption, old, ref, backward, weight_of, combine=None):
     """The update of the trajectory algorithms whose rows score disjoint tokens (CJ-GRPO steps,
     JustGRPO positions): each chunk of rows is scored at the replay temperature (MASK excluded, as
     the sampler excludes it), its token PPO loss weighted by `weight_of(idx, rows) -> [B, S]` (which
-    carries the global normalisers; 0 off the chunk's positions) and backpropagated on its own."""
+    carries the global normalisers; 0 off the chunk's positions) and backpropagated on its own.
+    `combine(idx, values [r, B, S]) -> [B, X]` lays the rows' values out as `old`, `ref` and the
+    weights are (default: their sum, each token's own row's value); an edited trajectory scores a
+    position at each of its writes, one entry per write (`replay.by_write`)."""
     adv = batch.advantages[:, None].float()
     with_entropy = wants_entropy(algo.rl)
+    combine = combine or (lambda idx, values: values.sum(0))
 
     def chunk_loss(idx):
         rows = [corruption.rows[i] for i in idx]
         scores = rows_logprobs(model, rows, batch.input_ids, batch.attention_mask, algo.temperature, (algo.mask_id,), with_entropy)
-        # the rows score disjoint tokens: summing over them gives each token its own row's value
-        s, h = (scores[0].sum(0), scores[1].sum(0)) if with_entropy else (scores.sum(0), None)
+        s, h = (combine(idx, scores[0]), combine(idx, scores[1])) if with_entropy else (combine(idx, scores), None)
         weight = weight_of(idx, rows).to(s)
         here = weight != 0
         pick = lambda t: None if t is None else t * here  # noqa: E731  (this chunk's positions only)

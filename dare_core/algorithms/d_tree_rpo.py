@@ -150,6 +150,8 @@ class DTreeRPO(RLAlgorithm):
     # the distillation term reads whole log-softmax rows of `scored_logits`, not token_logprobs' scores
     sequence_parallel = False
     requires = frozenset({"tree"})
+    refuses_editing = ("its tree resumes decoding from the states at its branch points, and a block's post-edit "
+                       "count and editable positions are not part of such a state")
 
     @dataclass
     class Options:

@@ -9,7 +9,9 @@ the top `sample_train_steps` steps by sum over the batch of |A_t| are trained wi
   l = lambda_t max(-A r, -A clip(r)) + kl_beta KL(s, s_ref),  lambda_t = L_max / |M_t|,
   L_t = sum l c_t 1[M_t] / sum 1[M_t]  (over the mini-batch),  L = mean over the selected steps,
 where s = log p(x0_t,i | z_t, i) at the rollout temperature and M_t the positions masked in z_t
-that the step proposed for, inside the final response's valid region V."""
+that the step proposed for, inside the final response's valid region V. Under token editing z_t holds
+each position's token as of step t (earlier edits included); edits are not scored: the objective
+rewards what each step predicted at its masked positions (docs/algorithms.md#edited-rollouts)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,6 +27,7 @@ from dare_core.algorithms.common import (ADVANTAGES, kl_estimate, ppo_clip, rati
 from dare_core.algorithms.registry import register_rl
 from dare_core.diffusion.likelihood import rows_logprobs, separable_backward
 from dare_core.diffusion.masking import Corruption, CorruptionSet
+from dare_core.diffusion.replay import WriteHistory
 from dare_core.metric_keys import add_chunk_metrics
 
 
@@ -77,24 +80,28 @@ class MDPO(RLAlgorithm):
 
     def _states(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """z_t and x0_t response tokens [B, K, L] and the scored positions M_t [B, K, L]."""
-        steps = batch.records["step_map"].long()
-        decoded = batch.records["decoded"].long()
+        history = self._history(batch)
         x0 = batch.records["x0_hat"].long()
         K = x0.shape[1]
-        t = torch.arange(1, K + 1)[None, :, None]
-        known = (steps[:, None, :] > 0) & (steps[:, None, :] < t)
-        z = torch.where(known, decoded[:, None, :], torch.full_like(x0, self.mask_id))
+        # (under token editing the states hold each position's token as of that step)
+        z = torch.stack([history.state_before(t, self.mask_id) for t in range(1, K + 1)], 1).to(x0)
+        known = z != self.mask_id
         proposed = ~known & (x0 >= 0)
         x0_t = torch.where(proposed, x0, z)
         scored = proposed & batch.response_mask.bool().cpu()[:, None, :]
         return z, x0_t, scored
+
+    @staticmethod
+    def _history(batch: Batch) -> WriteHistory:
+        r = batch.records
+        return WriteHistory.of_record(r["step_map"].long(), r["decoded"].long(), r.get("edit_steps"), r.get("edit_from"))
 
     def prepare(self, batch: Batch, context) -> dict:
         _, x0_t, _ = self._states(batch)
         B, K, L = x0_t.shape
         rewards = context.rewards([b for b in range(B) for _ in range(K)], x0_t.reshape(B * K, L)).view(B, K)
         # a row that finished in fewer steps than K keeps its final completion from then on
-        num = (batch.records["step_map"].max(-1).values).clamp_min(1).long()
+        num = self._history(batch).last_step().clamp_min(1).long()
         last = rewards.gather(1, (num - 1)[:, None])
         rewards = torch.where(torch.arange(K)[None] < num[:, None], rewards, last)
         adv = step_advantages(rewards, self.rl.group_size, self.rl.adv_estimator)

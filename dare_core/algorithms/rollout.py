@@ -102,11 +102,19 @@ def _rewarded_batch(done: Completions, expanded: list[dict], uids: list, model, 
 def _records(outs: list, requires: frozenset, block_size: int | None = None) -> dict:
     """The trajectory records an algorithm asked for, concatenated over the rollout chunks (per-step
     records padded to the longest chunk: -1 proposals, NaN confidences). "step_map" and "decoded"
-    keep a block-diffusion terminal block whole, past gen_length (`record_width`)."""
+    keep a block-diffusion terminal block whole, past gen_length (`record_width`). With the step map
+    come, where the rollout edited tokens, "edit_steps" and "edit_from" ([B, W, E], padded to the
+    most edits of a position: step 0 is no edit)."""
     records = {}
     cols = record_width(outs[0].response.shape[1], block_size) if outs else 0
     if "step_map" in requires:
         records["step_map"] = torch.cat([o.trajectory.response_step_map(cols) for o in outs])
+        edits = [o.trajectory.response_edits(cols) for o in outs]
+        if any(steps.shape[-1] for steps, _ in edits):  # token editing: which step edited what
+            e = max(steps.shape[-1] for steps, _ in edits)
+            pad = lambda t: torch.nn.functional.pad(t, (0, e - t.shape[-1]))  # noqa: E731 (0: no edit)
+            records["edit_steps"] = torch.cat([pad(steps) for steps, _ in edits])
+            records["edit_from"] = torch.cat([pad(replaced) for _, replaced in edits])
     if "decoded" in requires:
         records["decoded"] = torch.cat([o.trajectory.response_tokens(cols) for o in outs])
     for key, fill in (("x0_hat", -1), ("confidence", float("nan"))):

@@ -190,21 +190,25 @@ def token_logprobs(model, corruption: Corruption, targets: torch.Tensor, attenti
     states a chunk of tokens at a time (`head_scores`), never from the whole [N, V] logits."""
     if corruption.targets is not None:
         targets = corruption.targets
+    # what a scored position's log-probability reads: the clean token, or what an edited rollout's step wrote
+    read = corruption.scored_ids if corruption.scored_ids is not None else targets
     if noise_of(model) == "uniform":
+        if corruption.scored_ids is not None:
+            raise ValueError("a uniform-noise model scores no edited trajectory (scored_ids)")
         return canvas_token_logprobs(model, corruption, targets, attention_mask, temperature, exclude, entropy)
     if getattr(model, "sequence_shards", None) is not None:
         return _sharded_token_logprobs(model, corruption.noisy_ids, targets, attention_mask, corruption.scored, temperature,
-                                       exclude, entropy)
+                                       exclude, entropy, read)
     rows = corruption.scored
     block = model.block_size is not None
     if model.logits_chunk > 0:
         hidden = (two_stream_scored_hidden(model, corruption.noisy_ids, targets, attention_mask, rows) if block
                   else model.scored_hidden(corruption.noisy_ids, attention_mask, rows))
-        logp, ent = head_scores(model.net.lm_head, hidden, targets[rows], model.logits_chunk, temperature, exclude, entropy)
+        logp, ent = head_scores(model.net.lm_head, hidden, read[rows], model.logits_chunk, temperature, exclude, entropy)
     else:
         logits = (two_stream_logits(model, corruption.noisy_ids, targets, attention_mask, rows) if block
                   else model.scored_logits(corruption.noisy_ids, attention_mask, rows))
-        logp, ent = logits_scores(logits, targets[rows], temperature, exclude, entropy)
+        logp, ent = logits_scores(logits, read[rows], temperature, exclude, entropy)
     zeros = torch.zeros(rows.shape, dtype=torch.float32, device=logp.device)
     if not entropy:
         return zeros.masked_scatter(rows, logp)
@@ -257,7 +261,8 @@ def uniform_elbo_row(model, corruption: Corruption, targets: torch.Tensor, atten
 
 
 def _sharded_token_logprobs(model, noisy_ids: torch.Tensor, targets: torch.Tensor, attention_mask: torch.Tensor,
-                            rows: torch.Tensor, temperature: float, exclude: Sequence[int], entropy: bool):
+                            rows: torch.Tensor, temperature: float, exclude: Sequence[int], entropy: bool,
+                            read: torch.Tensor):
     """`token_logprobs` under sequence parallelism (`model.sequence_shards`): this rank runs its slice
     of the scoring stream, scores the positions whose hidden state it holds, and the group's sum of
     the [B, S] scores (each position scored by one rank) gives every rank the whole batch's scores,
@@ -268,6 +273,8 @@ def _sharded_token_logprobs(model, noisy_ids: torch.Tensor, targets: torch.Tenso
     ids, clean, mask, scored = pad_for_shards(noisy_ids, targets, attention_mask, rows, shards.size, packed)
     stream = (two_stream_scored_stream(model, ids, clean, mask, scored) if block else model.scored_stream(ids, mask, scored))
     hidden, kept = shard_stream_hidden(model, stream, shards)
+    if read is not targets:  # (an edited step's tokens: laid out as the clean ones are)
+        clean = pad_for_shards(noisy_ids, read, attention_mask, rows, shards.size, packed)[1]
     mine = clean[scored][kept]
     if model.logits_chunk > 0:
         # as many head calls on every rank (ZeRO-3 gathers the head's weights at each: a collective)
@@ -295,8 +302,11 @@ def rows_logprobs(model, rows: Sequence[Corruption], targets: torch.Tensor, atte
         out = token_logprobs(model, rows[0], targets, attention_mask, temperature, exclude, entropy)
         return (out[0][None], out[1][None]) if entropy else out[None]
     tg = [r.targets if r.targets is not None else targets for r in rows]
+    read = None
+    if any(r.scored_ids is not None for r in rows):
+        read = torch.cat([r.scored_ids if r.scored_ids is not None else t for r, t in zip(rows, tg)])
     stacked = Corruption(torch.cat([r.noisy_ids for r in rows]), torch.cat([r.scored for r in rows]),
-                         torch.cat([r.p for r in rows]), None, torch.cat(tg))
+                         torch.cat([r.p for r in rows]), None, torch.cat(tg), scored_ids=read)
     out = token_logprobs(model, stacked, targets.repeat(len(rows), 1), attention_mask.repeat(len(rows), 1), temperature, exclude,
                          entropy)
     if entropy:

@@ -27,6 +27,9 @@ class Corruption:
                tokens that the batch's layout overwrote, e.g. block diffusion's post-EOS latents).
     prompt_len: the batch's prompt width, where the family's scoring needs it (uniform noise: its
                canvases start at the response, not at multiples of the block size).
+    scored_ids: [B, S] optional tokens whose log-probability a scored position reads, where they are
+               not the clean tokens the model sees as context (a replayed step of an edited
+               rollout wrote a token that a later edit replaced); None: the clean tokens.
     """
 
     noisy_ids: torch.Tensor
@@ -35,11 +38,12 @@ class Corruption:
     weight: Optional[torch.Tensor] = None
     targets: Optional[torch.Tensor] = None
     prompt_len: Optional[int] = None
+    scored_ids: Optional[torch.Tensor] = None
 
     def select(self, idx: torch.Tensor) -> "Corruption":
         pick = lambda t: None if t is None else t[idx.to(t.device)]  # noqa: E731
         return Corruption(pick(self.noisy_ids), pick(self.scored), pick(self.p), pick(self.weight), pick(self.targets),
-                          self.prompt_len)
+                          self.prompt_len, pick(self.scored_ids))
 
     def elbo_weight(self) -> torch.Tensor:
         """[B, S] weight of each scored position in an ELBO sum (0 where not scored)."""
@@ -229,4 +233,4 @@ def with_edit_noise(corruption: Corruption, prompt_len: int, response_mask: torc
         noisy[row, cols] = draw[hit]
         scored[row, cols] = True
         weight[row, cols] = 1.0
-    return Corruption(noisy, scored, corruption.p, weight, corruption.targets, corruption.prompt_len)
+    return Corruption(noisy, scored, corruption.p, weight, corruption.targets, corruption.prompt_len, corruption.scored_ids)

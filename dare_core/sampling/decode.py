@@ -267,8 +267,9 @@ def _denoise_loop(model, prompts: Sequence[Sequence[int]], params: SamplingParam
                   step_range: Optional[tuple[int, int]], lockstep: Optional[RankLockstep]) -> GenerationOutput:
     if record not in RECORD:
         raise ValueError(f"record must be one of {RECORD}, got '{record}'")
-    if params.edit_threshold is not None and (record != "none" or init_response is not None or step_range is not None):
-        raise ValueError("token editing (edit_threshold) decodes without trajectory records and cannot resume a range of steps")
+    if params.edit_threshold is not None and (init_response is not None or step_range is not None):
+        # a block's post-edit count and the positions it may still edit are not part of a resumable state
+        raise ValueError("token editing (edit_threshold) cannot resume a range of steps")
     device = next(model.parameters()).device
     mask_id, eos_id = model.mask_token_id, model.eos_token_id
     block_diffusion = model.block_size is not None
@@ -439,7 +440,8 @@ def _denoise_loop(model, prompts: Sequence[Sequence[int]], params: SamplingParam
             steps[active[rows]] += part[rows].long()
             if recorder is not None:
                 took = part[rows].nonzero().squeeze(-1)  # a row whose block was complete took no step
-                recorder.record(active[rows[took]], steps[active[rows[took]]], lo, commit[took], scores.proposal[took], scores.confidence[took])
+                recorder.record(active[rows[took]], steps[active[rows[took]]], lo, commit[took], scores.proposal[took], scores.confidence[took],
+                                block[took] if editing else None)
             j += 1
             # rows that are finished leave mid-block too, once enough of them to be worth the re-slicing
             # (and, with CUDA graphs, a re-capture)

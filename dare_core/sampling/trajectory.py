@@ -12,6 +12,8 @@ from typing import Iterator, Optional
 
 import torch
 
+from dare_core.diffusion.replay import WriteHistory
+
 
 @dataclass
 class Trajectory:
@@ -23,6 +25,30 @@ class Trajectory:
     mask_token_id: int
     x0_hat: Optional[torch.Tensor] = None  # [B, K, W] int32 proposals of each step for the block being decoded, -1 elsewhere
     confidence: Optional[torch.Tensor] = None  # [B, K, W] float32 confidences of those proposals, NaN elsewhere
+    # token editing: [B, W, E] the step of each position's e-th edit (0 = none, ascending) and the
+    # token that edit replaced; E = 0 when nothing was edited (`WriteHistory`)
+    edit_steps: Optional[torch.Tensor] = None
+    edit_from: Optional[torch.Tensor] = None
+
+    def _response_columns(self, values: torch.Tensor, gen_length: int, fill) -> torch.Tensor:
+        """[B, gen_length, ...] of window-column values [B, W, ...] in response coordinates."""
+        idx = self.response_offset[:, None] + torch.arange(gen_length, device=values.device)
+        inside = idx < values.shape[1]
+        idx = idx.clamp(max=values.shape[1] - 1).view(*idx.shape, *([1] * (values.dim() - 2)))
+        out = values.gather(1, idx.expand(-1, -1, *values.shape[2:]))
+        return out.masked_fill(~inside.view(*inside.shape, *([1] * (values.dim() - 2))), fill)
+
+    def response_edits(self, gen_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(edit_steps, edit_from) [B, gen_length, E] in response coordinates (E = 0 without edits)."""
+        if self.edit_steps is None:
+            empty = torch.zeros((*self.step_map.shape[:1], gen_length, 0), dtype=torch.int32, device=self.step_map.device)
+            return empty, empty.clone()
+        return (self._response_columns(self.edit_steps, gen_length, 0),
+                self._response_columns(self.edit_from, gen_length, self.mask_token_id))
+
+    def history(self) -> WriteHistory:
+        """Every write of the window's positions (commits and edits), in window columns."""
+        return WriteHistory.of_record(self.step_map, self.tokens, self.edit_steps, self.edit_from)
 
     def response_step_map(self, gen_length: int) -> torch.Tensor:
         """[B, gen_length] step map in response coordinates (what CJ-GRPO / d-TreeRPO consume)."""
@@ -49,11 +75,12 @@ class Trajectory:
     def states(self, row: int) -> Iterator[torch.Tensor]:
         """The window's state before each step k = 1..K of one row: tokens committed earlier, the
         prompt tail, MASK elsewhere. Replaying the trajectory is feeding these back to the model."""
-        steps, toks = self.step_map[row], self.tokens[row]
+        toks = self.tokens[row]
         fixed = torch.arange(toks.shape[0], device=toks.device) < self.response_offset[row]
+        history = self.history()
+        one = WriteHistory(history.steps[row:row + 1], history.tokens[row:row + 1])
         for k in range(1, int(self.num_steps[row]) + 1):
-            known = fixed | ((steps > 0) & (steps < k))
-            yield torch.where(known, toks, torch.full_like(toks, self.mask_token_id))
+            yield torch.where(fixed, toks, one.state_before(k, self.mask_token_id)[0])
 
     def validate(self, valid: torch.Tensor, allow_empty_steps: bool = False) -> None:
         """6.5's rules, for `valid` [B, W] the positions that must carry a step (the response up to
@@ -88,18 +115,27 @@ class TrajectoryRecorder:
         self.origin, self.full = origin, full
         self.step_map = torch.zeros((batch, width), dtype=torch.int32, device=device)
         self.frames: list = []  # full: (rows, step per row, lo, proposal, confidence)
+        self.edits: list = []  # token editing: (rows, window columns, steps, tokens replaced), one entry a step
 
     def record(self, rows: torch.Tensor, step: torch.Tensor, lo: int, commit: torch.Tensor,
-               proposal: torch.Tensor, confidence: torch.Tensor) -> None:
+               proposal: torch.Tensor, confidence: torch.Tensor, before: Optional[torch.Tensor] = None) -> None:
+        """`commit` [r, n]: the positions of the block at `lo` this step wrote; those already
+        committed are edits (given `before`, the block's tokens before the step)."""
         a = lo - self.origin
         cols = self.step_map[rows, a:a + commit.shape[1]]
-        self.step_map[rows, a:a + commit.shape[1]] = torch.where(commit, step[:, None].to(torch.int32), cols)
+        if before is not None:
+            r, c = (commit & (cols > 0)).nonzero(as_tuple=True)
+            if r.numel():
+                self.edits.append((rows[r], a + c, step[r].to(torch.int32), before[r, c].to(torch.int32)))
+        self.step_map[rows, a:a + commit.shape[1]] = torch.where(commit & (cols == 0), step[:, None].to(torch.int32), cols)
         if self.full:
             self.frames.append((rows.cpu(), step.cpu(), a, proposal.to(torch.int32).cpu(), confidence.float().cpu()))
 
     def finish(self, tokens: torch.Tensor, response_offset: torch.Tensor, num_steps: torch.Tensor,
                block_length: int, mask_id: int) -> Trajectory:
         traj = Trajectory(tokens, self.step_map, response_offset, num_steps, block_length, mask_id)
+        if self.edits:
+            traj.edit_steps, traj.edit_from = self._edit_columns()
         if self.full:
             b, w = tokens.shape
             k = int(num_steps.max()) if num_steps.numel() else 0
@@ -111,3 +147,18 @@ class TrajectoryRecorder:
                 conf[rows, step - 1, a:a + n] = c
             traj.x0_hat, traj.confidence = x0, conf
         return traj
+
+    def _edit_columns(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The edits as [B, W, E] columns: a position's e-th edit (in step order) at e."""
+        count = torch.zeros_like(self.step_map, dtype=torch.long)
+        slots = []
+        for rows, cols, _, _ in self.edits:  # (an entry holds each position once)
+            slots.append(count[rows, cols].clone())
+            count[rows, cols] += 1
+        e = int(count.max())
+        steps = torch.zeros((*self.step_map.shape, e), dtype=torch.int32, device=self.step_map.device)
+        replaced = torch.zeros_like(steps)
+        for (rows, cols, step, before), slot in zip(self.edits, slots):
+            steps[rows, cols, slot] = step
+            replaced[rows, cols, slot] = before
+        return steps, replaced

@@ -240,3 +240,118 @@ def test_step_merge_one_transition_per_block():
     assert torch.equal(cs.rows[0].noisy_ids[:, P:], torch.full((2, 8), MASK))
     assert torch.equal(cs.rows[1].noisy_ids[:, P:P + 4], batch.records["decoded"][:, :4])
     assert (cs.rows[1].noisy_ids[:, P + 4:] == MASK).all()
+
+
+def _editing(model, **kw):
+    return sampler_for(model, unmasking="threshold", threshold=0.5, edit_threshold=0.0, post_edit_steps=2, **kw)
+
+
+@pytest.mark.parametrize("family,remasking,temperature", [
+    ("llada", "low_confidence", 1.0),
+    ("sdar", "maskgit_plus", 0.7),
+])
+def test_an_edited_rollout_replays_every_write(family, remasking, temperature):
+    """Token editing (docs/algorithms.md#edited-rollouts): every write of a position, its commit and
+    each later edit, is scored once, in its own entry (slot j of position i: j * S + i), at the
+    log-probability the sampler logged for it at its step; entries of writes that never happened
+    are 0."""
+    model = tiny(family)
+    block = model.block_size is not None
+    sp = _editing(model, remasking=remasking, temperature=temperature)
+    batch, out = rollout_batch(model, sp, n=4, prompt_len=8 if block else 5, record="full", same_length=block)
+    assert "edit_steps" in batch.records
+    algo = make_algo("cj_grpo", model, RLConfig(sampler=sp))
+    cs = algo.corrupt(batch, (0, 0, 0))
+    with torch.no_grad():
+        s = algo.score(model, batch, cs)
+    tr, P, S = out.trajectory, batch.prompt_len, cs.scored.shape[1]
+    n = s.shape[1] // S
+    assert s.shape[1] == n * S and n == batch.records["edit_steps"].shape[-1] + 1
+    expected = torch.zeros(len(batch), n, S)
+    edits = 0
+    for b in range(len(batch)):
+        off = int(tr.response_offset[b])
+        for i in range(min(S - P, tr.tokens.shape[1] - off)):
+            col = off + i
+            writes = [int(tr.step_map[b, col])] + [int(e) for e in tr.edit_steps[b, col] if e > 0]
+            if writes[0] == 0 or (not block and not batch.response_mask[b, i]):
+                continue
+            edits += len(writes) - 1
+            for j, g in enumerate(writes):
+                expected[b, j, P + i] = math.log(tr.confidence[b, g - 1, col])
+    assert edits > 0
+    torch.testing.assert_close(s.view(len(batch), n, S), expected, atol=1e-5, rtol=0)
+
+
+def test_mdlm_loss_by_hand_with_edits():
+    """As test_mdlm_loss_by_hand, each write an action of its step: L = (1/K) sum_k L_k, L_k the
+    token-mean over the writes of step k (commits and edits), each scored on the state before step
+    k (earlier edits applied) against the token the step wrote, its old score in the write's entry."""
+    model = tiny("llada")
+    sp = _editing(model, temperature=0.8, remasking="maskgit_plus")
+    batch, out = rollout_batch(model, sp, n=4, record="full")
+    algo = make_algo("cj_grpo", model, _rl(sp))
+    cs = algo.corrupt(batch, (0, 0, 0))
+    with torch.no_grad():
+        s0 = algo.score(model, batch, cs)
+    old = s0 + 0.3 * torch.randn(s0.shape, generator=torch.Generator().manual_seed(1)) * (s0 != 0)
+    res = run_update(algo, model, batch, cs, old, None, backward=False)
+    tr, P, L = out.trajectory, batch.prompt_len, 8
+    S = P + L
+    per_step, edits = [], 0
+    states = [list(tr.states(b)) for b in range(len(batch))]
+    for k in range(1, int(tr.num_steps.max()) + 1):
+        noisy, written = batch.input_ids.clone(), batch.input_ids.clone()
+        for b in range(len(batch)):
+            if k <= len(states[b]):
+                noisy[b, P:] = states[b][k - 1]
+            written[b, P:] = tr.x0_hat[b, k - 1].clamp_min(0)
+        lp = plain_logp(model, noisy, written, batch.attention_mask, 0.8, (MASK,))
+        terms = []
+        for b in range(len(batch)):
+            for i in range(L):
+                writes = [int(tr.step_map[b, i])] + [int(e) for e in tr.edit_steps[b, i] if e > 0]
+                if k in writes and batch.response_mask[b, i]:
+                    j = writes.index(k)
+                    edits += j > 0
+                    r = math.exp(lp[b, P + i].item() - old[b, j * S + P + i].item())
+                    terms.append(ppo(r, batch.advantages[b].item()))
+        if terms:
+            per_step.append(sum(terms) / len(terms))
+    assert edits > 0
+    assert float(res.loss) == pytest.approx(sum(per_step) / len(per_step), rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.parametrize("family", ["llada", "sdar"])
+def test_edited_rollouts_update_as_any(family):
+    """Edited rollouts through the shared RL properties: a finite update with gradients, none from
+    zero advantages, and the same gradient for every micro-batch split (the entries per write
+    select and sum like the per-token ones)."""
+    from rl_reference import grads
+
+    model = tiny(family).double()
+    sp = _editing(model, temperature=0.9, remasking="maskgit_plus")
+    batch, _ = rollout_batch(model, sp, n=6, prompt_len=6, record="steps", advantages=torch.linspace(-1.2, 1.0, 6))
+    assert "edit_steps" in batch.records
+    algo = make_algo("cj_grpo", model, _rl(sp, kl_beta=0.05, kl_estimator="k3"))
+    cs = algo.corrupt(batch, (0, 0, 0))
+    with torch.no_grad():
+        s = algo.score(model, batch, cs)
+    noise = torch.randn(s.shape, generator=torch.Generator().manual_seed(0), dtype=s.dtype)
+    old, ref = s + 0.3 * noise, s - 0.2 * noise
+    denom = algo.denominator(batch, cs)
+    found = []
+    for size in (6, 1, 4):
+        model.zero_grad()
+        total = 0.0
+        for mb in torch.arange(6).split(size):
+            total += float(run_update(algo, model, batch.select(mb), cs.select(mb), old[mb], ref[mb], denom).loss)
+        found.append((total, grads(model)))
+    assert math.isfinite(found[0][0]) and found[0][1].abs().sum() > 0
+    for total, g in found[1:]:
+        assert total == pytest.approx(found[0][0], rel=1e-5, abs=1e-8)
+        assert float((g - found[0][1]).norm() / found[0][1].norm()) < 1e-5
+    model.zero_grad()
+    batch.advantages = torch.zeros(6)
+    run_update(algo, model, batch, cs, s, None)
+    assert grads(model).abs().max() == 0

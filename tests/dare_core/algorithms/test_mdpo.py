@@ -160,3 +160,36 @@ def test_loss_by_hand_with_step_weights_and_confidences():
     torch.testing.assert_close(out.loss.double(), torch.tensor(total / 2, dtype=torch.float64), atol=1e-6, rtol=1e-5)
     # the largest ratio of any scored token of any step, not a mean over the steps
     assert out.metrics["ratio_max"] == pytest.approx(max(ratios), rel=1e-5)
+
+
+def test_an_edited_rollouts_states_hold_its_edits():
+    """Token editing: z_t is the sampler's state before step t, earlier edits applied (a state built
+    from the step map alone would show final tokens instead); the scored positions are those still
+    masked in it; an update runs."""
+    from dare_core.algorithms.rollout import _records
+    from dare_core.diffusion.masking import valid_region
+    from dare_core.sampling.decode import generate
+
+    model = make_tiny_llada()
+    params = SamplingParams(gen_length=6, steps=6, block_length=3, temperature=1.0, remasking="maskgit_plus",
+                            unmasking="threshold", threshold=0.5, edit_threshold=0.0, post_edit_steps=2)
+    algo = make_algo("mdpo", model, RLConfig(group_size=2, sampler=params), sample_train_steps=3)
+    gens = [torch.Generator().manual_seed(i) for i in range(4)]
+    out = generate(model, [[1, 2, 3], [4, 5], [1, 2, 3], [4, 5]], params, gens, record="full")
+    records = _records([out], algo.requires)
+    assert "edit_steps" in records and (records["edit_steps"] > 0).any()
+    batch = Batch(out.sequences, out.attention_mask, out.prompt_len, valid_region(out.response, model.eos_token_id),
+                  ["a", "b", "c", "d"], torch.zeros(4), records)
+    z, _, scored = algo._states(batch)
+    for b in range(4):
+        for t, state in enumerate(out.trajectory.states(b)):
+            assert torch.equal(z[b, t], state), (b, t)
+    assert not (scored & (z != MASK)).any()
+    stale = 0
+    for t in range(z.shape[1]):  # the edits show: some state differs from the final tokens where both are known
+        known = z[:, t] != MASK
+        stale += int((z[:, t][known] != records["decoded"].long()[known]).sum())
+    assert stale > 0
+    algo.prepare(batch, FixedRewards())
+    model.zero_grad()
+    assert torch.isfinite(run_update(algo, model, batch, algo.corrupt(batch, (0, 0, 0))).loss)

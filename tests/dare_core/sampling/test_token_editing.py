@@ -126,8 +126,10 @@ def test_a_masked_family_edits_inside_its_blocks():
     plain = generate(model, PROMPTS, SamplingParams(**settings, edit_threshold=0.0))
     assert cached.response.tolist() == plain.response.tolist()
     assert plain.response.tolist() != generate(model, PROMPTS, SamplingParams(**settings)).response.tolist()  # edits happened
-    with pytest.raises(ValueError, match="trajectory records"):
-        generate(model, PROMPTS, SamplingParams(**settings, edit_threshold=0.0), record="steps")
+    from dare_core.sampling.decode import denoise_range
+
+    with pytest.raises(ValueError, match="cannot resume"):
+        denoise_range(model, PROMPTS, SamplingParams(**settings, edit_threshold=0.0), None, (0, 4))
 
 
 def test_speed_and_quality_modes_are_llada21s_settings():
@@ -152,13 +154,20 @@ def test_speed_and_quality_modes_are_llada21s_settings():
 
 
 def test_rl_with_edited_rollouts():
-    """d1 scores the final response of an edited rollout; an algorithm that replays the trajectory
-    is refused up front (no edit is recorded in one yet)."""
+    """d1 scores the final response of an edited rollout, CJ-GRPO and MDPO replay its writes
+    (tests/dare_core/algorithms); d-TreeRPO, whose tree resumes decoding, is refused up front with
+    its reason, as is CJ-GRPO's step_merge (a block as one transition); lmdeploy, which cannot edit,
+    refuses the setting rather than decode without it."""
     from algo_helpers import make_algo
     from dare_core.config import RLConfig, SamplerConfig
+    from dare_core.sampling.engines.lmdeploy.settings import map_params
 
-    model = tiny("sdar")
     sampler = SamplerConfig(gen_length=8, steps=8, block_length=4, unmasking="threshold", threshold=0.5, edit_threshold=0.0)
-    make_algo("d1", model, RLConfig(sampler=sampler))
-    with pytest.raises(ValueError, match="token editing"):
-        make_algo("cj_grpo", model, RLConfig(sampler=sampler))
+    for name, family in (("d1", "sdar"), ("cj_grpo", "sdar"), ("cj_grpo", "llada"), ("mdpo", "llada")):
+        make_algo(name, tiny(family), RLConfig(sampler=sampler))
+    with pytest.raises(ValueError, match="token editing.*tree resumes decoding"):
+        make_algo("d_tree_rpo", tiny("llada"), RLConfig(sampler=sampler, group_size=4))
+    with pytest.raises(ValueError, match="step_merge"):
+        make_algo("cj_grpo", tiny("llada"), RLConfig(sampler=sampler), step_merge=True)
+    with pytest.raises(ValueError, match="cannot honour token editing"):
+        map_params(SamplingParams(gen_length=8, steps=8, block_length=4, cache="block_kv", edit_threshold=0.5), 4, EOS)

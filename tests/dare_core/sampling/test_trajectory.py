@@ -91,3 +91,43 @@ def test_no_stop_reports_the_full_length():
         if not has_eos[b]:
             assert out.stop_reason[b] == "length" and int(out.lengths[b]) == 8
     assert out.sampler["engine"] == "native" and out.sampler["gen_length"] == 8
+
+
+@pytest.mark.parametrize("family,cache", [("llada", "none"), ("sdar", "block_kv"), ("llada2_moe", "none")])
+def test_an_edited_trajectory_replays_write_by_write(family, cache):
+    """Token editing: each recorded state fed back reproduces the step's proposals; the state after
+    a step is the one before it with the step's writes (commits and edits) applied, up to the final
+    tokens; an edit replaced exactly the token the state held."""
+    model = tiny(family).double()
+    bl = model.block_size or 4
+    params = SamplingParams(gen_length=2 * bl, steps=2 * bl, block_length=bl, cache=cache, stop_at_eos=False,
+                            unmasking="threshold", threshold=0.5, edit_threshold=0.0, post_edit_steps=3)
+    out = generate(model, PROMPTS, params, record="full")
+    traj = out.trajectory
+    assert traj.edit_steps is not None and (traj.edit_steps > 0).sum() >= 3, "the rollout edited too little to test"
+    edits_seen = 0
+    for b, prompt in enumerate(PROMPTS):
+        fixed_prompt = prompt[:len(prompt) - int(traj.response_offset[b])]
+        states = [*traj.states(b), traj.tokens[b]]
+        assert len(states) == int(traj.num_steps[b]) + 1
+        for k, state in enumerate(states[:-1], start=1):
+            logits = model(torch.tensor([fixed_prompt + state.tolist()]))[0, len(fixed_prompt):]
+            logits[:, model.mask_token_id] = float("-inf")
+            predicted = traj.x0_hat[b, k - 1] >= 0
+            assert torch.equal(logits.argmax(-1)[predicted], traj.x0_hat[b, k - 1][predicted].long())
+            edited = traj.edit_steps[b] == k  # [W, E]
+            pos, slot = edited.nonzero(as_tuple=True)
+            assert torch.equal(state[pos], traj.edit_from[b, pos, slot].long()) and (state[pos] != model.mask_token_id).all()
+            edits_seen += pos.numel()
+            written = (traj.step_map[b] == k) | edited.any(-1)
+            after = torch.where(written, traj.x0_hat[b, k - 1].long(), state)
+            assert torch.equal(after, states[k]), (b, k)
+    assert edits_seen == int((traj.edit_steps > 0).sum())
+
+
+def test_without_edits_the_record_has_none():
+    model = tiny("sdar")
+    out = generate(model, PROMPTS, SamplingParams(gen_length=8, steps=8, block_length=4, cache="block_kv"), record="steps")
+    assert out.trajectory.edit_steps is None
+    steps, replaced = out.trajectory.response_edits(8)
+    assert steps.shape == replaced.shape == (len(PROMPTS), 8, 0)

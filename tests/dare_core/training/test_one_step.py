@@ -37,6 +37,12 @@ SHRINK = {
 }
 
 
+# rollouts with token editing (docs/algorithms.md#edited-rollouts), for the algorithms that replay them
+EDITING = ["rl.sampler.unmasking=threshold", "rl.sampler.threshold=0.5", "rl.sampler.edit_threshold=0.0",
+           "rl.sampler.post_edit_steps=2"]
+EDITED_REPLAYS = ("cj_grpo", "mdpo")
+
+
 def _sets(values: dict) -> list[str]:
     return [f"{k}={json.dumps(v)}" for k, v in values.items()]
 
@@ -68,6 +74,7 @@ def results(base, tmp_path_factory):
     runs = []
     for label, stage, overrides in [*(
             (f"algorithm:{name}", "rl", [f"rl.algorithm={name}"]) for name in RL_ALGORITHMS), *(
+            (f"editing:{name}", "rl", [f"rl.algorithm={name}", *EDITING]) for name in EDITED_REPLAYS), *(
             (f"recipe:{name}", recipe_stage(name), [f"recipe={RECIPES / name}.yaml", *_sets(SHRINK)]) for name in recipe_names())]:
         root = tmp_path_factory.mktemp(label.replace(":", "_"))
         shutil.copytree(base / "data", root / "data")
@@ -97,6 +104,13 @@ def results(base, tmp_path_factory):
 @pytest.mark.parametrize("name", RL_ALGORITHMS)
 def test_every_algorithm_runs_on_the_embedded_task_by_name(results, name):
     result = results[f"algorithm:{name}"]
+    assert result["ok"], result.get("trace")
+    assert result["algorithm"] == name and result["metrics"]["steps"] == 1
+
+
+@pytest.mark.parametrize("name", EDITED_REPLAYS)
+def test_trajectory_replays_run_a_step_on_edited_rollouts(results, name):
+    result = results[f"editing:{name}"]
     assert result["ok"], result.get("trace")
     assert result["algorithm"] == name and result["metrics"]["steps"] == 1
 

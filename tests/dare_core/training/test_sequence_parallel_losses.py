@@ -1,6 +1,6 @@
 """Ulysses sequence parallelism in the training objectives, on the CPU: two gloo ranks of one
 sequence-parallel group, each running half of every scoring stream, give the losses and gradients
-one rank gives, for SFT, d1, CJ-GRPO (trajectory replay), ESPO (proxy-gradient replay) and VRPO
+one rank gives, for SFT, d1, CJ-GRPO (trajectory replay, also of rollouts with token editing), ESPO (proxy-gradient replay) and VRPO
 with a LoRA adapter on the tiny LLaDA and SDAR (packed; SFT also padded; d1 also with chunked head
 scores; SDAR's d1 also on rollouts that stop early, their canvas after the stop left out), and Dream's shifted scores across the ranks' edge. Started through torchrun like tests/sequence_parallel_ranks.py."""
 import json
@@ -25,7 +25,8 @@ LOSS_RTOL = 1e-6
 GRADS_RTOL = 4e-6
 SCORES_RTOL = 1e-6
 CASES = ("llada/packed/sft", "llada/padded/sft", "sdar/packed/sft", "sdar/padded/sft", "llada/packed/d1",
-         "llada/chunked/d1", "sdar/chunked/d1+lora", "sdar/packed/d1", "sdar/packed/d1+after_stop", "llada/packed/cj_grpo", "sdar/packed/cj_grpo", "llada/packed/espo",
+         "llada/chunked/d1", "sdar/chunked/d1+lora", "sdar/packed/d1", "sdar/packed/d1+after_stop", "llada/packed/cj_grpo", "sdar/packed/cj_grpo",
+         "sdar/packed/cj_grpo+edits", "llada/packed/espo",
          "sdar/packed/espo", "llada/packed/vrpo+lora", "sdar/packed/vrpo+lora")
 
 

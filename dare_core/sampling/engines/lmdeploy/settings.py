@@ -39,6 +39,8 @@ def map_params(params: SamplingParams, model_block_size: Optional[int], eos_toke
         raise refuse(f"cache '{params.cache}' (lmdeploy always decodes with the block KV cache: set cache: block_kv)")
     if params.cfg_scale > 0:
         raise refuse("classifier-free guidance (cfg_scale > 0)")
+    if params.edit_threshold is not None:
+        raise refuse("token editing (edit_threshold)")
     if params.unmasking not in UNMASKING:
         hint = " (lmdeploy's low_confidence_dynamic is our 'threshold': no top-k_j floor)" if params.unmasking == "dynamic" else ""
         raise refuse(f"unmasking '{params.unmasking}'{hint}; it has {sorted(UNMASKING)}")
