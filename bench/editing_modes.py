@@ -11,6 +11,11 @@ each mode (docs/sampling.md#token-editing): its commit threshold with its edit t
 post-edit steps, and the same commit threshold without editing. Reported: exact-answer accuracy,
 denoising steps per generated token (each row's forwards over its tokens up to and including EOS)
 and the share of rows whose answer editing changed.
+
+`--rl-steps N` then trains the last model (the one with the largest edit_noise) with `dare stage rl`
+for N steps of CJ-GRPO on rollouts that edit (`RL_SAMPLER`: sampled at temperature 1, quality
+mode's thresholds, no cache, so the replay is exact; docs/algorithms.md#edited-rollouts), exports it
+with `dare stage convert` and decodes the held-out problems with it as above.
 """
 from __future__ import annotations
 
@@ -42,6 +47,19 @@ TINY_INIT = {**INIT, "hidden_size": 32, "head_dim": 16, "num_attention_heads": 2
              "num_hidden_layers": 2, "intermediate_size": 64, "moe_intermediate_size": 16, "num_experts": 8,
              "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1}
 STEPS, TINY_STEPS = 1500, 5
+# the RL rollouts: sampled, quality mode's thresholds with a few post-edit steps, no cache (CJ-GRPO
+# replays the trajectory; a cache would make the behaviour policy differ slightly from the replay)
+RL_SAMPLER = {"gen_length": BLOCK, "steps": BLOCK, "block_length": BLOCK, "temperature": 1.0, "unmasking": "threshold",
+              "remasking": "maskgit_plus", "threshold": EDITING_MODES["quality"]["threshold"],
+              "edit_threshold": EDITING_MODES["quality"]["edit_threshold"], "post_edit_steps": 4, "cache": "none"}
+
+
+def rl_settings(steps: int, tiny: bool) -> list[str]:
+    own = {"rl.algorithm": "cj_grpo", "rl.algorithm_args": {}, "rl.num_steps": steps, "rl.sampler": RL_SAMPLER,
+           "rl.validate_every": 0, "rl.export": "last", "rl.save_every": max(1, steps)}
+    if tiny:
+        own.update({"rl.prompts_per_step": 4, "rl.group_size": 4})
+    return [f"{k}={json.dumps(v)}" for k, v in own.items()]
 
 
 def settings(workdir: Path, steps: int, tiny: bool, edit_noise: float) -> list[str]:
@@ -85,6 +103,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=250)
     p.add_argument("--edit-noise", type=float, nargs="+", default=[0.0, 0.2],
                    help="one model per value of sft.edit_noise (0: the masked loss alone)")
+    p.add_argument("--rl-steps", type=int, default=0, help="CJ-GRPO steps on edited rollouts for the last model (0: none)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     commit, started = git_commit(), utc_now()
@@ -95,10 +114,17 @@ def main() -> None:
 
     base = dict(gen_length=BLOCK, steps=BLOCK, block_length=BLOCK, cache="block_kv")
     results, cells, seconds, config = {}, [], {}, {}
-    for q in args.edit_noise:
+    trained = [(q, f"{q}", "sft", workdir / "runs" / f"{RUN}-{q}" / "sft" / "model") for q in args.edit_noise]
+    if args.rl_steps:
+        q = args.edit_noise[-1]
+        trained.append((q, f"{q} + {args.rl_steps} CJ-GRPO steps", "rl", workdir / "models" / f"{RUN}-{q}"))
+    for q, label, stage, export in trained:
         sets = settings(workdir, steps, args.tiny, q)
-        seconds[q] = {stage: round(run_stage(stage, sets, workdir / f"{stage}-{q}.log"), 1) for stage in ("prepare", "sft")}
-        export = workdir / "runs" / f"{RUN}-{q}" / "sft" / "model"
+        if stage == "sft":
+            seconds[q] = {s: round(run_stage(s, sets, workdir / f"{s}-{q}.log"), 1) for s in ("prepare", "sft")}
+        else:
+            sets += rl_settings(args.rl_steps, args.tiny)
+            seconds[label] = {s: round(run_stage(s, sets, workdir / f"{s}-{q}.log"), 1) for s in ("rl", "convert")}
         model, tokenizer = load_model(export).eval(), load_tokenizer(export)
         config = json.loads((export / "config.json").read_text())
         rows = pq.read_table(workdir / "data" / "prepared" / "eval.parquet").to_pylist()
@@ -108,12 +134,19 @@ def main() -> None:
             plain = decode_all(model, tokenizer, rows, SamplingParams(**base, **{**chosen, "edit_threshold": None}), args.batch)
             changed = sum(a != b for a, b in zip(edited["answers"], plain["answers"])) / len(rows)
             for name, r in ((f"{mode}, editing", edited), (f"{mode}, no editing", plain)):
-                results[f"edit_noise {q}: {name}"] = r
-                cells.append([q, name, chosen["threshold"], chosen["edit_threshold"] if "no editing" not in name else "none",
+                results[f"edit_noise {label}: {name}"] = r
+                cells.append([label, name, chosen["threshold"], chosen["edit_threshold"] if "no editing" not in name else "none",
                               f"{r['accuracy']:.3f}", f"{r['steps_per_token']:.3f}",
                               f"{changed:.3f}" if "no editing" not in name else "", f"{r['seconds']:.1f}"])
     command = "python3 bench/editing_modes.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    sft_times = ", ".join(f"{s['sft']:.0f} s" for s in seconds.values())
+    sft_times = ", ".join(f"{s['sft']:.0f} s" for s in seconds.values() if "sft" in s)
+    rl_text = ""
+    if args.rl_steps:
+        rl_seconds = seconds[trained[-1][1]]["rl"]
+        rl_text = (f" The last row's model is the edit_noise {trained[-1][0]} model after {args.rl_steps} RL steps "
+                   f"of CJ-GRPO on rollouts that edit ({rl_seconds:.0f} s; `dare stage rl`, then `convert`): "
+                   f"{json.dumps(RL_SAMPLER)} over params.yaml's RL settings; CJ-GRPO replays and scores every "
+                   f"commit and edit (docs/algorithms.md#edited-rollouts).")
     text = "\n".join([
         "# Token editing on the embedded task: LLaDA2.1's speed and quality modes", "", f"Git commit: {commit}  ",
         f"Command: `{command}`  ", f"Hardware: {hardware(gpu=False, cpu_detail=True)}  ", f"Libraries: {library_versions()}  ",
@@ -125,7 +158,7 @@ def main() -> None:
         f"corrected; 0: the masked loss alone). Decoding: each of the "
         f"{len(rows)} held-out problems greedily, blocks of {BLOCK}, the block KV cache, the mode's commit threshold with "
         f"its edit threshold and 16 post-edit steps, or without editing. Steps a token: a row's forwards over its tokens "
-        f"up to and including EOS. Answers changed: rows whose answer differs from the same mode without editing.", "",
+        f"up to and including EOS. Answers changed: rows whose answer differs from the same mode without editing.{rl_text}", "",
         *markdown_table(["sft.edit_noise", "decoding", "commit threshold", "edit threshold", "accuracy", "steps a token",
                          "answers changed", "seconds"], cells), ""])
     write_atomic(Path(args.out), text)
