@@ -21,7 +21,7 @@ from dare_core.output_paths import RUN_STAGES, Place, output_conflict
 from dare_core.recipes import all_auto, apply_recipe
 from dare_core.remote import cache_path, redact
 from dare_core.rl_schedules import RL_SCHEDULES
-from dare_core.sampling.params import SamplingParams
+from dare_core.sampling.params import EDITING_MODES, SamplingParams
 from dare_core.storage import DuplicateKeyError, is_remote, load_yaml, read_yaml_mapping
 
 
@@ -284,6 +284,13 @@ class SamplerConfig(SamplingParams):
     batch_size: int = 64
     engine: str = "native"
     engine_args: dict = field(default_factory=dict)
+
+    # what an unknown key's error says beside it (`from_dict`): a name users bring from elsewhere
+    UNKNOWN_KEY_HINTS: typing.ClassVar[dict] = {
+        "editing": "the editing modes name settings for `dare generate/eval --editing` and sampler layers, where the "
+                   "keys beside a mode win; here write the mode's settings themselves, e.g. quality: "
+                   + ", ".join(f"{k}: {v}" for k, v in EDITING_MODES["quality"].items()) + " (docs/sampling.md#token-editing)",
+    }
 
     def __post_init__(self) -> None:
         lengths = {k: getattr(self, k) for k in ("gen_length", "block_length", "steps")}
@@ -617,6 +624,8 @@ def from_dict(cls: type, data: Any, where: str = "", source: str = "params.yaml"
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
+            if key in getattr(cls, "UNKNOWN_KEY_HINTS", {}):
+                hint = f": {cls.UNKNOWN_KEY_HINTS[key]}"
             raise ConfigError(f"{source}: unknown config key '{path}'{hint}")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):

@@ -151,6 +151,13 @@ def test_speed_and_quality_modes_are_llada21s_settings():
         sampler_settings(base, {"editing": "fast"})
     with pytest.raises(ValueError, match="edit_threshold must be >= 0"):
         SamplingParams(edit_threshold=-0.1)
+    # params.yaml holds settings, not modes: the error names the mode's settings to write instead
+    from dare_core.config import load_config
+    from dare_core.errors import ConfigError
+    from pipeline_helpers import REPO
+
+    with pytest.raises(ConfigError, match=r"unknown config key 'rl.sampler.editing': .*threshold: 0.7, edit_threshold: 0.5"):
+        load_config(REPO / "params.yaml", ["rl.sampler.editing=quality"])
 
 
 def test_rl_with_edited_rollouts():
