@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from dare_core.models.attention import attend
-from dare_core.models.transformer import SwiGLU, apply_rope
+from dare_core.models.transformer import SwiGLU, apply_rope, expert_groups
 
 
 @dataclass(frozen=True)
@@ -157,8 +157,7 @@ class Gemma4Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
-        for e in idx.unique().tolist():
-            token, slot = (idx == e).nonzero(as_tuple=True)
+        for e, token, slot in expert_groups(idx, self.gate_up_proj.shape[0]):
             gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
             y = F.linear(gelu_tanh(gate) * up, self.down_proj[e]) * weights[token, slot, None]
             out.index_add_(0, token, y.to(out.dtype))

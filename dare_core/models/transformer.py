@@ -149,6 +149,17 @@ class SwiGLU(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
+def expert_groups(idx: torch.Tensor, n_experts: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(expert, tokens, slots) of each expert that routing `idx` [T, k] chose, experts ascending and
+    each one's assignments in (token, slot) order: what `(idx == e).nonzero()` gives expert by expert,
+    found with one copy of the counts to the host instead of a wait on the GPU per expert."""
+    flat = idx.flatten()
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=n_experts).tolist()
+    k = idx.shape[-1]
+    return [(e, part // k, part % k) for e, part in enumerate(order.split(counts)) if counts[e]]
+
+
 class MoE(nn.Module):
     """Routed SwiGLU experts (+ optional shared expert). The router runs in float32."""
 
@@ -192,8 +203,7 @@ class MoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         idx, weights = self.route(flat)
         out = torch.zeros(flat.shape, dtype=torch.float32, device=x.device)
-        for e in idx.unique().tolist():
-            token, slot = (idx == e).nonzero(as_tuple=True)
+        for e, token, slot in expert_groups(idx, self.cfg.n_experts):
             y = self.experts[e](flat[token]).float() * weights[token, slot, None]
             out.index_add_(0, token, y)
         out = out.to(x.dtype)

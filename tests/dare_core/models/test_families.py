@@ -134,3 +134,19 @@ def test_every_family_carries_its_own_facts():
         assert family_sampler_defaults(family.model_type) == family.sampler_defaults
         assert all(engine_class(engine).name == engine for engine in family.engines), family.model_type
     assert family_sampler_defaults("llada_moe") == {} and family_sampler_defaults(None) == {}  # an alias is no model_type
+
+
+def test_expert_groups_are_the_per_expert_assignments():
+    """The routed experts' one-sync grouping (`expert_groups`) lists, expert by expert in ascending
+    order, the (token, slot) assignments `(idx == e).nonzero()` gives, in its order (so the experts'
+    outputs are summed in the same order as before), experts nobody chose left out."""
+    from dare_core.models.transformer import expert_groups
+
+    g = generator(8, "routes")
+    for tokens, k, experts in ((37, 4, 16), (1, 2, 8), (300, 8, 256)):
+        idx = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+        want = [(e, *(idx == e).nonzero(as_tuple=True)) for e in idx.unique().tolist()]
+        got = expert_groups(idx, experts)
+        assert [e for e, _, _ in got] == [e for e, _, _ in want]
+        for (_, token, slot), (_, token2, slot2) in zip(got, want):
+            assert torch.equal(token, token2) and torch.equal(slot, slot2)
