@@ -23,6 +23,21 @@ def test_cuda_graph_replay_equals_eager(family, cache, compiled):
     assert torch.equal(eager.trajectory.step_map, graph.trajectory.step_map)
 
 
+@pytest.mark.parametrize("family,cache", [("sdar", "block_kv"), ("llada2_moe", "block_kv"), ("llada", "dual")])
+def test_token_editing_under_cuda_graphs_equals_eager(family, cache):
+    """Token editing (docs/sampling.md#token-editing) keeps rows in a CUDA-graph batch until their block
+    settles: the graph replay decodes, edits and records what the eager loop does."""
+    model = tiny(family).double().cuda()
+    bl = model.block_size or 4
+    base = dict(gen_length=2 * bl, steps=2 * bl, block_length=bl, cache=cache, refresh_every=1 if cache == "dual" else 0,
+                unmasking="threshold", threshold=0.5, edit_threshold=0.0, post_edit_steps=3, stop_token_ids=[7])
+    eager = generate(model, PROMPTS, SamplingParams(**base, cuda_graphs=False), record="steps")
+    graph = generate(model, PROMPTS, SamplingParams(**base, cuda_graphs=True), record="steps")
+    assert eager.trajectory.edit_steps is not None and (eager.trajectory.edit_steps > 0).any()
+    assert torch.equal(eager.sequences, graph.sequences) and torch.equal(eager.steps, graph.steps)
+    assert torch.equal(eager.trajectory.edit_steps, graph.trajectory.edit_steps)
+
+
 @pytest.mark.parametrize("family", ["llada", "sdar"])
 def test_gpu_cache_modes_match_cpu_float64(family):
     model = tiny(family).double()
