@@ -96,6 +96,8 @@ def _rewarded_batch(done: Completions, expanded: list[dict], uids: list, model, 
         **{f"rollout_{k}": sum(o.work.get(k, 0) for o in outs) for k in ("encoded_tokens", "key_pairs", "logit_tokens")},
         **adv_metrics,
     }
+    if any(o.edits is not None for o in outs):  # token editing: how much of what was committed the rollouts replaced
+        metrics["rollout_edits"] = torch.cat([o.edits.float().cpu() for o in outs]).mean().item()
     return batch, metrics
 
 

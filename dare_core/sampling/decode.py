@@ -49,6 +49,8 @@ class GenerationOutput:
     steps: torch.Tensor  # [B] denoising steps each row took
     sampler: dict = field(default_factory=dict)  # the sampler config (6.5); the engine name is "native"
     trajectory: Optional[Trajectory] = None
+    # token editing: [B] tokens each row's steps replaced (its whole canvas, after a stop too); None without editing
+    edits: Optional[torch.Tensor] = None
     # what the forwards encoded, summed over them (native engine; empty for an external one):
     # `encoded_tokens` rows x window columns, `key_pairs` rows x window columns x key columns attended,
     # `logit_tokens` rows x columns whose logits were taken. The FLOPs of a rollout follow from them.
@@ -328,6 +330,7 @@ def _denoise_loop(model, prompts: Sequence[Sequence[int]], params: SamplingParam
     # masks may take up to post_edit_steps more steps
     editing = params.edit_threshold is not None
     limit = max(params.steps_per_block, params.block_length) + 1 + (params.post_edit_steps if editing else 0)
+    edits = torch.zeros(B, dtype=torch.long, device=device) if editing else None
 
     frozen = torch.zeros(B, dtype=torch.bool, device=device)
 
@@ -436,6 +439,7 @@ def _denoise_loop(model, prompts: Sequence[Sequence[int]], params: SamplingParam
                         & (scores.confidence > params.edit_threshold) & part[rows][:, None])
                 settled[rows[~sub_masked.any(-1) & ~edit.any(-1)]] = True  # full and unedited: the block is done
                 commit = commit | edit
+                edits[active[rows]] += edit.sum(-1)
             canvas.x[rows, lo:hi] = torch.where(commit, scores.proposal, block)
             steps[active[rows]] += part[rows].long()
             if recorder is not None:
@@ -463,7 +467,7 @@ def _denoise_loop(model, prompts: Sequence[Sequence[int]], params: SamplingParam
             break
     if active.numel():
         final[active] = canvas.x
-    return _assemble(model, prompts, params, final, resp_start_all, canvas.origin, forward, steps, recorder, stop_ids)
+    return _assemble(model, prompts, params, final, resp_start_all, canvas.origin, forward, steps, recorder, stop_ids, edits)
 
 
 def _check_noise_rule(model, params: SamplingParams, record: str) -> bool:
@@ -489,7 +493,8 @@ def _finished(canvas: Canvas, hi: int, gen_length: int, stop_ids: torch.Tensor, 
     return done
 
 
-def _assemble(model, prompts, params, final, resp_start, origin, forward: Forward, steps, recorder, stop_ids) -> GenerationOutput:
+def _assemble(model, prompts, params, final, resp_start, origin, forward: Forward, steps, recorder, stop_ids,
+              edits: Optional[torch.Tensor] = None) -> GenerationOutput:
     """Each row's gen_length response columns of the canvas, in the standard layout; the trajectory
     keeps what was decoded after a stop."""
     mask_id, L = model.mask_token_id, params.gen_length
@@ -503,7 +508,8 @@ def _assemble(model, prompts, params, final, resp_start, origin, forward: Forwar
     if recorder is not None:
         trajectory = recorder.finish(final[:, origin:], resp_start - origin, steps, params.block_length, mask_id)
     return response_output(prompts, response, model.pad_token_id, model.eos_token_id, stop_ids, nfe=forward.nfe, steps=steps,
-                           sampler={"engine": "native", **asdict(params)}, trajectory=trajectory, work=dict(forward.work))
+                           sampler={"engine": "native", **asdict(params)}, trajectory=trajectory, work=dict(forward.work),
+                           edits=edits)
 
 
 def response_output(prompts: Sequence[Sequence[int]], response: torch.Tensor, pad_id: int, eos_id: int,

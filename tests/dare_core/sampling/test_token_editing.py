@@ -178,3 +178,43 @@ def test_rl_with_edited_rollouts():
         make_algo("cj_grpo", tiny("llada"), RLConfig(sampler=sampler), step_merge=True)
     with pytest.raises(ValueError, match="cannot honour token editing"):
         map_params(SamplingParams(gen_length=8, steps=8, block_length=4, cache="block_kv", edit_threshold=0.5), 4, EOS)
+
+
+def test_rollouts_count_their_edits():
+    """`GenerationOutput.edits` counts the tokens each row's steps replaced, as many as its record
+    lists; the RL rollout logs their mean (`rollout_edits`), with or without a record (d1 asks for
+    none); without editing there is no count."""
+    import dataclasses
+
+    from algo_helpers import make_algo
+    from dare_core.algorithms.rollout import RolloutSpec
+    from dare_core.config import RLConfig, SamplerConfig
+    from dare_core.rewards.registry import REWARDS, RewardResult
+    from dare_core.sampling.engines import build_engine
+
+    model = tiny("sdar")
+    params = _params(model, 0.0, 0.9, "block_kv")
+    out = generate(model, PROMPTS, params, sample_generators((2, "edit"), ["a", "b", "c"]), record="steps")
+    assert out.edits is not None and out.edits.sum() > 0
+    assert torch.equal(out.edits, (out.trajectory.edit_steps > 0).flatten(1).sum(-1))
+    assert generate(model, PROMPTS, _params(model, None, 0.9, "block_kv"), sample_generators((2, "edit"), ["a", "b", "c"])).edits is None
+
+    class Tokenizer:
+        eos_token_id = EOS
+
+        def encode(self, text):
+            return [1 + ord(c) % 30 for c in text]
+
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(map(str, ids))
+
+    REWARDS.setdefault("test_token_editing_len", lambda text, truth, extra=None: RewardResult(float(len(text) % 2), 0.0, None))
+    sampler = SamplerConfig(**dataclasses.asdict(params), batch_size=3)
+    rows = [{"uid": "a", "prompt_text": "12+3=", "ground_truth": "15"}, {"uid": "b", "prompt_text": "7+2=", "ground_truth": "9"}]
+    for name in ("d1", "cj_grpo"):
+        rl = RLConfig(sampler=sampler, group_size=2, reward="test_token_editing_len")
+        algo = make_algo(name, model, rl)
+        batch, metrics = algo.rollout(build_engine("native", model), Tokenizer(), rows, RolloutSpec.of(rl, 0, 0))
+        assert metrics["rollout_edits"] > 0, name
+        if name == "cj_grpo":
+            assert metrics["rollout_edits"] == pytest.approx(float((batch.records["edit_steps"] > 0).flatten(1).sum(-1).float().mean()))
