@@ -72,17 +72,15 @@ class CJGRPO(RLAlgorithm):
     def _history(self, batch: Batch) -> WriteHistory:
         """The replayed batch's writes (`_replayed`), steps numbered as the replay's rows: per block
         from 1 for block diffusion, one per block under step_merge."""
-        records, dev = batch.records, batch.input_ids.device
-        history = WriteHistory.of_record(records["step_map"].to(dev).long(), batch.input_ids[:, batch.prompt_len:],
-                                         records.get("edit_steps"), records.get("edit_from"))
-        steps = history.steps.to(dev)
+        history = WriteHistory.of_rollout_records(batch.records, batch.input_ids[:, batch.prompt_len:])
+        steps = history.steps
         if self.block_size is not None:
             blocks = response_blocks(batch.attention_mask, batch.prompt_len, self.block_size, "global")
             steps = block_local(steps, blocks)
         elif self.options.step_merge:
             blocks = response_blocks(batch.attention_mask, batch.prompt_len, self.block_length, "response")
             steps = torch.where(steps > 0, blocks[..., None] + 1, steps)
-        return WriteHistory(steps, history.tokens.to(dev))
+        return WriteHistory(steps, history.tokens)
 
     def corrupt(self, batch: Batch, seed_base: tuple) -> CorruptionSet:
         P = batch.prompt_len

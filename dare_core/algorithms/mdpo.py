@@ -80,7 +80,7 @@ class MDPO(RLAlgorithm):
 
     def _states(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """z_t and x0_t response tokens [B, K, L] and the scored positions M_t [B, K, L]."""
-        history = self._history(batch)
+        history = WriteHistory.of_rollout_records(batch.records)
         x0 = batch.records["x0_hat"].long()
         K = x0.shape[1]
         # (under token editing the states hold each position's token as of that step)
@@ -91,17 +91,12 @@ class MDPO(RLAlgorithm):
         scored = proposed & batch.response_mask.bool().cpu()[:, None, :]
         return z, x0_t, scored
 
-    @staticmethod
-    def _history(batch: Batch) -> WriteHistory:
-        r = batch.records
-        return WriteHistory.of_record(r["step_map"].long(), r["decoded"].long(), r.get("edit_steps"), r.get("edit_from"))
-
     def prepare(self, batch: Batch, context) -> dict:
         _, x0_t, _ = self._states(batch)
         B, K, L = x0_t.shape
         rewards = context.rewards([b for b in range(B) for _ in range(K)], x0_t.reshape(B * K, L)).view(B, K)
         # a row that finished in fewer steps than K keeps its final completion from then on
-        num = self._history(batch).last_step().clamp_min(1).long()
+        num = WriteHistory.of_rollout_records(batch.records).last_step().clamp_min(1).long()
         last = rewards.gather(1, (num - 1)[:, None])
         rewards = torch.where(torch.arange(K)[None] < num[:, None], rewards, last)
         adv = step_advantages(rewards, self.rl.group_size, self.rl.adv_estimator)

@@ -42,6 +42,14 @@ class WriteHistory:
         replaced_next = torch.where(edit_steps > 0, edit_from, final)  # write j's token: edit j replaced it
         return cls(torch.cat([steps, edit_steps], -1), torch.cat([replaced_next, final], -1))
 
+    @classmethod
+    def of_rollout_records(cls, records: dict, decoded: Optional[torch.Tensor] = None) -> "WriteHistory":
+        """From an RL batch's records (`algorithms/rollout.py`): the step map, the final tokens
+        (`decoded`, or the record's) and the edits where the rollout made any."""
+        decoded = records["decoded"] if decoded is None else decoded
+        return cls.of_record(records["step_map"].to(decoded.device).long(), decoded.long(), records.get("edit_steps"),
+                             records.get("edit_from"))
+
     @property
     def slots(self) -> int:
         """Writes a position may have in this batch (1 without editing)."""

@@ -46,21 +46,19 @@ class Trajectory:
         return (self._response_columns(self.edit_steps, gen_length, 0),
                 self._response_columns(self.edit_from, gen_length, self.mask_token_id))
 
-    def history(self) -> WriteHistory:
-        """Every write of the window's positions (commits and edits), in window columns."""
-        return WriteHistory.of_record(self.step_map, self.tokens, self.edit_steps, self.edit_from)
+    def history(self, rows: slice = slice(None)) -> WriteHistory:
+        """Every write of the window's positions (commits and edits) of `rows`, in window columns."""
+        edits = (None, None) if self.edit_steps is None else (self.edit_steps[rows], self.edit_from[rows])
+        return WriteHistory.of_record(self.step_map[rows], self.tokens[rows], *edits)
 
     def response_step_map(self, gen_length: int) -> torch.Tensor:
         """[B, gen_length] step map in response coordinates (what CJ-GRPO / d-TreeRPO consume)."""
-        idx = self.response_offset[:, None] + torch.arange(gen_length, device=self.step_map.device)
-        return self.step_map.gather(1, idx.clamp(max=self.step_map.shape[1] - 1)).masked_fill(idx >= self.step_map.shape[1], 0)
+        return self._response_columns(self.step_map, gen_length, 0)
 
     def response_tokens(self, gen_length: int) -> torch.Tensor:
         """[B, gen_length] what the sampler decoded at each response position, including tokens
         after a stop (MASK where never decoded): the targets of a trajectory replay."""
-        idx = self.response_offset[:, None] + torch.arange(gen_length, device=self.tokens.device)
-        out = self.tokens.gather(1, idx.clamp(max=self.tokens.shape[1] - 1))
-        return out.masked_fill(idx >= self.tokens.shape[1], self.mask_token_id)
+        return self._response_columns(self.tokens, gen_length, self.mask_token_id)
 
     def block_local_steps(self) -> torch.Tensor:
         """Steps counted from 1 inside each block (the BDLM form of CJ-GRPO's step map)."""
@@ -77,8 +75,7 @@ class Trajectory:
         prompt tail, MASK elsewhere. Replaying the trajectory is feeding these back to the model."""
         toks = self.tokens[row]
         fixed = torch.arange(toks.shape[0], device=toks.device) < self.response_offset[row]
-        history = self.history()
-        one = WriteHistory(history.steps[row:row + 1], history.tokens[row:row + 1])
+        one = self.history(slice(row, row + 1))
         for k in range(1, int(self.num_steps[row]) + 1):
             yield torch.where(fixed, toks, one.state_before(k, self.mask_token_id)[0])
 
